@@ -1,0 +1,334 @@
+"""Cost-aware policies behind small interfaces, chosen by config (PEARL.md section 6).
+
+- PD policy: which configuration to run on ``N_k`` workers (adaptive decision engine,
+  fixed colocation, fixed P:D ratio) — the simulator's ablations swap these.
+- Borrowing policy: whether to borrow idle training GPUs for rollout between updates
+  (never, always, or gated by ``(R/B)(T_ded - T_full) > T_toggle``). Returning them at
+  Training Begin is not a policy: it is mandatory and done by the controller.
+- Expansion policy: whether to admit newly granted elastic capacity (always, or only
+  when the predicted saving over the expected window exceeds preparation +
+  finalisation).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Protocol
+
+from pearl_hpc.core import decision as decision_mod
+from pearl_hpc.core import predictor
+from pearl_hpc.core.decision import Decision
+from pearl_hpc.core.profile import WorkloadProfile
+from pearl_hpc.core.schema import from_mapping, spec_field
+from pearl_hpc.core.types import PDConfig
+
+
+# --------------------------------------------------------------------------- PD policies
+class PDPolicy(Protocol):
+    name: str
+
+    def decide(
+        self, profile: WorkloadProfile, num_workers: int, current: PDConfig | None
+    ) -> Decision: ...
+
+
+class AdaptivePD:
+    """PEARL's decision engine: argmin of the predictor with mode-dependent hysteresis."""
+
+    name = "adaptive"
+
+    def decide(
+        self, profile: WorkloadProfile, num_workers: int, current: PDConfig | None
+    ) -> Decision:
+        return decision_mod.decide(profile, num_workers, current)
+
+
+class FixedColocatedPD:
+    """Always colocated on every available worker (ROLL, RLBoost+ and ``pd``-less ablations)."""
+
+    name = "colocated"
+
+    def decide(
+        self, profile: WorkloadProfile, num_workers: int, current: PDConfig | None
+    ) -> Decision:
+        n = max(0, num_workers)
+        target = PDConfig.colocated(n)
+        t = float(predictor.t_coloc(profile, n)) if n else math.inf
+        return Decision(target, t, False, False, f"fixed colocated policy: {target}", current, t)
+
+
+class FixedRatioPD:
+    """Disaggregated with ``N_P = round(prefill_fraction * N_k)`` clamped to
+    ``[1, N_k - 1]`` (ties of round() go to the even integer); colocated when N_k = 1."""
+
+    name = "fixed-ratio"
+
+    def __init__(self, prefill_fraction: float) -> None:
+        if not 0 < prefill_fraction < 1:
+            raise ValueError(f"prefill_fraction must be in (0, 1), got {prefill_fraction}")
+        self.prefill_fraction = prefill_fraction
+
+    def decide(
+        self, profile: WorkloadProfile, num_workers: int, current: PDConfig | None
+    ) -> Decision:
+        n = max(0, num_workers)
+        if n <= 1:
+            return FixedColocatedPD().decide(profile, n, current)
+        num_p = min(n - 1, max(1, round(self.prefill_fraction * n)))
+        target = PDConfig(num_p, n - num_p, 0)
+        t = predictor.predict(profile, num_p, n - num_p, 0)
+        reason = f"fixed ratio policy ({self.prefill_fraction:.2f} prefill): {target}"
+        return Decision(target, t, current is not None and target != current, False, reason, current)
+
+
+# ----------------------------------------------------------------------- borrowing
+@dataclass(frozen=True, slots=True)
+class BorrowInputs:
+    unfinished_trajectories: int  # R
+    batch_size: int  # B
+    dedicated_makespan_s: float  # T_ded: predicted makespan on dedicated GPUs only
+    full_makespan_s: float  # T_full: predicted makespan with all training GPUs borrowed
+    toggle_cost_s: float  # T_toggle: activation + return cost (online estimate)
+
+
+@dataclass(frozen=True, slots=True)
+class GateDecision:
+    allow: bool
+    benefit_s: float
+    cost_s: float
+    reason: str
+
+
+class BorrowingPolicy(Protocol):
+    name: str
+
+    def allow(self, inputs: BorrowInputs) -> GateDecision: ...
+
+
+class NoBorrowing:
+    """Never borrow training GPUs."""
+
+    name = "none"
+
+    def allow(self, inputs: BorrowInputs) -> GateDecision:
+        return GateDecision(False, 0.0, inputs.toggle_cost_s, "borrowing disabled")
+
+
+class UngatedBorrowing:
+    """Borrow whenever training GPUs are idle (the ``pd+toggle`` ablation)."""
+
+    name = "ungated"
+
+    def allow(self, inputs: BorrowInputs) -> GateDecision:
+        benefit = _borrow_benefit_s(inputs)
+        return GateDecision(True, benefit, inputs.toggle_cost_s, "ungated borrowing")
+
+
+class GatedBorrowing:
+    """Borrow only when ``(R/B) * (T_ded - T_full) > T_toggle``; ties do not borrow."""
+
+    name = "gated"
+
+    def allow(self, inputs: BorrowInputs) -> GateDecision:
+        benefit = _borrow_benefit_s(inputs)
+        ok = benefit > inputs.toggle_cost_s
+        verb = "borrow" if ok else "do not borrow"
+        reason = (
+            f"{verb}: (R/B)(T_ded-T_full) = ({inputs.unfinished_trajectories}/"
+            f"{inputs.batch_size})({inputs.dedicated_makespan_s:.1f}-"
+            f"{inputs.full_makespan_s:.1f}) = {benefit:.2f} s "
+            f"{'>' if ok else '<='} T_toggle {inputs.toggle_cost_s:.2f} s"
+        )
+        return GateDecision(ok, benefit, inputs.toggle_cost_s, reason)
+
+
+def _borrow_benefit_s(inputs: BorrowInputs) -> float:
+    if inputs.batch_size <= 0:
+        return 0.0
+    gap = inputs.dedicated_makespan_s - inputs.full_makespan_s
+    if not math.isfinite(gap):  # no dedicated worker at all: borrowing is all there is
+        return math.inf if inputs.unfinished_trajectories > 0 else 0.0
+    return inputs.unfinished_trajectories / inputs.batch_size * gap
+
+
+class ToggleCostEstimator:
+    """Online ``T_toggle``: EMAs over steps with and without borrowing.
+
+    A borrowing step contributes ``activation_s + deactivation_s + training_wait_s``; a
+    step without borrowing contributes its ``training_wait_s`` (what training waits for
+    anyway, e.g. weight sync). The estimate is the difference, never below zero, and
+    starts from the configured seed."""
+
+    def __init__(self, seed_s: float, alpha: float = 0.3) -> None:
+        self.alpha = alpha
+        self.with_borrow_s = seed_s
+        self.without_borrow_s = 0.0
+
+    @property
+    def estimate_s(self) -> float:
+        return max(0.0, self.with_borrow_s - self.without_borrow_s)
+
+    def observe(
+        self,
+        *,
+        borrowed: bool,
+        training_wait_s: float,
+        activation_s: float = 0.0,
+        deactivation_s: float = 0.0,
+    ) -> None:
+        if borrowed:
+            sample = activation_s + deactivation_s + training_wait_s
+            self.with_borrow_s += self.alpha * (sample - self.with_borrow_s)
+        else:
+            self.without_borrow_s += self.alpha * (training_wait_s - self.without_borrow_s)
+
+    def to_dict(self) -> dict[str, float]:
+        return {
+            "alpha": self.alpha,
+            "with_borrow_s": self.with_borrow_s,
+            "without_borrow_s": self.without_borrow_s,
+        }
+
+    def restore(self, data: dict[str, Any]) -> None:
+        self.alpha = float(data["alpha"])
+        self.with_borrow_s = float(data["with_borrow_s"])
+        self.without_borrow_s = float(data["without_borrow_s"])
+
+
+# ----------------------------------------------------------------------- expansion
+@dataclass(frozen=True, slots=True)
+class ExpansionInputs:
+    current_makespan_s: float  # predicted makespan with the workers we have
+    expanded_makespan_s: float  # ... with the newly granted capacity added
+    expected_window_s: float  # how long the new capacity is expected to stay
+    preparation_s: float  # background start-up (inter-scale preparation)
+    finalisation_s: float  # admission pause (inter-scale finalisation)
+
+
+class ExpansionPolicy(Protocol):
+    name: str
+
+    def allow(self, inputs: ExpansionInputs) -> GateDecision: ...
+
+
+class AlwaysExpand:
+    """Admit every grant (RLBoost+ behaviour)."""
+
+    name = "always"
+
+    def allow(self, inputs: ExpansionInputs) -> GateDecision:
+        cost = inputs.preparation_s + inputs.finalisation_s
+        return GateDecision(True, _expansion_saving_s(inputs), cost, "expansion always admitted")
+
+
+class GatedExpansion:
+    """Admit only when the predicted saving over the window usable after preparation,
+    ``max(0, window - preparation) * (1 - T_new/T_cur)``, exceeds preparation +
+    finalisation; ties reject."""
+
+    name = "gated"
+
+    def allow(self, inputs: ExpansionInputs) -> GateDecision:
+        saving = _expansion_saving_s(inputs)
+        cost = inputs.preparation_s + inputs.finalisation_s
+        ok = saving > cost
+        reason = (
+            f"{'admit' if ok else 'reject'} expansion: saving {saving:.1f} s over a "
+            f"{inputs.expected_window_s:.0f} s window {'>' if ok else '<='} "
+            f"preparation + finalisation {cost:.1f} s"
+        )
+        return GateDecision(ok, saving, cost, reason)
+
+
+def _expansion_saving_s(inputs: ExpansionInputs) -> float:
+    if not math.isfinite(inputs.current_makespan_s):
+        return math.inf  # nothing runs now: any capacity helps
+    if inputs.current_makespan_s <= 0:
+        return 0.0
+    speedup = max(0.0, 1.0 - inputs.expanded_makespan_s / inputs.current_makespan_s)
+    return max(0.0, inputs.expected_window_s - inputs.preparation_s) * speedup
+
+
+# -------------------------------------------------------------------------- config
+class PDPolicyName(str, Enum):
+    ADAPTIVE = "adaptive"
+    COLOCATED = "colocated"
+    FIXED_RATIO = "fixed-ratio"
+
+
+class BorrowingName(str, Enum):
+    NONE = "none"
+    UNGATED = "ungated"
+    GATED = "gated"
+
+
+class ExpansionName(str, Enum):
+    ALWAYS = "always"
+    GATED = "gated"
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """The controller's policies and their costs (``policy:`` in a controller YAML)."""
+
+    pd_policy: PDPolicyName = spec_field(
+        "adaptive | colocated | fixed-ratio", default=PDPolicyName.ADAPTIVE
+    )
+    prefill_fraction: float = spec_field(
+        "fixed-ratio only: share of workers in prefill", default=0.5, gt=0, le=0.99
+    )
+    borrowing: BorrowingName = spec_field("none | ungated | gated", default=BorrowingName.GATED)
+    expansion: ExpansionName = spec_field("always | gated", default=ExpansionName.GATED)
+    toggle_cost_s: float = spec_field(
+        "seed of T_toggle: activation + deactivation, seconds (PEARL: 6.26 + 3.18)",
+        default=9.44,
+        ge=0,
+    )
+    toggle_ema_alpha: float = spec_field("EMA weight of T_toggle samples", default=0.3, gt=0, le=1)
+    preparation_s: float = spec_field(
+        "inter-scale preparation of a new worker, seconds (PEARL: 56.29)", default=56.29, ge=0
+    )
+    finalisation_s: float = spec_field(
+        "inter-scale finalisation (admission pause), seconds (PEARL: 11.05)", default=11.05, ge=0
+    )
+    expected_capacity_window_s: float = spec_field(
+        "how long granted elastic capacity is expected to stay, seconds", default=1800.0, gt=0
+    )
+    tracker_ema_alpha: float = spec_field(
+        "EMA weight of each step's profile fit", default=0.5, gt=0, le=1
+    )
+
+    @classmethod
+    def from_dict(cls, data: Any, *, where: str = "policy") -> PolicyConfig:
+        return from_mapping(cls, data, where=where)
+
+
+@dataclass(frozen=True)
+class Policies:
+    pd: PDPolicy
+    borrowing: BorrowingPolicy
+    expansion: ExpansionPolicy
+
+
+_BORROWING: dict[BorrowingName, type] = {
+    BorrowingName.NONE: NoBorrowing,
+    BorrowingName.UNGATED: UngatedBorrowing,
+    BorrowingName.GATED: GatedBorrowing,
+}
+_EXPANSION: dict[ExpansionName, type] = {
+    ExpansionName.ALWAYS: AlwaysExpand,
+    ExpansionName.GATED: GatedExpansion,
+}
+
+
+def make_policies(config: PolicyConfig) -> Policies:
+    pd: PDPolicy
+    if config.pd_policy is PDPolicyName.FIXED_RATIO:
+        pd = FixedRatioPD(config.prefill_fraction)
+    elif config.pd_policy is PDPolicyName.COLOCATED:
+        pd = FixedColocatedPD()
+    else:
+        pd = AdaptivePD()
+    return Policies(pd, _BORROWING[config.borrowing](), _EXPANSION[config.expansion]())

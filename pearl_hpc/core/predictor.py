@@ -1,0 +1,70 @@
+"""Bubble-aware makespan models, exactly as PEARL.md section 3 writes them.
+
+Every function works elementwise: pass ints for one configuration or numpy arrays of
+worker counts to score many at once (the decision engine does the latter).
+
+Notation: B batch, S turns, dL new tokens/turn, r generated tokens/turn, t_prefill,
+A + b*n decode iteration, T_over, T_env, theta, K, BW, K_seq, H_max.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import numpy as np
+
+from pearl_hpc.core.profile import WorkloadProfile
+
+N = TypeVar("N", int, float, np.ndarray)
+
+
+def t_coloc(p: WorkloadProfile, num_workers: N) -> N:
+    """``S * [ (B*dL/N)*t_prefill + r*(A + b*B/N) + T_over ] + T_env``."""
+    B = p.batch_size
+    per_turn = (
+        (B * p.new_tokens_per_turn / num_workers) * p.prefill_s_per_token
+        + p.gen_tokens_per_turn * (p.decode_fixed_s + p.decode_per_seq_s * B / num_workers)
+        + p.overhead_s_per_turn
+    )
+    return p.turns * per_turn + p.env_s  # type: ignore[no-any-return]
+
+
+def t_decode(p: WorkloadProfile, num_decode: N) -> N:
+    """``S * r * (A + b*B/(N_D*(1+theta))) * (1+theta)``."""
+    stretch = 1.0 + p.decode_bubble_ratio
+    iteration = p.decode_fixed_s + p.decode_per_seq_s * p.batch_size / (num_decode * stretch)
+    return p.turns * p.gen_tokens_per_turn * iteration * stretch  # type: ignore[no-any-return]
+
+
+def t_prefill(p: WorkloadProfile, num_prefill: N) -> N:
+    """``S * ( (B*dL/N_P)*t_prefill + B*dL*K/BW )`` (the transfer term is a lower bound)."""
+    tokens = p.batch_size * p.new_tokens_per_turn
+    transfer_s = tokens * p.kv_bytes_per_token / p.transfer_bytes_per_s
+    return p.turns * ((tokens / num_prefill) * p.prefill_s_per_token + transfer_s)  # type: ignore[no-any-return]
+
+
+def t_dis(p: WorkloadProfile, num_prefill: N, num_decode: N) -> N:
+    """``max(T_prefill, T_decode) + T_env``."""
+    return np.maximum(t_prefill(p, num_prefill), t_decode(p, num_decode)) + p.env_s  # type: ignore[no-any-return]
+
+
+def kv_feasible(p: WorkloadProfile, num_decode: N) -> N:
+    """Decode must hold the batch's KV: ``B*K_seq <= N_D*H_max``."""
+    return p.batch_size * p.kv_bytes_per_trajectory <= num_decode * p.kv_capacity_bytes_per_worker  # type: ignore[no-any-return]
+
+
+def prefill_feasible(p: WorkloadProfile, num_prefill: N, num_decode: N) -> N:
+    """The prefill pool absorbs the step's ``B*S*dL`` tokens without queueing that delays
+    decode: at its throughput ``N_P * prefill_tokens_per_s_per_worker`` the pool's busy
+    time must fit inside the decode path's span ``T_decode + T_env``. (PEARL states the
+    constraint in words; this is our reading of it, documented in the README.)"""
+    tokens = p.batch_size * p.turns * p.new_tokens_per_turn
+    busy_s = tokens / (num_prefill * p.prefill_tokens_per_s_per_worker)
+    return busy_s <= t_decode(p, num_decode) + p.env_s  # type: ignore[no-any-return]
+
+
+def predict(p: WorkloadProfile, num_prefill: int, num_decode: int, num_colocated: int) -> float:
+    """Predicted makespan of one configuration (colocated or disaggregated)."""
+    if num_colocated:
+        return float(t_coloc(p, num_colocated))
+    return float(t_dis(p, num_prefill, num_decode))
