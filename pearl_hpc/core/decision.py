@@ -102,12 +102,22 @@ def decide(
     its total may differ from ``num_workers`` when capacity was granted or reclaimed.
     Thresholds default to the profile's.
     """
-    ratio_thr = profile.ratio_switch_threshold if ratio_switch_threshold is None else ratio_switch_threshold
-    mode_thr = profile.mode_switch_threshold if mode_switch_threshold is None else mode_switch_threshold
+    ratio_thr = (
+        profile.ratio_switch_threshold if ratio_switch_threshold is None else ratio_switch_threshold
+    )
+    mode_thr = (
+        profile.mode_switch_threshold if mode_switch_threshold is None else mode_switch_threshold
+    )
     n = int(num_workers)
     if n <= 0:
-        return Decision(PDConfig(), float("inf"), False, current is not None and current.total > 0,
-                        "no rollout worker available", current)
+        return Decision(
+            PDConfig(),
+            float("inf"),
+            False,
+            current is not None and current.total > 0,
+            "no rollout worker available",
+            current,
+        )
 
     coloc_t = float(predictor.t_coloc(profile, n))
     num_p = np.arange(1, n, dtype=np.int64)
@@ -170,7 +180,9 @@ def decide(
 
     inc_cfg, inc_t = incumbent
     if best == inc_cfg:
-        reason = f"keep {current.mode.value} as {inc_cfg} ({inc_t:.1f} s): it is the best of {scored}"
+        reason = (
+            f"keep {current.mode.value} as {inc_cfg} ({inc_t:.1f} s): it is the best of {scored}"
+        )
         return Decision(inc_cfg, inc_t, False, False, reason, inc_cfg, **arrays)  # type: ignore[arg-type]
 
     gain = (inc_t - best_t) / inc_t if inc_t > 0 else 0.0

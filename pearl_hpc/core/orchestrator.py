@@ -163,7 +163,9 @@ def plan_transition(
             unit = next(unit_iter)
             slot_id = unit.slot_id if unit.slot_id is not None else next(new_ids)
             adds.append(
-                WorkerAdd(slot_id, unit.gpu_ids, r, unit.zone, unit.source, unit.slot_id is not None)
+                WorkerAdd(
+                    slot_id, unit.gpu_ids, r, unit.zone, unit.source, unit.slot_id is not None
+                )
             )
 
     remove = sorted(removed, key=lambda s: (s.zone is not Zone.OVERLAP, s.slot_id))
@@ -173,4 +175,3 @@ def plan_transition(
         remove=tuple(s.slot_id for s in remove),
         role_changes=tuple(role_changes),
     )
-

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from typing import Any, Protocol
 
 from pearl_hpc.core import decision as decision_mod
@@ -80,7 +80,9 @@ class FixedRatioPD:
         target = PDConfig(num_p, n - num_p, 0)
         t = predictor.predict(profile, num_p, n - num_p, 0)
         reason = f"fixed ratio policy ({self.prefill_fraction:.2f} prefill): {target}"
-        return Decision(target, t, current is not None and target != current, False, reason, current)
+        return Decision(
+            target, t, current is not None and target != current, False, reason, current
+        )
 
 
 # ----------------------------------------------------------------------- borrowing
@@ -252,19 +254,19 @@ def _expansion_saving_s(inputs: ExpansionInputs) -> float:
 
 
 # -------------------------------------------------------------------------- config
-class PDPolicyName(str, Enum):
+class PDPolicyName(StrEnum):
     ADAPTIVE = "adaptive"
     COLOCATED = "colocated"
     FIXED_RATIO = "fixed-ratio"
 
 
-class BorrowingName(str, Enum):
+class BorrowingName(StrEnum):
     NONE = "none"
     UNGATED = "ungated"
     GATED = "gated"
 
 
-class ExpansionName(str, Enum):
+class ExpansionName(StrEnum):
     ALWAYS = "always"
     GATED = "gated"
 

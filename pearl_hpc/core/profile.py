@@ -16,13 +16,9 @@ class WorkloadProfile:
     Units: seconds, tokens and bytes; "worker" is one rollout engine (a TP group).
     """
 
-    batch_size: int = spec_field(
-        "B: trajectories in one rollout batch", gt=0
-    )
+    batch_size: int = spec_field("B: trajectories in one rollout batch", gt=0)
     turns: float = spec_field("S: turns of the slowest trajectory", gt=0)
-    new_tokens_per_turn: float = spec_field(
-        "dL: new prompt (observation) tokens per turn", ge=0
-    )
+    new_tokens_per_turn: float = spec_field("dL: new prompt (observation) tokens per turn", ge=0)
     gen_tokens_per_turn: float = spec_field("r: generated tokens per turn", gt=0)
     prefill_s_per_token: float = spec_field(
         "t_prefill: prefill time per token on one worker, seconds", ge=0
@@ -37,9 +33,7 @@ class WorkloadProfile:
     overhead_s_per_turn: float = spec_field(
         "T_over: per-turn overheads of colocated P/D switching, seconds", ge=0
     )
-    env_s: float = spec_field(
-        "T_env: environment time along the slowest trajectory, seconds", ge=0
-    )
+    env_s: float = spec_field("T_env: environment time along the slowest trajectory, seconds", ge=0)
     decode_bubble_ratio: float = spec_field(
         "theta = (1-f)/f, f the average fraction of trajectories actively decoding", ge=0
     )

@@ -10,7 +10,7 @@ Lifecycle (one transition function, :meth:`RoleTable.transition`; anything else 
 
     from \\ to   JOINING   ACTIVE    REROLE   LEAVING   INACTIVE        removed
     (new)       rollout   bootstrap  -        -         overlap/train   -
-    JOINING     -         admitted   -        -         overlap abort   start failed
+    JOINING     -         admitted   -        aborted   -               start failed
     ACTIVE      -         -          rollout  rollout   training idle   (fail only)
     REROLE      -         new role   -        rollout   -               (fail only)
     LEAVING     -         -          -        -         overlap         dedicated
@@ -47,7 +47,7 @@ IN_SERVICE = frozenset({Status.JOINING, Status.ACTIVE, Status.REROLE})
 
 _REMOVED = "removed"
 _LEGAL_ROLLOUT: dict[Status, frozenset[Status | str]] = {
-    Status.JOINING: frozenset({Status.ACTIVE, Status.INACTIVE, _REMOVED}),
+    Status.JOINING: frozenset({Status.ACTIVE, Status.LEAVING, _REMOVED}),
     Status.ACTIVE: frozenset({Status.REROLE, Status.LEAVING}),
     Status.REROLE: frozenset({Status.ACTIVE, Status.LEAVING}),
     Status.LEAVING: frozenset({Status.INACTIVE, _REMOVED}),
@@ -153,9 +153,7 @@ class RoleTable:
 
     def rollout_slots(self, statuses: Iterable[Status] | None = None) -> list[WorkerSlot]:
         wanted = None if statuses is None else frozenset(statuses)
-        return [
-            s for s in self if s.is_rollout and (wanted is None or s.status in wanted)
-        ]
+        return [s for s in self if s.is_rollout and (wanted is None or s.status in wanted)]
 
     def in_service(self) -> list[WorkerSlot]:
         """The current rollout set W: joining, active or changing role."""
@@ -295,6 +293,23 @@ class RoleTable:
         self.version += 1
         return slot
 
+    def retarget(self, slot_id: int, role: Role) -> WorkerSlot:
+        """Aim a slot that is not serving yet (JOINING or REROLE) at another role."""
+        slot = self.get(slot_id)
+        if not role.is_rollout or not slot.is_rollout:
+            raise TransitionError(f"slot {slot_id}: only rollout workers take rollout roles")
+        if slot.status is Status.JOINING:
+            slot.role = role
+        elif slot.status is Status.REROLE:
+            slot.pending_role = role
+        else:
+            raise TransitionError(
+                f"slot {slot_id} is {slot.status.value}: only JOINING or REROLE slots can be "
+                "retargeted (use REROLE for an active worker)"
+            )
+        self.version += 1
+        return slot
+
     def remove(self, slot_id: int) -> WorkerSlot:
         """Remove a slot through the lifecycle (JOINING, dedicated LEAVING, INACTIVE)."""
         slot = self.get(slot_id)
@@ -368,7 +383,9 @@ class RoleTable:
                 raise InvariantError(f"snapshot names slot {slot.slot_id} twice")
             table._slots[slot.slot_id] = slot
             owners = (
-                table._training_gpu_owner if slot.role is Role.TRAINING else table._rollout_gpu_owner
+                table._training_gpu_owner
+                if slot.role is Role.TRAINING
+                else table._rollout_gpu_owner
             )
             for gpu in slot.gpu_ids:
                 if gpu in owners:
@@ -420,7 +437,8 @@ class RoleTable:
             for gpu in slot.gpu_ids:
                 if gpu in self._training_gpu_owner:
                     raise InvariantError(
-                        f"GPU {gpu} already belongs to training slot {self._training_gpu_owner[gpu]}"
+                        f"GPU {gpu} already belongs to training slot "
+                        f"{self._training_gpu_owner[gpu]}"
                     )
                 owner = self._rollout_gpu_owner.get(gpu)
                 if owner is not None and self._slots[owner].zone is Zone.DEDICATED:
@@ -451,8 +469,6 @@ class RoleTable:
             # overlap workers go back to INACTIVE; dedicated ones are removed
             if slot.status is Status.LEAVING:
                 ok = (target is Status.INACTIVE) == overlap
-            elif slot.status is Status.JOINING and target is Status.INACTIVE:
-                ok = overlap
             elif slot.status is Status.INACTIVE:
                 ok = overlap
         if not ok:

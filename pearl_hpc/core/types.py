@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 from pearl_hpc.errors import SpecError
 
 
-class Role(str, Enum):
+class Role(StrEnum):
     """What a worker slot does. Rollout roles are prefill, decode and colocated."""
 
     PREFILL = "prefill"
@@ -29,7 +29,7 @@ class Role(str, Enum):
 ROLLOUT_ROLES: tuple[Role, ...] = (Role.PREFILL, Role.DECODE, Role.COLOCATED)
 
 
-class Status(str, Enum):
+class Status(StrEnum):
     """Lifecycle of a worker slot (see :class:`pearl_hpc.core.table.RoleTable`)."""
 
     JOINING = "joining"  # starting or activating; serves nothing until admitted
@@ -43,7 +43,7 @@ class Status(str, Enum):
         return self in (Status.JOINING, Status.REROLE, Status.LEAVING)
 
 
-class Zone(str, Enum):
+class Zone(StrEnum):
     """Dedicated rollout GPUs (reserved + elastic) or training GPUs time-shared by an
     overlap rollout worker."""
 
@@ -51,7 +51,7 @@ class Zone(str, Enum):
     OVERLAP = "overlap"
 
 
-class Mode(str, Enum):
+class Mode(StrEnum):
     COLOCATED = "colocated"
     DISAGGREGATED = "disaggregated"
 
@@ -74,8 +74,7 @@ class PDConfig:
             raise SpecError(f"worker counts must be >= 0, got {self.spec()}")
         if self.num_colocated and (self.num_prefill or self.num_decode):
             raise SpecError(
-                f"{self.spec()} mixes colocated and disaggregated workers; "
-                "use either NC or NpPNdD"
+                f"{self.spec()} mixes colocated and disaggregated workers; use either NC or NpPNdD"
             )
         if (self.num_prefill == 0) != (self.num_decode == 0):
             raise SpecError(
@@ -118,9 +117,7 @@ class PDConfig:
 def parse_spec(text: str) -> PDConfig:
     """Parse ``8C`` / ``3P5D`` (case-insensitive, each letter at most once)."""
     if not _SPEC_RE.match(text or ""):
-        raise SpecError(
-            f"cannot parse SPEC {text!r}: write NC (e.g. 8C) or NpPNdD (e.g. 3P5D)"
-        )
+        raise SpecError(f"cannot parse SPEC {text!r}: write NC (e.g. 8C) or NpPNdD (e.g. 3P5D)")
     counts = {"P": 0, "D": 0, "C": 0}
     seen: set[str] = set()
     for number, letter in _SPEC_PART_RE.findall(text):

@@ -1,0 +1,600 @@
+"""The controller event loop: pure, single writer, clock injected.
+
+::
+
+    Event ─> Controller.handle(event)
+               │ 1. bookkeeping (table, free capacity, tracker, training state)
+               │ 2. budget: dedicated workers + granted units (expansion gate)
+               │            + idle training GPUs (borrowing gate; never while training)
+               │ 3. PD policy -> Decision(target)          (pearl_hpc.core.decision)
+               │ 4. plan_transition -> TransitionPlan      (pearl_hpc.core.orchestrator)
+               └ 5. table updates + Executor calls: removals first (borrowed workers
+                    first of all), then role changes, then background joins that are
+                    admitted all at once when every member is ready.
+
+The controller never waits: executors report completion with WorkerReady /
+WorkerReleased / WorkerFailed events. It is the only writer of the role table; a real
+backend feeds it events from one queue, the simulator from its event heap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pearl_hpc.core.decision import Decision
+from pearl_hpc.core.orchestrator import CapacityUnit, TransitionPlan, WorkerAdd, plan_transition
+from pearl_hpc.core.policies import (
+    BorrowInputs,
+    ExpansionInputs,
+    GateDecision,
+    PolicyConfig,
+    ToggleCostEstimator,
+    make_policies,
+)
+from pearl_hpc.core.profile import WorkloadProfile
+from pearl_hpc.core.table import IN_SERVICE, ElasticSource, RoleTable
+from pearl_hpc.core.tracker import IterationRecord, RuntimeTracker, TurnRecord
+from pearl_hpc.core.types import ROLLOUT_ROLES, PDConfig, Role, Status, Zone
+from pearl_hpc.errors import SpecError
+
+
+# ------------------------------------------------------------------------- events
+@dataclass(frozen=True, slots=True)
+class TrainingBegin:
+    """The trainer wants to start step ``step``: borrowed GPUs must come back first."""
+
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class TrainingFinished:
+    """Step ``step`` trained and its weights are published; training GPUs are idle."""
+
+    step: int
+    unfinished_trajectories: int | None = None  # R for the borrowing gate (None: B)
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityGranted:
+    """An elastic job (component) is running: one GPU set per prospective worker."""
+
+    source: ElasticSource
+    gpu_sets: tuple[tuple[str, ...], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityReclaimed:
+    """An elastic job (component) must be given back by ``deadline_s``."""
+
+    source: ElasticSource
+    deadline_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReady:
+    """A worker finished starting, activating or changing role."""
+
+    slot_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReleased:
+    """A leaving worker drained (partial trajectories saved) and released its GPUs."""
+
+    slot_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerFailed:
+    """A worker stopped answering or its process died."""
+
+    slot_id: int
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class StepTelemetry:
+    """Telemetry of one finished rollout step."""
+
+    step: int
+    turns: tuple[TurnRecord, ...] = ()
+    iterations: tuple[IterationRecord, ...] = ()
+    rollout_s: float | None = None
+    batch_size: int | None = None
+    borrowed: bool = False  # training GPUs were lent during the step
+    activation_s: float = 0.0  # measured overlap activation time
+    deactivation_s: float = 0.0  # measured overlap return time
+    training_wait_s: float = 0.0  # Training Begin -> training started
+
+
+Event = (
+    TrainingBegin
+    | TrainingFinished
+    | CapacityGranted
+    | CapacityReclaimed
+    | WorkerReady
+    | WorkerReleased
+    | WorkerFailed
+    | StepTelemetry
+)
+
+
+# ------------------------------------------------------------------------ executor
+class Executor(Protocol):
+    """How plans are carried out: the simulator, local processes or Slurm."""
+
+    def start_workers(self, adds: Sequence[WorkerAdd]) -> None:
+        """Start new workers / activate overlap workers in the background; report
+        WorkerReady (or WorkerFailed) for each. Load the latest weights lazily."""
+
+    def admit(self, slot_ids: Sequence[int]) -> None:
+        """Atomic finalisation: route new requests to all of ``slot_ids`` at once."""
+
+    def change_roles(self, changes: Sequence[tuple[int, Role]]) -> None:
+        """Drain and re-role workers; report WorkerReady for each."""
+
+    def stop_workers(self, slot_ids: Sequence[int], deadline_s: float | None) -> None:
+        """Stop routing, interrupt requests keeping partial trajectories, release the
+        device; report WorkerReleased for each (before ``deadline_s`` if given)."""
+
+    def start_training(self, step: int) -> None:
+        """Training GPUs are free of rollout work: the trainer may start ``step``."""
+
+    def release_capacity(self, source: ElasticSource) -> None:
+        """Give an elastic job (component) back (e.g. ``scancel JOB+N``)."""
+
+
+# ------------------------------------------------------------------------- records
+@dataclass(frozen=True)
+class Reconfiguration:
+    """One pass of decide -> plan -> execute, for logs, reports and tests."""
+
+    time_s: float
+    cause: str
+    num_workers: int
+    borrowed: bool
+    decision: Decision
+    plan: TransitionPlan
+    borrow_gate: GateDecision | None = None
+    expansion_gate: GateDecision | None = None
+
+
+@dataclass
+class _AdmissionGroup:
+    members: set[int]
+    ready: set[int] = field(default_factory=set)
+
+
+class Controller:
+    """PEARL's master-side brain. See the module docstring for the data flow."""
+
+    def __init__(
+        self,
+        profile: WorkloadProfile,
+        executor: Executor,
+        *,
+        policy: PolicyConfig | None = None,
+        clock: Callable[[], float],
+        table: RoleTable | None = None,
+        check_invariants: bool = False,
+    ) -> None:
+        self.config = policy or PolicyConfig()
+        self.policies = make_policies(self.config)
+        self.tracker = RuntimeTracker(profile, ema_alpha=self.config.tracker_ema_alpha)
+        self.toggle = ToggleCostEstimator(self.config.toggle_cost_s, self.config.toggle_ema_alpha)
+        self.executor = executor
+        self.clock = clock
+        self.table = table if table is not None else RoleTable()
+        self.check = check_invariants
+        self.free_units: list[CapacityUnit] = []  # granted dedicated GPU sets, unbound
+        self.training_state = "idle"  # idle | waiting (for returns) | running
+        self.training_step: int | None = None
+        self.training_wait_started_s: float | None = None
+        self.unfinished_trajectories: int | None = None
+        self.history: list[Reconfiguration] = []
+        self._groups: dict[int, _AdmissionGroup] = {}
+        self._next_group = 0
+        self._draining_sources: set[ElasticSource] = set()
+
+    # ----------------------------------------------------------------- set-up
+    def register_training(
+        self, gpu_ids: Sequence[str], *, overlap_gpu_sets: Sequence[Sequence[str]] = ()
+    ) -> None:
+        """Declare the training GPUs and the overlap workers that may borrow them."""
+        now = self.clock()
+        self.table.add_worker(
+            gpu_ids, zone=Zone.OVERLAP, role=Role.TRAINING, status=Status.INACTIVE, now_s=now
+        )
+        for gpus in overlap_gpu_sets:
+            self.table.add_worker(
+                gpus, zone=Zone.OVERLAP, role=Role.COLOCATED, status=Status.INACTIVE, now_s=now
+            )
+
+    def grant_reserved(self, gpu_sets: Sequence[Sequence[str]]) -> Reconfiguration:
+        """The base job's reserved rollout GPUs (no elastic source) join as capacity."""
+        self.free_units.extend(CapacityUnit(tuple(g)) for g in gpu_sets)
+        return self._reconfigure("reserved capacity", gate_expansion=False)
+
+    @property
+    def profile(self) -> WorkloadProfile:
+        return self.tracker.profile
+
+    # ------------------------------------------------------------------ events
+    def handle(self, event: Event) -> Reconfiguration | None:
+        """Process one event; returns the reconfiguration it caused, if any."""
+        result: Reconfiguration | None
+        match event:
+            case TrainingBegin(step):
+                result = self._on_training_begin(step)
+            case TrainingFinished(step, unfinished):
+                result = self._on_training_finished(step, unfinished)
+            case CapacityGranted(source, gpu_sets):
+                self.free_units.extend(
+                    CapacityUnit(tuple(g), Zone.DEDICATED, source) for g in gpu_sets
+                )
+                result = self._reconfigure(f"capacity granted by {source.tag}")
+            case CapacityReclaimed(source, deadline_s):
+                result = self._on_reclaim(source, deadline_s)
+            case WorkerReady(slot_id):
+                result = self._on_ready(slot_id)
+            case WorkerReleased(slot_id):
+                result = self._on_released(slot_id)
+            case WorkerFailed(slot_id, reason):
+                result = self._on_failed(slot_id, reason)
+            case StepTelemetry():
+                result = self._on_telemetry(event)
+            case _:
+                raise TypeError(f"unknown event {event!r}")
+        if self.check:
+            self.table.check_invariants()
+        return result
+
+    def _on_training_begin(self, step: int) -> Reconfiguration | None:
+        self.training_state = "waiting"
+        self.training_step = step
+        self.training_wait_started_s = self.clock()
+        borrowed = [s.slot_id for s in self.table.overlap_workers() if s.status in IN_SERVICE]
+        result = None
+        if borrowed:
+            result = self._reconfigure(
+                f"training step {step} begins: return borrowed GPUs", must_remove=borrowed
+            )
+        self._maybe_start_training()
+        return result
+
+    def _on_training_finished(self, step: int, unfinished: int | None) -> Reconfiguration | None:
+        now = self.clock()
+        for slot in self.table.training_slots():
+            if slot.status is Status.ACTIVE:
+                self.table.transition(slot.slot_id, Status.INACTIVE, now_s=now)
+        self.training_state = "idle"
+        self.unfinished_trajectories = unfinished
+        return self._reconfigure(f"training step {step} finished")
+
+    def _on_reclaim(self, source: ElasticSource, deadline_s: float) -> Reconfiguration | None:
+        self.free_units = [u for u in self.free_units if u.source != source]
+        self._draining_sources.add(source)
+        victims = [s.slot_id for s in self.table.rollout_slots() if s.source == source]
+        leaving = [i for i in victims if self.table.get(i).status is Status.LEAVING]
+        if leaving:  # already draining: tighten their deadline
+            self.executor.stop_workers(leaving, deadline_s)
+        in_service = [i for i in victims if self.table.get(i).status in IN_SERVICE]
+        if not victims:
+            self._release_if_empty(source)
+            return None
+        if not in_service:
+            return None
+        return self._reconfigure(
+            f"capacity reclaimed by {source.tag}", must_remove=in_service, deadline_s=deadline_s
+        )
+
+    def _on_ready(self, slot_id: int) -> Reconfiguration | None:
+        if slot_id not in self.table:
+            return None  # a late report from a worker already cancelled
+        slot = self.table.get(slot_id)
+        now = self.clock()
+        if slot.status is Status.REROLE:
+            self.table.transition(slot_id, Status.ACTIVE, now_s=now)
+        elif slot.status is Status.JOINING:
+            group_id = self._group_of(slot_id)
+            group = self._groups[group_id]
+            group.ready.add(slot_id)
+            if group.ready >= group.members:
+                members = sorted(group.members)
+                for member in members:
+                    self.table.transition(member, Status.ACTIVE, now_s=now)
+                del self._groups[group_id]
+                self.executor.admit(members)
+        return None
+
+    def _on_released(self, slot_id: int) -> Reconfiguration | None:
+        if slot_id not in self.table:
+            return None
+        slot = self.table.get(slot_id)
+        if slot.status is not Status.LEAVING:
+            return None
+        if slot.zone is Zone.OVERLAP:
+            self.table.transition(slot_id, Status.INACTIVE, now_s=self.clock())
+        else:
+            self.table.remove(slot_id)
+            if slot.source is not None:
+                self._release_if_empty(slot.source)
+        self._maybe_start_training()
+        return None
+
+    def _on_failed(self, slot_id: int, reason: str) -> Reconfiguration | None:
+        if slot_id not in self.table:
+            return None
+        slot = self.table.get(slot_id)
+        if slot.role is Role.TRAINING:
+            raise RuntimeError(f"training slot {slot_id} failed: {reason}")  # the job must restart
+        group_id = self._group_of(slot_id) if slot.status is Status.JOINING else None
+        self.table.fail(slot_id)
+        if slot.source is not None:
+            self._release_if_empty(slot.source)
+        must_remove: list[int] = []
+        if group_id is not None:  # all-or-nothing expansion: cancel the rest of the group
+            group = self._groups.pop(group_id)
+            must_remove = sorted(group.members - {slot_id})
+        result = self._reconfigure(
+            f"worker {slot_id} failed: {reason}".rstrip(": "),
+            must_remove=must_remove,
+            gate_expansion=False,
+            reuse_free=not must_remove,
+        )
+        self._maybe_start_training()
+        return result
+
+    def _on_telemetry(self, event: StepTelemetry) -> Reconfiguration | None:
+        self.tracker.observe_step(
+            event.turns, event.iterations, rollout_s=event.rollout_s, batch_size=event.batch_size
+        )
+        self.toggle.observe(
+            borrowed=event.borrowed,
+            training_wait_s=event.training_wait_s,
+            activation_s=event.activation_s,
+            deactivation_s=event.deactivation_s,
+        )
+        return self._reconfigure(f"telemetry of step {event.step}")
+
+    # -------------------------------------------------------------- decisions
+    def _reconfigure(
+        self,
+        cause: str,
+        *,
+        must_remove: Sequence[int] = (),
+        deadline_s: float | None = None,
+        gate_expansion: bool = True,
+        reuse_free: bool = True,
+    ) -> Reconfiguration | None:
+        now = self.clock()
+        profile = self.profile
+        forced = set(must_remove)
+        survivors = [
+            s
+            for s in self.table.rollout_slots()
+            if s.status in IN_SERVICE and s.slot_id not in forced
+        ]
+        num_dedicated = sum(1 for s in survivors if s.zone is Zone.DEDICATED)
+        num_borrowed = len(survivors) - num_dedicated
+
+        # Expansion gate on granted but unused dedicated units.
+        free = list(self.free_units) if reuse_free else []
+        expansion_gate = None
+        if free and gate_expansion:
+            current_t = self.policies.pd.decide(
+                profile, num_dedicated + num_borrowed, None
+            ).predicted_makespan_s
+            expanded_t = self.policies.pd.decide(
+                profile, num_dedicated + num_borrowed + len(free), None
+            ).predicted_makespan_s
+            expansion_gate = self.policies.expansion.allow(
+                ExpansionInputs(
+                    current_t,
+                    expanded_t,
+                    self.config.expected_capacity_window_s,
+                    self.config.preparation_s,
+                    self.config.finalisation_s,
+                )
+            )
+            if not expansion_gate.allow:
+                for source in {u.source for u in free if u.source is not None}:
+                    self.free_units = [u for u in self.free_units if u.source != source]
+                    self._release_if_empty(source)
+                free = []
+        num_dedicated += len(free)
+
+        # Borrowing gate: training GPUs are lendable only while training is idle.
+        borrow_gate = None
+        overlap_units: list[CapacityUnit] = []
+        lendable = [
+            s
+            for s in self.table.overlap_workers()
+            if s.slot_id not in forced and (s.status in IN_SERVICE or s.status is Status.INACTIVE)
+        ]
+        if lendable and self.training_state == "idle":
+            ded_t = self.policies.pd.decide(profile, num_dedicated, None).predicted_makespan_s
+            full_t = self.policies.pd.decide(
+                profile, num_dedicated + len(lendable), None
+            ).predicted_makespan_s
+            unfinished = self.unfinished_trajectories
+            borrow_gate = self.policies.borrowing.allow(
+                BorrowInputs(
+                    profile.batch_size if unfinished is None else unfinished,
+                    profile.batch_size,
+                    ded_t,
+                    full_t,
+                    self.toggle.estimate_s,
+                )
+            )
+            if borrow_gate.allow:
+                overlap_units = [
+                    CapacityUnit(s.gpu_ids, Zone.OVERLAP, None, s.slot_id)
+                    for s in lendable
+                    if s.status is Status.INACTIVE
+                ]
+            else:
+                forced |= {s.slot_id for s in lendable if s.status in IN_SERVICE}
+        borrowing = borrow_gate is not None and borrow_gate.allow
+        num_workers = num_dedicated + (len(lendable) if borrowing else 0)
+
+        decision = self._decide(num_workers, forced)
+        plan = plan_transition(self.table, decision.target, free + overlap_units, forced)
+        if plan.is_empty:
+            return None
+        self._apply(plan, deadline_s, now)
+        record = Reconfiguration(
+            now, cause, num_workers, borrowing, decision, plan, borrow_gate, expansion_gate
+        )
+        self.history.append(record)
+        return record
+
+    def _decide(self, num_workers: int, forced: set[int]) -> Decision:
+        """Run the PD policy against the survivors' configuration. Survivors that form
+        no valid configuration (e.g. prefill workers whose decode workers were all
+        reclaimed) force a switch to the best configuration, bypassing hysteresis."""
+        counts = dict.fromkeys(ROLLOUT_ROLES, 0)
+        for s in self.table.rollout_slots():
+            if s.status in IN_SERVICE and s.slot_id not in forced:
+                counts[s.effective_role] += 1
+        p, d, c = counts[Role.PREFILL], counts[Role.DECODE], counts[Role.COLOCATED]
+        if p + d + c == 0:
+            return self.policies.pd.decide(self.profile, num_workers, None)
+        try:
+            current = PDConfig(p, d, c)
+        except SpecError as exc:
+            decision = self.policies.pd.decide(self.profile, num_workers, None)
+            reason = f"forced switch: surviving workers {p}P{d}D{c}C are impossible ({exc}); "
+            return dataclasses.replace(
+                decision, forced=True, switch=True, reason=reason + decision.reason
+            )
+        return self.policies.pd.decide(self.profile, num_workers, current)
+
+    # ---------------------------------------------------------------- execute
+    def _apply(self, plan: TransitionPlan, deadline_s: float | None, now: float) -> None:
+        # 1. removals, borrowed workers first (plan order)
+        if plan.remove:
+            for slot_id in plan.remove:
+                slot = self.table.get(slot_id)
+                if slot.status is Status.JOINING:
+                    self._leave_group(slot_id)
+                self.table.transition(slot_id, Status.LEAVING, now_s=now)
+            self.executor.stop_workers(list(plan.remove), deadline_s)
+        # 2. role changes of survivors
+        if plan.role_changes:
+            for slot_id, role in plan.role_changes:
+                if self.table.get(slot_id).status is Status.ACTIVE:
+                    self.table.transition(slot_id, Status.REROLE, role=role, now_s=now)
+                else:  # still joining or changing role: aim it at the new role
+                    self.table.retarget(slot_id, role)
+            self.executor.change_roles(list(plan.role_changes))
+        # 3. joins in the background, admitted together
+        if plan.add:
+            used = {a.gpu_ids for a in plan.add}
+            self.free_units = [u for u in self.free_units if u.gpu_ids not in used]
+            group = _AdmissionGroup({a.slot_id for a in plan.add})
+            for add in plan.add:
+                if add.reactivate:
+                    self.table.transition(add.slot_id, Status.JOINING, role=add.role, now_s=now)
+                else:
+                    self.table.add_worker(
+                        add.gpu_ids,
+                        zone=add.zone,
+                        role=add.role,
+                        source=add.source,
+                        now_s=now,
+                        slot_id=add.slot_id,
+                    )
+            self._groups[self._next_group] = group
+            self._next_group += 1
+            self.executor.start_workers(list(plan.add))
+
+    def _maybe_start_training(self) -> None:
+        if self.training_state != "waiting":
+            return
+        if any(s.status is not Status.INACTIVE for s in self.table.overlap_workers()):
+            return
+        now = self.clock()
+        for slot in self.table.training_slots():
+            self.table.transition(slot.slot_id, Status.ACTIVE, now_s=now)
+        self.training_state = "running"
+        assert self.training_step is not None
+        self.executor.start_training(self.training_step)
+
+    def _group_of(self, slot_id: int) -> int:
+        for group_id, group in self._groups.items():
+            if slot_id in group.members:
+                return group_id
+        raise KeyError(slot_id)
+
+    def _leave_group(self, slot_id: int) -> None:
+        for group_id, group in list(self._groups.items()):
+            if slot_id in group.members:
+                group.members.discard(slot_id)
+                group.ready.discard(slot_id)
+                if not group.members:
+                    del self._groups[group_id]
+                elif group.ready >= group.members:  # the rest was only waiting for it
+                    members = sorted(group.members)
+                    for member in members:
+                        self.table.transition(member, Status.ACTIVE, now_s=self.clock())
+                    del self._groups[group_id]
+                    self.executor.admit(members)
+
+    def _release_if_empty(self, source: ElasticSource) -> None:
+        if any(s.source == source for s in self.table.rollout_slots()):
+            return
+        if any(u.source == source for u in self.free_units):
+            return
+        self._draining_sources.discard(source)
+        self.executor.release_capacity(source)
+
+    # ---------------------------------------------------------------- journal
+    def snapshot(self) -> dict[str, Any]:
+        """Everything needed to restart the master (see :mod:`pearl_hpc.journal`)."""
+        return {
+            "table": self.table.to_dict(),
+            "free_units": [
+                {
+                    "gpu_ids": list(u.gpu_ids),
+                    "zone": u.zone.value,
+                    "source": None
+                    if u.source is None
+                    else [u.source.job_id, u.source.het_component],
+                }
+                for u in self.free_units
+            ],
+            "tracker": self.tracker.to_dict(),
+            "toggle": self.toggle.to_dict(),
+            "training_state": self.training_state,
+            "training_step": self.training_step,
+            "unfinished_trajectories": self.unfinished_trajectories,
+            "groups": [sorted(g.members) for g in self._groups.values()],
+            "groups_ready": [sorted(g.ready) for g in self._groups.values()],
+        }
+
+    def restore(self, data: dict[str, Any]) -> None:
+        self.table = RoleTable.from_dict(data["table"])
+        self.free_units = [
+            CapacityUnit(
+                tuple(u["gpu_ids"]),
+                Zone(u["zone"]),
+                None
+                if u["source"] is None
+                else ElasticSource(str(u["source"][0]), int(u["source"][1])),
+            )
+            for u in data["free_units"]
+        ]
+        self.tracker.restore(data["tracker"])
+        self.toggle.restore(data["toggle"])
+        self.training_state = str(data["training_state"])
+        self.training_step = data["training_step"]
+        self.unfinished_trajectories = data["unfinished_trajectories"]
+        self._groups = {
+            i: _AdmissionGroup(set(m), set(r))
+            for i, (m, r) in enumerate(zip(data["groups"], data["groups_ready"], strict=True))
+        }
+        self._next_group = len(self._groups)
