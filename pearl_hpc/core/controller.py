@@ -27,11 +27,11 @@ from typing import Any, Protocol
 from pearl_hpc.core.decision import Decision
 from pearl_hpc.core.orchestrator import CapacityUnit, TransitionPlan, WorkerAdd, plan_transition
 from pearl_hpc.core.policies import (
-    BorrowInputs,
-    ExpansionInputs,
     GateDecision,
     PolicyConfig,
     ToggleCostEstimator,
+    gate_borrowing_of,
+    gate_expansion_of,
     make_policies,
 )
 from pearl_hpc.core.profile import WorkloadProfile
@@ -385,20 +385,12 @@ class Controller:
         free = list(self.free_units) if reuse_free else []
         expansion_gate = None
         if free and gate_expansion:
-            current_t = self.policies.pd.decide(
-                profile, num_dedicated + num_borrowed, None
-            ).predicted_makespan_s
-            expanded_t = self.policies.pd.decide(
-                profile, num_dedicated + num_borrowed + len(free), None
-            ).predicted_makespan_s
-            expansion_gate = self.policies.expansion.allow(
-                ExpansionInputs(
-                    current_t,
-                    expanded_t,
-                    self.config.expected_capacity_window_s,
-                    self.config.preparation_s,
-                    self.config.finalisation_s,
-                )
+            expansion_gate = gate_expansion_of(
+                self.policies,
+                self.config,
+                profile,
+                num_current=num_dedicated + num_borrowed,
+                num_new=len(free),
             )
             if not expansion_gate.allow:
                 for source in {u.source for u in free if u.source is not None}:
@@ -416,19 +408,13 @@ class Controller:
             if s.slot_id not in forced and (s.status in IN_SERVICE or s.status is Status.INACTIVE)
         ]
         if lendable and self.training_state == "idle":
-            ded_t = self.policies.pd.decide(profile, num_dedicated, None).predicted_makespan_s
-            full_t = self.policies.pd.decide(
-                profile, num_dedicated + len(lendable), None
-            ).predicted_makespan_s
-            unfinished = self.unfinished_trajectories
-            borrow_gate = self.policies.borrowing.allow(
-                BorrowInputs(
-                    profile.batch_size if unfinished is None else unfinished,
-                    profile.batch_size,
-                    ded_t,
-                    full_t,
-                    self.toggle.estimate_s,
-                )
+            borrow_gate = gate_borrowing_of(
+                self.policies,
+                profile,
+                num_dedicated=num_dedicated,
+                num_lendable=len(lendable),
+                unfinished=self.unfinished_trajectories,
+                toggle_cost_s=self.toggle.estimate_s,
             )
             if borrow_gate.allow:
                 overlap_units = [

@@ -334,3 +334,47 @@ def make_policies(config: PolicyConfig) -> Policies:
     else:
         pd = AdaptivePD()
     return Policies(pd, _BORROWING[config.borrowing](), _EXPANSION[config.expansion]())
+
+
+# ------------------------------------------------------------------- gate inputs
+def gate_borrowing_of(
+    policies: Policies,
+    profile: WorkloadProfile,
+    *,
+    num_dedicated: int,
+    num_lendable: int,
+    unfinished: int | None,
+    toggle_cost_s: float,
+) -> GateDecision:
+    """Evaluate the borrowing policy: ``T_ded`` and ``T_full`` are the PD policy's
+    predicted makespans on the dedicated workers alone and with every lendable overlap
+    worker; ``R`` defaults to the whole batch."""
+    ded_t = policies.pd.decide(profile, num_dedicated, None).predicted_makespan_s
+    full_t = policies.pd.decide(profile, num_dedicated + num_lendable, None).predicted_makespan_s
+    batch = profile.batch_size
+    inputs = BorrowInputs(
+        batch if unfinished is None else unfinished, batch, ded_t, full_t, toggle_cost_s
+    )
+    return policies.borrowing.allow(inputs)
+
+
+def gate_expansion_of(
+    policies: Policies,
+    config: PolicyConfig,
+    profile: WorkloadProfile,
+    *,
+    num_current: int,
+    num_new: int,
+) -> GateDecision:
+    """Evaluate the expansion policy for ``num_new`` granted workers on top of
+    ``num_current``, with the configured window and reconfiguration costs."""
+    current_t = policies.pd.decide(profile, num_current, None).predicted_makespan_s
+    expanded_t = policies.pd.decide(profile, num_current + num_new, None).predicted_makespan_s
+    inputs = ExpansionInputs(
+        current_t,
+        expanded_t,
+        config.expected_capacity_window_s,
+        config.preparation_s,
+        config.finalisation_s,
+    )
+    return policies.expansion.allow(inputs)
