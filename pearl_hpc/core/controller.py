@@ -213,7 +213,7 @@ class Controller:
                 gpus, zone=Zone.OVERLAP, role=Role.COLOCATED, status=Status.INACTIVE, now_s=now
             )
 
-    def grant_reserved(self, gpu_sets: Sequence[Sequence[str]]) -> Reconfiguration:
+    def grant_reserved(self, gpu_sets: Sequence[Sequence[str]]) -> Reconfiguration | None:
         """The base job's reserved rollout GPUs (no elastic source) join as capacity."""
         self.free_units.extend(CapacityUnit(tuple(g)) for g in gpu_sets)
         return self._reconfigure("reserved capacity", gate_expansion=False)

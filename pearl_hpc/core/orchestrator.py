@@ -156,9 +156,9 @@ def plan_transition(
     unit_iter = iter(units)
     for r in ROLLOUT_ROLES:
         for _ in range(deficit[r]):
-            slot = next(spare_iter, None)
-            if slot is not None:
-                role_changes.append((slot.slot_id, r))
+            survivor = next(spare_iter, None)
+            if survivor is not None:
+                role_changes.append((survivor.slot_id, r))
                 continue
             unit = next(unit_iter)
             slot_id = unit.slot_id if unit.slot_id is not None else next(new_ids)

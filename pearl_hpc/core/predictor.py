@@ -9,13 +9,12 @@ A + b*n decode iteration, T_over, T_env, theta, K, BW, K_seq, H_max.
 
 from __future__ import annotations
 
-from typing import TypeVar
-
 import numpy as np
 
 from pearl_hpc.core.profile import WorkloadProfile
 
-N = TypeVar("N", int, float, np.ndarray)
+# Worker counts and results: a number for one configuration, an array for many.
+N = float | np.ndarray
 
 
 def t_coloc(p: WorkloadProfile, num_workers: N) -> N:
@@ -26,31 +25,31 @@ def t_coloc(p: WorkloadProfile, num_workers: N) -> N:
         + p.gen_tokens_per_turn * (p.decode_fixed_s + p.decode_per_seq_s * B / num_workers)
         + p.overhead_s_per_turn
     )
-    return p.turns * per_turn + p.env_s  # type: ignore[no-any-return]
+    return p.turns * per_turn + p.env_s
 
 
 def t_decode(p: WorkloadProfile, num_decode: N) -> N:
     """``S * r * (A + b*B/(N_D*(1+theta))) * (1+theta)``."""
     stretch = 1.0 + p.decode_bubble_ratio
     iteration = p.decode_fixed_s + p.decode_per_seq_s * p.batch_size / (num_decode * stretch)
-    return p.turns * p.gen_tokens_per_turn * iteration * stretch  # type: ignore[no-any-return]
+    return p.turns * p.gen_tokens_per_turn * iteration * stretch
 
 
 def t_prefill(p: WorkloadProfile, num_prefill: N) -> N:
     """``S * ( (B*dL/N_P)*t_prefill + B*dL*K/BW )`` (the transfer term is a lower bound)."""
     tokens = p.batch_size * p.new_tokens_per_turn
     transfer_s = tokens * p.kv_bytes_per_token / p.transfer_bytes_per_s
-    return p.turns * ((tokens / num_prefill) * p.prefill_s_per_token + transfer_s)  # type: ignore[no-any-return]
+    return p.turns * ((tokens / num_prefill) * p.prefill_s_per_token + transfer_s)
 
 
 def t_dis(p: WorkloadProfile, num_prefill: N, num_decode: N) -> N:
     """``max(T_prefill, T_decode) + T_env``."""
-    return np.maximum(t_prefill(p, num_prefill), t_decode(p, num_decode)) + p.env_s  # type: ignore[no-any-return]
+    return np.maximum(t_prefill(p, num_prefill), t_decode(p, num_decode)) + p.env_s
 
 
 def kv_feasible(p: WorkloadProfile, num_decode: N) -> N:
     """Decode must hold the batch's KV: ``B*K_seq <= N_D*H_max``."""
-    return p.batch_size * p.kv_bytes_per_trajectory <= num_decode * p.kv_capacity_bytes_per_worker  # type: ignore[no-any-return]
+    return p.batch_size * p.kv_bytes_per_trajectory <= num_decode * p.kv_capacity_bytes_per_worker
 
 
 def prefill_feasible(p: WorkloadProfile, num_prefill: N, num_decode: N) -> N:
@@ -60,7 +59,7 @@ def prefill_feasible(p: WorkloadProfile, num_prefill: N, num_decode: N) -> N:
     constraint in words; this is our reading of it, documented in the README.)"""
     tokens = p.batch_size * p.turns * p.new_tokens_per_turn
     busy_s = tokens / (num_prefill * p.prefill_tokens_per_s_per_worker)
-    return busy_s <= t_decode(p, num_decode) + p.env_s  # type: ignore[no-any-return]
+    return busy_s <= t_decode(p, num_decode) + p.env_s
 
 
 def predict(p: WorkloadProfile, num_prefill: int, num_decode: int, num_colocated: int) -> float:

@@ -1,0 +1,139 @@
+"""`pearl-hpc plan`: the JSON contract, the readable output and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pearl_hpc.config import REPO_CONFIGS
+from pearl_hpc.core.types import PDConfig
+
+PROFILE = REPO_CONFIGS / "profiles" / "qwen3-30b-a3b-h800-tp2.yaml"
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pearl_hpc.cli", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def plan_json(*args: str) -> dict:
+    result = cli("plan", "--profile", str(PROFILE), "--json", *args)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_plan_json_contract_from_scratch() -> None:
+    doc = plan_json("--rollout-workers", "8")
+    for key in ("mode", "num_prefill", "num_decode", "num_colocated", "predicted_makespan_s",
+                "switch", "reason", "candidates", "plan", "decision_time_s"):
+        assert key in doc
+    target = PDConfig(doc["num_prefill"], doc["num_decode"], doc["num_colocated"])
+    assert target.total == 8
+    assert doc["mode"] == target.mode.value
+    assert len(doc["candidates"]) == 8  # colocated + 7 splits
+    feasible = [c for c in doc["candidates"] if c["feasible"]]
+    assert doc["predicted_makespan_s"] == min(c["predicted_makespan_s"] for c in feasible)
+    assert len(doc["plan"]["add"]) == 8 and not doc["plan"]["remove"]
+    assert [a["role"] for a in doc["plan"]["add"]].count("prefill") == target.num_prefill
+    assert 0 < doc["decision_time_s"] < 5
+
+
+def test_plan_hysteresis_keeps_colocated_and_borrowing_adds_overlap_workers() -> None:
+    doc = plan_json("--rollout-workers", "8", "--current", "8C", "--borrowable-workers", "4")
+    assert doc["mode"] == "colocated" and doc["switch"] is False
+    assert "threshold" in doc["reason"]
+    assert doc["borrowing"]["allowed"] is True
+    assert doc["num_colocated"] == 12
+    assert all(a["reactivate"] and a["zone"] == "overlap" for a in doc["plan"]["add"])
+
+
+def test_plan_gate_refuses_borrowing_when_toggle_is_expensive() -> None:
+    doc = plan_json("--rollout-workers", "8", "--current", "8C", "--borrowable-workers", "4",
+                    "--toggle-cost-s", "1000")
+    assert doc["borrowing"]["allowed"] is False
+    assert doc["num_colocated"] == 8 and doc["plan"]["add"] == []
+
+
+def test_plan_shrink_removes_and_forces_when_decode_is_gone() -> None:
+    doc = plan_json("--rollout-workers", "1", "--current", "3P5D")
+    assert doc["mode"] == "colocated" and doc["forced"] is True
+    assert len(doc["plan"]["remove"]) == 7
+
+
+def test_plan_readable_output_by_shipped_name() -> None:
+    result = cli("plan", "--profile", "qwen3-8b-h800-tp2", "--rollout-workers", "6",
+                 "--current", "3P3D")
+    assert result.returncode == 0, result.stderr
+    assert "candidates" in result.stdout and "plan" in result.stdout
+
+
+def _write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "profile.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def _profile_text(**changes: object) -> str:
+    data = yaml.safe_load(PROFILE.read_text())
+    data.update(changes)
+    return yaml.safe_dump({k: v for k, v in data.items() if v is not None})
+
+
+@pytest.mark.parametrize(
+    ("text", "args", "needle"),
+    [
+        ("batch_size: [1, 2\n", (), "malformed YAML at line"),
+        (_profile_text(decode_fixd_s=1.0), (), "unknown key 'decode_fixd_s'; valid keys:"),
+        (_profile_text(batch_size=-3), (), "batch_size: must be > 0"),
+        (_profile_text(gen_tokens_per_turn=0), (), "gen_tokens_per_turn: must be > 0"),
+        (_profile_text(decode_fixed_s="fast"), (), "decode_fixed_s: expected a number"),
+        (_profile_text(turns=None), (), "turns: missing required key"),
+        ("- 1\n- 2\n", (), "expected a mapping"),
+        (_profile_text(), ("--current", "3P"), "needs at least 1 prefill and 1 decode"),
+        (_profile_text(), ("--current", "2P3C"), "mixes colocated and disaggregated"),
+        (_profile_text(), ("--current", "eight"), "cannot parse SPEC"),
+        (_profile_text(), ("--current", "0C"), "has no workers"),
+        (_profile_text(), ("--current", "2P2P"), "names P twice"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(tmp_path: Path, text: str, args: tuple, needle: str) -> None:
+    result = cli("plan", "--profile", _write(tmp_path, text), "--rollout-workers", "4", *args)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert needle in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("--rollout-workers", "0"), "must be >= 1"),
+        (("--rollout-workers", "4", "--borrowable-workers", "-1"), "must be >= 0"),
+        (("--rollout-workers", "x"), "expected an integer"),
+    ],
+)
+def test_bad_arguments_are_one_line_exit_2(args: tuple, needle: str) -> None:
+    result = cli("plan", "--profile", str(PROFILE), *args)
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert needle in result.stderr
+
+
+def test_missing_profile_names_the_shipped_ones() -> None:
+    result = cli("plan", "--profile", "no-such-profile", "--rollout-workers", "4")
+    assert result.returncode == 2
+    assert "qwen3-8b-h800-tp2" in result.stderr
+
+
+def test_bench_prints_every_size() -> None:
+    result = cli("bench", "--json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert {r["workers"] for r in rows} == {64, 256, 1024, 4096}
+    assert all(r["median_ms"] > 0 for r in rows)
