@@ -95,11 +95,14 @@ def fit_step(
         values["new_tokens_per_turn"] = float(np.mean([t.new_input_tokens for t in turns]))
         values["gen_tokens_per_turn"] = float(np.mean([t.generated_tokens for t in turns]))
 
-    decode = [it for it in iterations if it.prefill_tokens == 0 and it.num_seqs > 0]
+    # An iteration without a usable wall time (NaN, inf, negative) is dropped from the
+    # fits; max()/min() would otherwise turn NaN into "no busy time" or theta = 99.
+    timed = [it for it in iterations if math.isfinite(it.wall_s) and it.wall_s >= 0]
+    decode = [it for it in timed if it.prefill_tokens == 0 and it.num_seqs > 0]
     a_fit, b_fit = _fit_decode(decode)
     values["decode_fixed_s"], values["decode_per_seq_s"] = a_fit, b_fit
 
-    prefill = [it for it in iterations if it.prefill_tokens > 0]
+    prefill = [it for it in timed if it.prefill_tokens > 0]
     if prefill:
         fixed = a_fit if _ok(a_fit) else prior_decode_fixed_s
         assert fixed is not None
@@ -107,7 +110,8 @@ def fit_step(
         busy = sum(max(0.0, it.wall_s - fixed) for it in prefill)
         values["prefill_s_per_token"] = busy / tokens if busy > 0 else None
 
-    if iterations and rollout_s and rollout_s > 0 and batch_size > 0:
+    # theta sums every iteration: one unusable wall time makes the sum unknowable
+    if iterations and len(timed) == len(iterations) and rollout_s and rollout_s > 0 and batch_size > 0:
         seq_seconds = sum(it.num_seqs * it.wall_s for it in iterations)
         f = min(1.0, max(_MIN_DECODE_FRACTION, seq_seconds / (batch_size * rollout_s)))
         values["decode_bubble_ratio"] = (1.0 - f) / f
