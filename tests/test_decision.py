@@ -15,9 +15,7 @@ from pearl_hpc.core.profile import WorkloadProfile
 from pearl_hpc.core.types import Mode, PDConfig
 from tests.factories import make_profile
 
-SETTINGS = settings(
-    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 # ----------------------------------------------------------------- strategies
@@ -216,9 +214,7 @@ def test_infeasible_splits_are_dropped_even_when_faster():
     mode_thr=st.sampled_from([0.0, 0.02, 0.1, 0.3, 1.0]),
 )
 def test_decide_matches_brute_force_reference(p, n, current, ratio_thr, mode_thr):
-    d = decide(
-        p, n, current, ratio_switch_threshold=ratio_thr, mode_switch_threshold=mode_thr
-    )
+    d = decide(p, n, current, ratio_switch_threshold=ratio_thr, mode_switch_threshold=mode_thr)
     assert d.reason.strip()
     if n == 0:
         assert d.target == PDConfig()
@@ -239,13 +235,18 @@ def test_maximal_thresholds_keep_the_zero_role_change_incumbent(p, n, current):
     if d.forced:
         assert current.mode is Mode.DISAGGREGATED
         assert d.incumbent is None
-        assert not any(
-            c.feasible and _zero_role_change(current, c.config) for c in d.candidates
-        )
+        assert not any(c.feasible and _zero_role_change(current, c.config) for c in d.candidates)
     else:
         assert _zero_role_change(current, d.target)
         assert d.switch is False
         assert d.incumbent == d.target
+        # ... and it is the best role-preserving configuration (smaller N_P on ties)
+        keep = [
+            (c.config, c.predicted_makespan_s, c.feasible)
+            for c in d.candidates
+            if _zero_role_change(current, c.config)
+        ]
+        assert d.target == _argmin(keep)[0]
 
 
 @SETTINGS
@@ -419,6 +420,13 @@ def test_grow_incumbent_assigns_new_workers_any_role():
     assert d.switch is False
     # decode-bound here, so the new workers decode
     assert d.target == PDConfig(2, 4, 0)
+
+    # Prefill ten times dearer: 3P3D (248 s) beats 2P4D (276.6 s) and 4P2D (264 s),
+    # so one new worker prefills and one decodes.
+    q = p.replace(prefill_s_per_token=2e-4)
+    d = decide(q, 6, PDConfig(2, 2, 0), ratio_switch_threshold=1.0, mode_switch_threshold=1.0)
+    assert d.target == d.incumbent == PDConfig(3, 3, 0)
+    assert d.switch is False
 
 
 def test_shrink_incumbent_removes_workers_from_any_role():

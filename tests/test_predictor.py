@@ -184,7 +184,10 @@ def test_prefill_feasible_boundary_is_inclusive():
     )
     assert float(predictor.t_decode(q, 2)) == 4.0
     assert bool(predictor.prefill_feasible(q, 1, 2)) is True
-    assert bool(predictor.prefill_feasible(q.replace(prefill_tokens_per_s_per_worker=99), 1, 2)) is False
+    assert (
+        bool(predictor.prefill_feasible(q.replace(prefill_tokens_per_s_per_worker=99), 1, 2))
+        is False
+    )
 
 
 def test_prefill_feasible_env_time_counts_toward_the_span(p):

@@ -214,9 +214,7 @@ def test_nan_wall_times_keep_the_configured_profile():
     base = make_profile()
     nan = float("nan")
     tr = RuntimeTracker(base)
-    f = tr.observe_step(
-        [], [dec(1, nan), dec(2, nan), dec(3, nan), pre(100, nan)], rollout_s=100.0
-    )
+    f = tr.observe_step([], [dec(1, nan), dec(2, nan), dec(3, nan), pre(100, nan)], rollout_s=100.0)
     assert f.values["decode_fixed_s"] is None
     assert f.values["decode_per_seq_s"] is None
     assert f.values["prefill_s_per_token"] is None
@@ -267,17 +265,13 @@ def test_ema_over_two_steps_by_hand():
     base = make_profile(turns=40, decode_fixed_s=0.008, env_s=120.0)
     tr = RuntimeTracker(base, ema_alpha=0.5)
     # step 1: turns 10, env 10*1 = 10, A = 0.01 (walls 0.01 + 0.002 n)
-    tr.observe_step(
-        [turn("a", i, env=1.0) for i in range(10)], [dec(1, 0.012), dec(3, 0.016)]
-    )
+    tr.observe_step([turn("a", i, env=1.0) for i in range(10)], [dec(1, 0.012), dec(3, 0.016)])
     # turns 0.5*10 + 0.5*40 = 25; env 0.5*10 + 0.5*120 = 65; A 0.5*0.01 + 0.5*0.008 = 0.009
     assert tr.profile.turns == pytest.approx(25.0)
     assert tr.profile.env_s == pytest.approx(65.0)
     assert tr.profile.decode_fixed_s == pytest.approx(0.009)
     # step 2: turns 20, env 20*2 = 40, A = 0.02 (walls 0.02 + 0.001 n)
-    tr.observe_step(
-        [turn("a", i, env=2.0) for i in range(20)], [dec(2, 0.022), dec(4, 0.024)]
-    )
+    tr.observe_step([turn("a", i, env=2.0) for i in range(20)], [dec(2, 0.022), dec(4, 0.024)])
     # turns 0.5*20 + 0.5*25 = 22.5; env 0.5*40 + 0.5*65 = 52.5; A 0.5*0.02 + 0.5*0.009 = 0.0145
     assert tr.profile.turns == pytest.approx(22.5)
     assert tr.profile.env_s == pytest.approx(52.5)

@@ -28,6 +28,7 @@ from pearl_hpc.core.decision import Decision
 from pearl_hpc.core.orchestrator import CapacityUnit, TransitionPlan, WorkerAdd, plan_transition
 from pearl_hpc.core.policies import (
     GateDecision,
+    Policies,
     PolicyConfig,
     ToggleCostEstimator,
     gate_borrowing_of,
@@ -67,10 +68,12 @@ class CapacityGranted:
 
 @dataclass(frozen=True, slots=True)
 class CapacityReclaimed:
-    """An elastic job (component) must be given back by ``deadline_s``."""
+    """An elastic job (component) must be given back by ``deadline_s``; with ``gpu_ids``
+    only the workers and free units on those GPUs (a partial shrink of the job)."""
 
     source: ElasticSource
     deadline_s: float
+    gpu_ids: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,9 +183,10 @@ class Controller:
         clock: Callable[[], float],
         table: RoleTable | None = None,
         check_invariants: bool = False,
+        policies: Policies | None = None,
     ) -> None:
         self.config = policy or PolicyConfig()
-        self.policies = make_policies(self.config)
+        self.policies = policies or make_policies(self.config)
         self.tracker = RuntimeTracker(profile, ema_alpha=self.config.tracker_ema_alpha)
         self.toggle = ToggleCostEstimator(self.config.toggle_cost_s, self.config.toggle_ema_alpha)
         self.executor = executor
@@ -197,7 +201,6 @@ class Controller:
         self.history: list[Reconfiguration] = []
         self._groups: dict[int, _AdmissionGroup] = {}
         self._next_group = 0
-        self._draining_sources: set[ElasticSource] = set()
 
     # ----------------------------------------------------------------- set-up
     def register_training(
@@ -236,8 +239,8 @@ class Controller:
                     CapacityUnit(tuple(g), Zone.DEDICATED, source) for g in gpu_sets
                 )
                 result = self._reconfigure(f"capacity granted by {source.tag}")
-            case CapacityReclaimed(source, deadline_s):
-                result = self._on_reclaim(source, deadline_s)
+            case CapacityReclaimed(source, deadline_s, gpu_ids):
+                result = self._on_reclaim(source, deadline_s, gpu_ids)
             case WorkerReady(slot_id):
                 result = self._on_ready(slot_id)
             case WorkerReleased(slot_id):
@@ -274,10 +277,16 @@ class Controller:
         self.unfinished_trajectories = unfinished
         return self._reconfigure(f"training step {step} finished")
 
-    def _on_reclaim(self, source: ElasticSource, deadline_s: float) -> Reconfiguration | None:
-        self.free_units = [u for u in self.free_units if u.source != source]
-        self._draining_sources.add(source)
-        victims = [s.slot_id for s in self.table.rollout_slots() if s.source == source]
+    def _on_reclaim(
+        self, source: ElasticSource, deadline_s: float, gpu_ids: tuple[str, ...] | None
+    ) -> Reconfiguration | None:
+        def hit(gpus: tuple[str, ...]) -> bool:
+            return gpu_ids is None or not set(gpus).isdisjoint(gpu_ids)
+
+        self.free_units = [u for u in self.free_units if u.source != source or not hit(u.gpu_ids)]
+        victims = [
+            s.slot_id for s in self.table.rollout_slots() if s.source == source and hit(s.gpu_ids)
+        ]
         leaving = [i for i in victims if self.table.get(i).status is Status.LEAVING]
         if leaving:  # already draining: tighten their deadline
             self.executor.stop_workers(leaving, deadline_s)
@@ -462,11 +471,9 @@ class Controller:
     # ---------------------------------------------------------------- execute
     def _apply(self, plan: TransitionPlan, deadline_s: float | None, now: float) -> None:
         # 1. removals, borrowed workers first (plan order)
+        joining = {i for i in plan.remove if self.table.get(i).status is Status.JOINING}
         if plan.remove:
             for slot_id in plan.remove:
-                slot = self.table.get(slot_id)
-                if slot.status is Status.JOINING:
-                    self._leave_group(slot_id)
                 self.table.transition(slot_id, Status.LEAVING, now_s=now)
             self.executor.stop_workers(list(plan.remove), deadline_s)
         # 2. role changes of survivors
@@ -477,6 +484,10 @@ class Controller:
                 else:  # still joining or changing role: aim it at the new role
                     self.table.retarget(slot_id, role)
             self.executor.change_roles(list(plan.role_changes))
+        # Removed members leave their admission groups only now, all at once: a member
+        # removed by this plan is never admitted on its way out, and the rest of a group
+        # is admitted in its new role rather than admitted and then re-roled.
+        self._leave_groups(joining)
         # 3. joins in the background, admitted together
         if plan.add:
             used = {a.gpu_ids for a in plan.add}
@@ -516,11 +527,11 @@ class Controller:
                 return group_id
         raise KeyError(slot_id)
 
-    def _leave_group(self, slot_id: int) -> None:
+    def _leave_groups(self, slot_ids: set[int]) -> None:
         for group_id, group in list(self._groups.items()):
-            if slot_id in group.members:
-                group.members.discard(slot_id)
-                group.ready.discard(slot_id)
+            if group.members & slot_ids:
+                group.members -= slot_ids
+                group.ready -= slot_ids
                 if not group.members:
                     del self._groups[group_id]
                 elif group.ready >= group.members:  # the rest was only waiting for it
@@ -535,7 +546,6 @@ class Controller:
             return
         if any(u.source == source for u in self.free_units):
             return
-        self._draining_sources.discard(source)
         self.executor.release_capacity(source)
 
     # ---------------------------------------------------------------- journal

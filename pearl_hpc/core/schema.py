@@ -135,7 +135,10 @@ def _coerce(hint: Any, value: Any, path: str) -> Any:
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{path}: expected a number, got {_describe(value)}")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer beyond the float range (YAML ints are unbounded)
+            raise ConfigError(f"{path}: must be a finite number, got a huge integer") from None
     if hint is str:
         if not isinstance(value, str):
             raise ConfigError(f"{path}: expected a string, got {_describe(value)}")

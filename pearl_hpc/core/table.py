@@ -358,6 +358,11 @@ class RoleTable:
                     raise InvariantError(f"slot {slot.slot_id}: pending role without REROLE")
         if any(i in self._slots for i in self._free_ids):
             raise InvariantError("a free slot id is also in use")
+        # a duplicate or out-of-range free id would later hand out a slot id twice
+        if len(set(self._free_ids)) != len(self._free_ids) or any(
+            not 0 <= i < self._next_id for i in self._free_ids
+        ):
+            raise InvariantError("free slot ids must be distinct and below the next slot id")
 
     # ---------------------------------------------------------------- journal
     def to_dict(self) -> dict[str, Any]:

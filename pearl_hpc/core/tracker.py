@@ -12,9 +12,11 @@ Per step it fits (PEARL.md section 4):
   - ``decode_bubble_ratio`` (theta): ``(1-f)/f`` with ``f`` the time-averaged fraction of
     the batch inside an engine iteration, ``sum(num_seqs * wall_s) / (B * rollout_s)``
     summed over all workers.
-Each fitted value is smoothed with an exponential moving average over steps. A value
-that cannot be fitted (no data, a degenerate fit, NaN) keeps the previous estimate,
-which starts at the configured profile: never zero, never NaN.
+Iterations with a NaN, infinite or negative wall time are left out of the fits (theta,
+a sum over every iteration, is then not fitted). Each fitted value is smoothed with an
+exponential moving average over steps. A value that cannot be fitted (no data, a
+degenerate fit, NaN) keeps the previous estimate, which starts at the configured
+profile: never zero, never NaN.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class IterationRecord:
     context_tokens: int  # total context tokens of those sequences
     prefill_tokens: int  # tokens prefilled in this iteration (0 = pure decode)
     wall_s: float
+    count: float = 1.0  # identical iterations this record stands for (aggregated telemetry)
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,11 @@ def fit_step(
 
     # An iteration without a usable wall time (NaN, inf, negative) is dropped from the
     # fits; max()/min() would otherwise turn NaN into "no busy time" or theta = 99.
-    timed = [it for it in iterations if math.isfinite(it.wall_s) and it.wall_s >= 0]
+    timed = [
+        it
+        for it in iterations
+        if math.isfinite(it.wall_s) and it.wall_s >= 0 and math.isfinite(it.count) and it.count > 0
+    ]
     decode = [it for it in timed if it.prefill_tokens == 0 and it.num_seqs > 0]
     a_fit, b_fit = _fit_decode(decode)
     values["decode_fixed_s"], values["decode_per_seq_s"] = a_fit, b_fit
@@ -106,13 +113,14 @@ def fit_step(
     if prefill:
         fixed = a_fit if _ok(a_fit) else prior_decode_fixed_s
         assert fixed is not None
-        tokens = sum(it.prefill_tokens for it in prefill)
-        busy = sum(max(0.0, it.wall_s - fixed) for it in prefill)
+        tokens = sum(it.prefill_tokens * it.count for it in prefill)
+        busy = sum(max(0.0, it.wall_s - fixed) * it.count for it in prefill)
         values["prefill_s_per_token"] = busy / tokens if busy > 0 else None
 
     # theta sums every iteration: one unusable wall time makes the sum unknowable
-    if iterations and len(timed) == len(iterations) and rollout_s and rollout_s > 0 and batch_size > 0:
-        seq_seconds = sum(it.num_seqs * it.wall_s for it in iterations)
+    complete = len(timed) == len(iterations)
+    if iterations and complete and rollout_s and rollout_s > 0 and batch_size > 0:
+        seq_seconds = sum(it.num_seqs * it.wall_s * it.count for it in iterations)
         f = min(1.0, max(_MIN_DECODE_FRACTION, seq_seconds / (batch_size * rollout_s)))
         values["decode_bubble_ratio"] = (1.0 - f) / f
 
@@ -124,19 +132,22 @@ def fit_step(
 
 
 def _fit_decode(decode: Sequence[IterationRecord]) -> tuple[float | None, float | None]:
-    """Non-negative least squares of ``wall = A + b * n`` (closed form in 1-D)."""
+    """Non-negative least squares of ``wall = A + b * n``, each record weighted by the
+    iterations it stands for (closed form in 1-D)."""
     if len(decode) < 2:
         return None, None
     n = np.array([it.num_seqs for it in decode], dtype=float)
     w = np.array([it.wall_s for it in decode], dtype=float)
+    c = np.array([it.count for it in decode], dtype=float)
     if np.ptp(n) == 0:
         return None, None
-    design = np.stack([np.ones_like(n), n], axis=1)
-    (a, b), *_ = np.linalg.lstsq(design, w, rcond=None)
+    root = np.sqrt(c)
+    design = np.stack([root, root * n], axis=1)
+    (a, b), *_ = np.linalg.lstsq(design, root * w, rcond=None)
     if b < 0:  # best non-negative fit on the boundary b = 0
-        a, b = float(w.mean()), 0.0
+        a, b = float((c * w).sum() / c.sum()), 0.0
     if a < 0:  # boundary A = 0
-        a, b = 0.0, float((w * n).sum() / (n * n).sum())
+        a, b = 0.0, float((c * w * n).sum() / (c * n * n).sum())
     if not (math.isfinite(a) and math.isfinite(b)) or a + b <= 0:
         return None, None
     return float(a), float(b)

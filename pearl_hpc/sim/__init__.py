@@ -1,0 +1,1 @@
+"""Discrete-event simulator of PEARL on a GPU cluster, driving the production controller."""

@@ -1,0 +1,749 @@
+"""Discrete-event simulator of agentic RL rollout + training, driving the production
+controller (:class:`pearl_hpc.core.controller.Controller`) through an Executor.
+
+Granularity is the phase, not the token: a turn is *route -> prefill -> (KV transfer)
+-> decode -> environment*. Inside a worker, decoding sequences share the engine by
+processor sharing (one token per sequence per iteration; an iteration lasts
+``CostModel.decode_iteration_s``), tracked with a per-worker virtual clock so each event
+costs O(log n). Prefill jobs run first-come first-served in chunks; on a colocated
+worker a pending chunk lengthens every decode iteration (the interference PEARL
+measures). KV memory is reserved per running request (admission waits when full); a
+worker keeps finished trajectories' contexts in an LRU prefix cache, so a turn that
+returns to the same worker prefills only its new tokens and one that moves re-prefills
+its whole context.
+
+Events are ordered by ``(time_s, priority, seq)``; all randomness is the workload's
+seeded generator, so a seed gives one result.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pearl_hpc.core.controller import (
+    CapacityGranted,
+    CapacityReclaimed,
+    Controller,
+    StepTelemetry,
+    TrainingBegin,
+    TrainingFinished,
+    WorkerReady,
+    WorkerReleased,
+)
+from pearl_hpc.core.orchestrator import WorkerAdd
+from pearl_hpc.core.policies import PolicyConfig
+from pearl_hpc.core.profile import WorkloadProfile
+from pearl_hpc.core.table import ElasticSource
+from pearl_hpc.core.tracker import IterationRecord, TurnRecord
+from pearl_hpc.core.types import Role, Status, Zone
+from pearl_hpc.sim.costmodel import CHUNK_TOKENS, CostModel
+from pearl_hpc.sim.traces import AvailabilityTrace
+from pearl_hpc.sim.workload import TrajectorySpec, WorkloadConfig, WorkloadGenerator
+
+# event priorities at equal times: capacity changes, then completions, then arrivals
+_P_CAPACITY, _P_CONTROL, _P_WORK, _P_ARRIVAL = 0, 1, 2, 3
+DEDICATED_RELEASE_S = 1.0  # stop a dedicated worker: abort requests, free the GPUs
+
+
+class SimInvariantError(AssertionError):
+    """A simulated run broke a guarantee (lost trajectory, late return, ...)."""
+
+
+# ------------------------------------------------------------------------ entities
+@dataclass(eq=False)
+class Traj:
+    spec: TrajectorySpec
+    step: int
+    turn: int = 0
+    context: int = 0  # tokens in context before the current turn
+    done_gen: int = 0  # tokens of the current turn's response generated so far
+    worker: int | None = None  # last worker that held its prefix (prefill side)
+    prefilled: int = 0  # tokens prefilled for the current turn (re-prefills included)
+    finished_s: float | None = None
+    interrupts: int = 0
+
+
+@dataclass(eq=False)
+class Request:
+    """One turn of one trajectory on its way through the workers."""
+
+    traj: Traj
+    prefill_tokens: int = 0  # tokens to prefill (new, or whole context on a miss)
+    gen_left: int = 0
+    kv_tokens: int = 0  # reserved on the worker where it is resident
+    finish_vt: float = 0.0
+    started_vt: float = 0.0
+    worker: int | None = None
+
+
+@dataclass(eq=False)
+class SimWorker:
+    slot_id: int
+    role: Role
+    zone: Zone
+    kv_capacity: int
+    state: str = "starting"  # starting | active | rerole | draining | off
+    decode: list[tuple[float, int, Request]] = field(default_factory=list)  # heap by finish_vt
+    decode_ctx: int = 0
+    prefill: deque[Request] = field(default_factory=deque)
+    prefill_left: float = 0.0  # remaining tokens of the head prefill job
+    waiting: deque[tuple[str, Request]] = field(default_factory=deque)  # KV admission queue
+    kv_used: int = 0
+    cache: OrderedDict[str, int] = field(default_factory=OrderedDict)  # traj -> cached tokens
+    vt: float = 0.0  # tokens generated per decoding sequence since creation
+    decode_rate: float = 0.0  # tokens/s per sequence
+    prefill_rate: float = 0.0  # tokens/s of the head job
+    iteration_s: float = 0.0
+    updated_s: float = 0.0
+    version: int = 0
+
+    @property
+    def load(self) -> int:
+        return len(self.decode) + len(self.prefill) + len(self.waiting)
+
+
+@dataclass
+class StepRecord:
+    """One step: the window from the previous batch's completion to this one's."""
+
+    step: int
+    started_s: float
+    rollout_started_s: float = 0.0
+    finished_s: float = 0.0
+    generated_tokens: int = 0
+    trained_tokens: int = 0
+    mode: str = ""
+    num_prefill: int = 0
+    num_decode: int = 0
+    num_colocated: int = 0
+    borrowed_workers: int = 0
+    dedicated_gpus: int = 0
+    training_return_s: float = 0.0  # Training Begin -> borrowed GPUs back
+
+    @property
+    def duration_s(self) -> float:
+        return self.finished_s - self.started_s
+
+    @property
+    def throughput_tokens_per_s(self) -> float:
+        d = self.duration_s
+        return (self.generated_tokens + self.trained_tokens) / d if d > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class SimSetup:
+    """Resources and policies of one simulated system."""
+
+    name: str
+    policy: PolicyConfig
+    reserved_rollout_gpus: int = 4
+    training_gpus: int = 16
+    elastic: AvailabilityTrace | None = None  # elastic GPUs over time (None: fixed)
+    overlap: bool = True  # overlap workers exist on the training GPUs (borrowing)
+    grace_s: float = 30.0  # reclaim deadline after the trace drops
+    weight_pull: bool = True  # joining workers pull the latest weights (preparation)
+
+
+# ----------------------------------------------------------------------- simulator
+class Simulator:
+    def __init__(
+        self,
+        setup: SimSetup,
+        cost: CostModel,
+        workload: WorkloadConfig,
+        profile: WorkloadProfile,
+        *,
+        seed: int,
+        duration_s: float,
+        check_invariants: bool = True,
+        progress: Callable[[float], None] | None = None,
+    ) -> None:
+        self.setup = setup
+        self.cost = cost
+        self.workload = workload
+        self.duration_s = duration_s
+        self.gen = WorkloadGenerator(workload, seed)
+        self.now = 0.0
+        self._heap: list[tuple[float, int, int, Callable[..., None], tuple[Any, ...]]] = []
+        self._seq = itertools.count()
+        self.workers: dict[int, SimWorker] = {}
+        self.pending: deque[Traj] = deque()  # turns waiting for routing
+        self.admission_paused_until = 0.0
+        self.progress = progress
+        self.controller = Controller(
+            profile,
+            self,
+            policy=setup.policy,
+            clock=lambda: self.now,
+            check_invariants=check_invariants,
+        )
+        self.steps: list[StepRecord] = []
+        self.timeline: list[tuple[float, int, str, str]] = []  # (t, slot, role, state)
+        self.budget: list[tuple[float, int]] = []  # (t, dedicated rollout GPUs)
+        self.trajs_started = 0
+        self.trajs_finished = 0
+        self.interrupted_turns = 0
+        self.released: list[str] = []
+        self._turns: list[TurnRecord] = []
+        self._iters: list[IterationRecord] = []
+        self._batches: dict[int, list[Traj]] = {}
+        self._left: dict[int, int] = {}
+        self._rollout_step = 0
+        self._trained_step = -1  # last finished training step
+        self._training_queue: deque[int] = deque()  # completed batches awaiting training
+        self._training_running: int | None = None
+        self._training_begin_s: float | None = None
+        self._ready_at: dict[int, float] = {}
+        self._borrow_started: dict[int, float] = {}
+        self._activation_s: list[float] = []
+        self._deactivation_s: list[float] = []
+        self._granted: list[tuple[ElasticSource, tuple[str, ...]]] = []  # LIFO stack
+        self._job_counter = 0
+        self._grant_counter = 0
+        self._in_transit = 0  # trajectories in an environment step or a KV transfer
+        self._drain_started: dict[int, float] = {}
+
+    # ------------------------------------------------------------- event heap
+    def at(self, time_s: float, prio: int, fn: Callable[..., None], *args: Any) -> None:
+        heapq.heappush(self._heap, (time_s, prio, next(self._seq), fn, args))
+
+    def run(self) -> Simulator:
+        tp = self.cost.tp
+        train_gpus = [f"train:{i}" for i in range(self.setup.training_gpus)]
+        overlap = (
+            [train_gpus[i : i + tp] for i in range(0, len(train_gpus) - tp + 1, tp)]
+            if self.setup.overlap
+            else []
+        )
+        self.controller.register_training(train_gpus, overlap_gpu_sets=overlap)
+        reserved = [
+            [f"res:{i + j}" for j in range(tp)]
+            for i in range(0, self.setup.reserved_rollout_gpus - tp + 1, tp)
+        ]
+        self.controller.grant_reserved(reserved)
+        if self.setup.elastic is not None:
+            for t, count in zip(self.setup.elastic.times_s, self.setup.elastic.counts, strict=True):
+                if t <= self.duration_s:
+                    self.at(t, _P_CAPACITY, self._on_trace, count)
+        self._record_budget()
+        self._start_batch()
+        events = 0
+        while self._heap:
+            time_s, _, _, fn, args = heapq.heappop(self._heap)
+            if time_s > self.duration_s:
+                break
+            self.now = time_s
+            fn(*args)
+            events += 1
+            if self.progress is not None and events % 4096 == 0:
+                self.progress(self.now)
+        self.now = self.duration_s
+        self.events = events
+        self.check_census()
+        return self
+
+    def check_census(self) -> None:
+        """No trajectory lost: every started one is finished, queued, on a worker, or in
+        an environment step / KV transfer."""
+        on_workers = sum(
+            len(w.decode) + len(w.prefill) + len(w.waiting) for w in self.workers.values()
+        )
+        accounted = self.trajs_finished + len(self.pending) + on_workers + self._in_transit
+        if accounted != self.trajs_started:
+            raise SimInvariantError(
+                f"{self.trajs_started} trajectories started but {accounted} accounted for "
+                f"({self.trajs_finished} finished, {len(self.pending)} queued, {on_workers} "
+                f"on workers, {self._in_transit} in environment/transfer)"
+            )
+
+    # ------------------------------------------------------------ capacity trace
+    def _elastic_gpus(self) -> int:
+        return sum(len(g) for _, g in self._granted)
+
+    def _on_trace(self, count: int) -> None:
+        tp = self.cost.tp
+        target = (count // tp) * tp
+        have = self._elastic_gpus()
+        if target > have:
+            self._job_counter += 1
+            source = ElasticSource(f"spot{self._job_counter}", 0)
+            sets = []
+            for _ in range((target - have) // tp):
+                gpus = tuple(f"spot:{self._grant_counter}:{j}" for j in range(tp))
+                self._grant_counter += 1
+                sets.append(gpus)
+                self._granted.append((source, gpus))
+            self.controller.handle(CapacityGranted(source, tuple(sets)))
+        reclaimed: dict[ElasticSource, list[str]] = {}
+        while self._elastic_gpus() > target:
+            source, gpus = self._granted.pop()  # last granted, first reclaimed
+            reclaimed.setdefault(source, []).extend(gpus)
+        for source, gpu_ids in reclaimed.items():
+            deadline = self.now + self.setup.grace_s
+            self.controller.handle(CapacityReclaimed(source, deadline, tuple(gpu_ids)))
+        self._record_budget()
+
+    def _record_budget(self) -> None:
+        self.budget.append((self.now, self.setup.reserved_rollout_gpus + self._elastic_gpus()))
+
+    # ------------------------------------------------------------------- executor
+    def start_workers(self, adds: Sequence[WorkerAdd]) -> None:
+        for add in adds:
+            w = SimWorker(
+                add.slot_id, add.role, add.zone, self.cost.kv_capacity_tokens, updated_s=self.now
+            )
+            self.workers[add.slot_id] = w
+            self._mark(w, "starting")
+            if add.reactivate:
+                delay = self.cost.reconfig_s("activation")
+                self._borrow_started[add.slot_id] = self.now
+            else:
+                delay = self.cost.reconfig_s("preparation") if self.setup.weight_pull else 1.0
+            self.at(self.now + delay, _P_CONTROL, self._worker_ready, add.slot_id, w)
+
+    def _worker_ready(self, slot_id: int, w: SimWorker) -> None:
+        if self.workers.get(slot_id) is not w or w.state not in ("starting", "rerole"):
+            return  # cancelled meanwhile
+        if slot_id in self._borrow_started:
+            self._activation_s.append(self.now - self._borrow_started.pop(slot_id))
+        self.controller.handle(WorkerReady(slot_id))
+
+    def admit(self, slot_ids: Sequence[int]) -> None:
+        inter_scale = any(
+            w.zone is Zone.DEDICATED for w in (self.workers.get(s) for s in slot_ids) if w
+        )
+        pause = (
+            self.cost.reconfig_s("finalisation") if inter_scale and self.setup.weight_pull else 0.0
+        )
+        self.admission_paused_until = max(self.admission_paused_until, self.now + pause)
+        self.at(self.now + pause, _P_CONTROL, self._activate, list(slot_ids))
+
+    def _activate(self, slot_ids: list[int]) -> None:
+        for s in slot_ids:
+            w = self.workers.get(s)
+            if w is not None and w.state == "starting":
+                self._mark(w, "active")
+        self._dispatch()
+
+    def change_roles(self, changes: Sequence[tuple[int, Role]]) -> None:
+        for slot_id, role in changes:
+            w = self.workers[slot_id]
+            w.role = role
+            if w.state == "starting":
+                continue  # joins directly in its new role
+            if w.state != "rerole":
+                self._drain(w)
+                self._mark(w, "rerole")
+                self.at(
+                    self.now + self.cost.reconfig_s("rerole"),
+                    _P_CONTROL,
+                    self._rerole_done,
+                    slot_id,
+                    w,
+                )
+        self._dispatch()
+
+    def _rerole_done(self, slot_id: int, w: SimWorker) -> None:
+        if self.workers.get(slot_id) is not w or w.state != "rerole":
+            return
+        self._mark(w, "active")
+        self.controller.handle(WorkerReady(slot_id))
+        self._dispatch()
+
+    def stop_workers(self, slot_ids: Sequence[int], deadline_s: float | None) -> None:
+        for slot_id in slot_ids:
+            w = self.workers.get(slot_id)
+            if w is None or w.state in ("draining", "off"):
+                continue
+            self._drain(w)
+            self._mark(w, "draining")
+            self._drain_started[slot_id] = self.now
+            delay = (
+                self.cost.reconfig_s("deactivation")
+                if w.zone is Zone.OVERLAP
+                else DEDICATED_RELEASE_S
+            )
+            done = self.now + delay
+            if deadline_s is not None:
+                done = min(done, deadline_s)
+            self.at(done, _P_CONTROL, self._released, slot_id, w)
+        self._dispatch()
+
+    def _released(self, slot_id: int, w: SimWorker) -> None:
+        if self.workers.get(slot_id) is not w:
+            return
+        if w.zone is Zone.OVERLAP:
+            self._deactivation_s.append(self.now - self._drain_started.pop(slot_id, self.now))
+        self._mark(w, "off")
+        del self.workers[slot_id]
+        self.controller.handle(WorkerReleased(slot_id))
+
+    def start_training(self, step: int) -> None:
+        busy = [w.slot_id for w in self.workers.values() if w.zone is Zone.OVERLAP]
+        if busy:
+            raise SimInvariantError(
+                f"training step {step} starts while overlap workers {busy} hold GPUs"
+            )
+        assert self._training_begin_s is not None
+        wait_s = self.now - self._training_begin_s
+        rec = self.steps[step]
+        rec.training_return_s = wait_s
+        tokens = rec.trained_tokens
+        self.at(
+            self.now + self.cost.training_step_s(tokens, self.setup.training_gpus),
+            _P_CONTROL,
+            self._training_done,
+            step,
+        )
+
+    def release_capacity(self, source: ElasticSource) -> None:
+        self.released.append(source.tag)
+
+    # ------------------------------------------------------------------ training
+    def _training_done(self, step: int) -> None:
+        self._trained_step = step
+        self._training_running = None
+        unfinished = self._left.get(self._rollout_step, self.workload.batch_size)
+        self.controller.handle(TrainingFinished(step, unfinished))
+        self._maybe_train()
+        self._maybe_start_next_batch()
+
+    def _maybe_train(self) -> None:
+        if self._training_running is not None or not self._training_queue:
+            return
+        step = self._training_queue.popleft()
+        self._training_running = step
+        self._training_begin_s = self.now
+        self.controller.handle(TrainingBegin(step))
+
+    # ------------------------------------------------------------------ batches
+    def _start_batch(self) -> None:
+        step = self._rollout_step
+        specs = self.gen.batch(step)
+        trajs = [Traj(spec, step) for spec in specs]
+        self._batches[step] = trajs
+        self._left[step] = len(trajs)
+        window_start = self.steps[-1].finished_s if self.steps else 0.0
+        self.steps.append(StepRecord(step, window_start, rollout_started_s=self.now))
+        self.trajs_started += len(trajs)
+        for t in trajs:
+            self.pending.append(t)
+        self._dispatch()
+
+    def _maybe_start_next_batch(self) -> None:
+        # staleness s: batch j may start once training step j - 1 - s has finished
+        nxt = self._rollout_step + 1
+        if (
+            self._left.get(self._rollout_step, 1) == 0
+            and self._trained_step >= nxt - 1 - self.workload.staleness
+        ):
+            self._rollout_step = nxt
+            self._start_batch()
+
+    def _batch_done(self, step: int) -> None:
+        rec = self.steps[step]
+        rec.finished_s = self.now
+        trajs = self._batches.pop(step)
+        rec.generated_tokens = sum(t.spec.generated_tokens for t in trajs)
+        rec.trained_tokens = sum(t.spec.total_tokens for t in trajs)
+        cfg = self.controller.table.role_counts()
+        rec.num_prefill, rec.num_decode = cfg[Role.PREFILL], cfg[Role.DECODE]
+        rec.num_colocated = cfg[Role.COLOCATED]
+        rec.mode = "disaggregated" if rec.num_prefill else "colocated"
+        rec.borrowed_workers = sum(
+            1 for s in self.controller.table.overlap_workers() if s.status is not Status.INACTIVE
+        )
+        rec.dedicated_gpus = self.setup.reserved_rollout_gpus + self._elastic_gpus()
+        telemetry = StepTelemetry(
+            step,
+            tuple(self._turns),
+            tuple(self._iters),
+            rollout_s=self.now - rec.rollout_started_s,
+            batch_size=len(trajs),
+            borrowed=bool(self._activation_s),
+            activation_s=sum(self._activation_s) / len(self._activation_s)
+            if self._activation_s
+            else 0.0,
+            deactivation_s=sum(self._deactivation_s) / len(self._deactivation_s)
+            if self._deactivation_s
+            else 0.0,
+        )
+        self._turns, self._iters = [], []
+        self._activation_s, self._deactivation_s = [], []
+        self.controller.handle(telemetry)
+        self._training_queue.append(step)
+        self._maybe_train()
+        self._maybe_start_next_batch()
+
+    # ------------------------------------------------------------------- routing
+    def _active(self, role: Role | None = None) -> list[SimWorker]:
+        return [
+            w
+            for w in self.workers.values()
+            if w.state == "active" and (role is None or w.role is role)
+        ]
+
+    def _dispatch(self) -> None:
+        if self.now < self.admission_paused_until:
+            self.at(self.admission_paused_until, _P_ARRIVAL, self._dispatch)
+            return
+        if not self.pending:
+            return
+        coloc = self._active(Role.COLOCATED)
+        prefill = self._active(Role.PREFILL)
+        decode = self._active(Role.DECODE)
+        if not coloc and not (prefill and decode):
+            return  # nothing can serve: turns wait for capacity
+        while self.pending:
+            traj = self.pending.popleft()
+            pool = coloc if coloc else prefill
+            w = self._pick(pool, traj.worker)
+            self._submit_prefill(w, traj)
+
+    def _pick(self, pool: list[SimWorker], sticky: int | None) -> SimWorker:
+        """Sticky to the worker holding the prefix unless its load exceeds 1.5x the mean
+        + 2; otherwise least loaded (ties: lowest slot id)."""
+        mean = sum(w.load for w in pool) / len(pool)
+        for w in pool:
+            if w.slot_id == sticky and w.load <= 1.5 * mean + 2:
+                return w
+        return min(pool, key=lambda w: (w.load, w.slot_id))
+
+    def _submit_prefill(self, w: SimWorker, traj: Traj) -> None:
+        turn = traj.spec.turns[traj.turn]
+        cached = w.cache.pop(traj.spec.trajectory_id, 0)
+        # the prompt includes a response interrupted earlier (token-level resume)
+        prompt = traj.context + turn.new_tokens + traj.done_gen
+        tokens = prompt - min(cached, traj.context)
+        req = Request(traj, prefill_tokens=max(1, tokens), gen_left=turn.gen_tokens - traj.done_gen)
+        traj.prefilled += req.prefill_tokens
+        req.kv_tokens = traj.context + turn.new_tokens + turn.gen_tokens
+        traj.worker = w.slot_id
+        self._admit(w, "prefill", req)
+
+    def _admit(self, w: SimWorker, phase: str, req: Request) -> None:
+        self._advance(w)
+        if w.kv_used + req.kv_tokens > w.kv_capacity and (w.decode or w.prefill):
+            w.waiting.append((phase, req))
+            return
+        self._enter(w, phase, req)
+        self._reschedule(w)
+
+    def _enter(self, w: SimWorker, phase: str, req: Request, *, reserve: bool = True) -> None:
+        if reserve:
+            w.kv_used += req.kv_tokens
+            self._evict(w)
+        req.worker = w.slot_id
+        if phase == "prefill":
+            if not w.prefill:
+                w.prefill_left = req.prefill_tokens
+            w.prefill.append(req)
+        else:
+            req.started_vt = w.vt
+            req.finish_vt = w.vt + req.gen_left
+            heapq.heappush(w.decode, (req.finish_vt, next(self._seq), req))
+            w.decode_ctx += req.kv_tokens
+
+    def _evict(self, w: SimWorker) -> None:
+        room = w.kv_capacity - w.kv_used
+        cached = sum(w.cache.values())
+        while w.cache and cached > room:
+            _, tokens = w.cache.popitem(last=False)
+            cached -= tokens
+
+    # ------------------------------------------------------- processor sharing
+    def _advance(self, w: SimWorker) -> None:
+        dt = self.now - w.updated_s
+        if dt > 0:
+            if w.decode:
+                w.vt += w.decode_rate * dt
+            if w.prefill:
+                w.prefill_left = max(0.0, w.prefill_left - w.prefill_rate * dt)
+            if (w.decode or w.prefill) and w.iteration_s > 0:
+                head = w.prefill[0].prefill_tokens if w.prefill else 0
+                chunk = min(CHUNK_TOKENS, head) if head else 0
+                self._iters.append(
+                    IterationRecord(
+                        w.slot_id,
+                        w.role,
+                        len(w.decode),
+                        w.decode_ctx,
+                        int(chunk),
+                        w.iteration_s,
+                        count=dt / w.iteration_s,
+                    )
+                )
+        w.updated_s = self.now
+
+    def _reschedule(self, w: SimWorker) -> None:
+        cost = self.cost
+        n = len(w.decode)
+        ctx = w.decode_ctx
+        if w.prefill:
+            head = w.prefill[0]
+            chunk = min(float(CHUNK_TOKENS), max(w.prefill_left, 1.0))
+            span = head.traj.context + chunk / 2
+            if n and w.role is Role.COLOCATED:
+                it = cost.decode_iteration_s(n, ctx) + cost.prefill_chunk_s(chunk, span)
+            else:
+                it = cost.prefill_iteration_s(chunk, span)
+            w.prefill_rate = chunk / it
+            w.iteration_s = it
+            w.decode_rate = 1.0 / it if n else 0.0
+        elif n:
+            it = cost.decode_iteration_s(n, ctx)
+            w.iteration_s = it
+            w.decode_rate = 1.0 / it
+            w.prefill_rate = 0.0
+        else:
+            w.iteration_s = w.decode_rate = w.prefill_rate = 0.0
+        w.version += 1
+        nxt = float("inf")
+        if n:
+            nxt = self.now + max(0.0, w.decode[0][0] - w.vt) / w.decode_rate
+        if w.prefill:
+            nxt = min(nxt, self.now + w.prefill_left / w.prefill_rate)
+        if nxt < float("inf"):
+            self.at(nxt, _P_WORK, self._on_worker, w, w.version)
+
+    def _on_worker(self, w: SimWorker, version: int) -> None:
+        if version != w.version or self.workers.get(w.slot_id) is not w:
+            return
+        self._advance(w)
+        eps = 1e-6
+        done_decode: list[Request] = []
+        while w.decode and w.decode[0][0] - w.vt <= eps:
+            _, _, req = heapq.heappop(w.decode)
+            w.decode_ctx -= req.kv_tokens
+            done_decode.append(req)
+        done_prefill: Request | None = None
+        if w.prefill and w.prefill_left <= eps:
+            done_prefill = w.prefill.popleft()
+            w.prefill_left = float(w.prefill[0].prefill_tokens) if w.prefill else 0.0
+        for req in done_decode:
+            self._release_kv(w, req, keep_cache=w.role is Role.COLOCATED)
+            self._turn_done(req, w)
+        if done_prefill is not None:
+            self._prefill_done(w, done_prefill)
+        self._admit_waiting(w)
+        self._reschedule(w)
+
+    def _release_kv(self, w: SimWorker, req: Request, *, keep_cache: bool) -> None:
+        w.kv_used -= req.kv_tokens
+        if keep_cache:  # the prompt stays cached as a prefix (not this turn's reasoning)
+            tid = req.traj.spec.trajectory_id
+            w.cache[tid] = req.traj.context + req.traj.spec.turns[req.traj.turn].new_tokens
+            w.cache.move_to_end(tid)
+            self._evict(w)
+
+    def _admit_waiting(self, w: SimWorker) -> None:
+        while w.waiting:
+            phase, req = w.waiting[0]
+            if w.kv_used + req.kv_tokens > w.kv_capacity and (w.decode or w.prefill):
+                break
+            w.waiting.popleft()
+            self._enter(w, phase, req)
+
+    def _prefill_done(self, w: SimWorker, req: Request) -> None:
+        if w.role is Role.COLOCATED:  # decode in place, KV already reserved
+            self._enter(w, "decode", req, reserve=False)
+            return
+        # disaggregated: hand the KV to a decode worker, keep the prefix cached here
+        self._release_kv(w, req, keep_cache=True)
+        self._in_transit += 1
+        self.at(
+            self.now + self.cost.transfer_s(req.kv_tokens - req.gen_left),
+            _P_WORK,
+            self._to_decode,
+            req,
+        )
+
+    def _to_decode(self, req: Request) -> None:
+        self._in_transit -= 1
+        decode = self._active(Role.DECODE)
+        if not decode:  # no decode worker any more: the turn is re-routed whole
+            self._requeue(req.traj)
+            return
+        w = min(
+            decode, key=lambda d: (d.kv_used + sum(r.kv_tokens for _, r in d.waiting), d.slot_id)
+        )
+        self._admit(w, "decode", req)
+
+    def _turn_done(self, req: Request, w: SimWorker) -> None:
+        traj = req.traj
+        turn = traj.spec.turns[traj.turn]
+        traj.context += turn.new_tokens + turn.kept_tokens
+        self._turns.append(
+            TurnRecord(
+                traj.spec.trajectory_id,
+                traj.turn,
+                traj.prefilled,  # new input tokens actually prefilled (cache misses too)
+                turn.gen_tokens,
+                traj.context,
+                turn.env_s,
+                w.slot_id,
+                w.role,
+            )
+        )
+        traj.done_gen = traj.prefilled = 0
+        traj.turn += 1
+        if traj.turn >= len(traj.spec.turns):
+            if traj.finished_s is not None:
+                raise SimInvariantError(f"trajectory {traj.spec.trajectory_id} finished twice")
+            traj.finished_s = self.now
+            self.trajs_finished += 1
+            self._left[traj.step] -= 1
+            if self._left[traj.step] == 0:
+                self._batch_done(traj.step)
+            return
+        self._in_transit += 1
+        self.at(self.now + turn.env_s, _P_ARRIVAL, self._env_done, traj)
+
+    def _env_done(self, traj: Traj) -> None:
+        self._in_transit -= 1
+        self._requeue(traj)
+
+    def _requeue(self, traj: Traj) -> None:
+        self.pending.append(traj)
+        self._dispatch()
+
+    # -------------------------------------------------------------- interrupts
+    def _drain(self, w: SimWorker) -> None:
+        """Abort everything on ``w`` keeping partial trajectories: generated tokens stay,
+        an interrupted prefill is redone elsewhere."""
+        self._advance(w)
+        victims: list[Request] = [r for _, r in w.waiting]
+        for _, _, req in w.decode:
+            req.traj.done_gen += int(w.vt - req.started_vt)
+            victims.append(req)
+        victims.extend(w.prefill)
+        w.decode.clear()
+        w.prefill.clear()
+        w.waiting.clear()
+        w.decode_ctx = w.kv_used = 0
+        w.prefill_left = 0.0
+        w.cache.clear()
+        self._reschedule(w)
+        for req in victims:
+            self.interrupted_turns += 1
+            req.traj.interrupts += 1
+            turn = req.traj.spec.turns[req.traj.turn]
+            req.traj.done_gen = min(req.traj.done_gen, turn.gen_tokens - 1)
+            req.traj.worker = None
+            self.pending.append(req.traj)
+
+    def _mark(self, w: SimWorker, state: str) -> None:
+        w.state = state
+        self.timeline.append(
+            (
+                self.now,
+                w.slot_id,
+                w.role.value,
+                state if w.zone is Zone.DEDICATED else f"{state}-borrowed",
+            )
+        )

@@ -1,0 +1,100 @@
+"""The simulated systems: each is a configuration of the same simulator + controller.
+
+| system      | rollout GPUs                         | PD            | borrowing | expansion |
+|-------------|--------------------------------------|---------------|-----------|-----------|
+| roll        | 4 fixed                              | colocated     | none      | -         |
+| roll-large  | 14 / 10 / 12 fixed (segment 1/2/3)   | colocated     | none      | -         |
+| rlboost+    | 4 reserved + trace                   | colocated     | none      | always    |
+| pd-only     | as given                             | adaptive      | none      | gated     |
+| pd+toggle   | as given                             | adaptive      | ungated   | gated     |
+| pearl       | as given (4 reserved + trace)        | adaptive      | gated     | gated     |
+| static-XPYD | fixed                                | fixed X:Y     | none      | -         |
+| static-coloc| fixed                                | colocated     | none      | -         |
+
+RLBoost+ (RLBoost adapted to asynchronous agentic RL) gets everything its design has:
+elastic replicas from the same trace, weight pull by joining instances (the same
+preparation cost as ours), token-level migration of interrupted responses (the shared
+interrupt path), and every grant admitted at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from pearl_hpc.core.policies import BorrowingName, ExpansionName, PDPolicyName, PolicyConfig
+from pearl_hpc.sim.costmodel import SimConfigError
+from pearl_hpc.sim.engine import SimSetup
+from pearl_hpc.sim.traces import AvailabilityTrace
+
+SYSTEMS = ("roll", "roll-large", "rlboost+", "pd-only", "pd+toggle", "pearl")
+ROLL_LARGE_GPUS = {1: 14, 2: 10, 3: 12}
+RESERVED_ROLLOUT_GPUS = 4
+TRAINING_GPUS = 16
+
+
+def _policy(
+    base: PolicyConfig,
+    pd: PDPolicyName,
+    borrowing: BorrowingName,
+    expansion: ExpansionName = ExpansionName.GATED,
+    fraction: float = 0.5,
+) -> PolicyConfig:
+    return replace(
+        base, pd_policy=pd, borrowing=borrowing, expansion=expansion, prefill_fraction=fraction
+    )
+
+
+def make_setup(
+    name: str,
+    *,
+    base: PolicyConfig,
+    trace: AvailabilityTrace | None,
+    segment: int | None,
+    rollout_gpus: int | None,
+    training_gpus: int = TRAINING_GPUS,
+    tp: int = 2,
+) -> SimSetup:
+    """``rollout_gpus`` set = fixed resources (no elastic trace) for every system."""
+    adaptive, coloc = PDPolicyName.ADAPTIVE, PDPolicyName.COLOCATED
+    none, gated, ungated = BorrowingName.NONE, BorrowingName.GATED, BorrowingName.UNGATED
+    fixed = rollout_gpus is not None
+
+    def setup(policy: PolicyConfig, gpus: int, elastic: bool, overlap: bool) -> SimSetup:
+        return SimSetup(
+            name,
+            policy,
+            reserved_rollout_gpus=gpus,
+            training_gpus=training_gpus,
+            elastic=trace if elastic and not fixed else None,
+            overlap=overlap,
+        )
+
+    reserved = rollout_gpus if fixed else RESERVED_ROLLOUT_GPUS
+    if name == "roll":
+        return setup(_policy(base, coloc, none), RESERVED_ROLLOUT_GPUS, False, False)
+    if name == "roll-large":
+        gpus = rollout_gpus if fixed else ROLL_LARGE_GPUS.get(segment or 0)
+        if gpus is None:
+            raise SimConfigError("roll-large needs --segment 1|2|3 or --rollout-gpus N")
+        return setup(_policy(base, coloc, none), gpus, False, False)
+    if name == "rlboost+":
+        return setup(_policy(base, coloc, none, ExpansionName.ALWAYS), reserved, True, False)
+    if name == "pd-only":
+        return setup(_policy(base, adaptive, none), reserved, True, False)
+    if name == "pd+toggle":
+        return setup(_policy(base, adaptive, ungated), reserved, True, True)
+    if name == "pearl":
+        return setup(_policy(base, adaptive, gated), reserved, True, True)
+    if name == "static-coloc":
+        return setup(_policy(base, coloc, none), reserved, False, False)
+    if name.startswith("static-") and name.endswith("D") and "P" in name:
+        p_text, d_text = name[len("static-") : -1].split("P")
+        num_p, num_d = int(p_text), int(d_text)
+        workers = reserved // tp
+        if num_p + num_d != workers or num_p < 1 or num_d < 1:
+            raise SimConfigError(f"{name}: needs {workers} workers in all, got {num_p + num_d}")
+        policy = _policy(base, PDPolicyName.FIXED_RATIO, none, fraction=num_p / workers)
+        return setup(policy, reserved, False, False)
+    raise SimConfigError(
+        f"unknown system {name!r}; known: {', '.join(SYSTEMS)}, static-coloc, static-<P>P<D>D"
+    )
