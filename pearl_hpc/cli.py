@@ -256,6 +256,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         max_trajectory_tokens=args.max_trajectory_tokens,
         seed=args.seed,
         sweep_static=args.sweep_static,
+        router=args.router,
     )
     sims: dict = {}
     show = sys.stderr.isatty() and not args.no_progress
@@ -382,6 +383,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--sweep-static",
         action="store_true",
         help="also run every static P:D split and colocation (fixed resources)",
+    )
+    sim.add_argument(
+        "--router",
+        choices=("sticky", "least-loaded"),
+        default="sticky",
+        help="turn routing: back to the worker caching the prefix (default), or "
+        "least loaded (ROLL-style, prefix mostly re-prefilled)",
     )
     sim.add_argument("--json", action="store_true", help="print the JSON document")
     sim.add_argument("--report", metavar="DIR", help="write summary.md, results.json, PNG plots")

@@ -37,7 +37,6 @@ from tests.factories import ManualClock, RecordingExecutor, gpus, make_profile
 TRAINING_GPUS = [f"t:{i}" for i in range(4)]
 OVERLAP_SETS = [("t:0", "t:1"), ("t:2", "t:3")]
 JOB = ElasticSource("5001", 0)
-IN_SERVICE = (Status.JOINING, Status.ACTIVE, Status.REROLE)
 
 
 @dataclass
@@ -87,7 +86,9 @@ def calls_named(executor: RecordingExecutor, name: str) -> list[Any]:
     return [arg for n, arg in executor.calls if n == name]
 
 
-def running_base(num_workers: int = 4, **policy: Any) -> tuple[Controller, DeadlineExecutor, ManualClock]:
+def running_base(
+    num_workers: int = 4, **policy: Any
+) -> tuple[Controller, DeadlineExecutor, ManualClock]:
     """Reserved workers started and admitted, no training GPUs."""
     controller, executor, clock = make_controller(**policy)
     controller.grant_reserved([gpus(i) for i in range(num_workers)])
@@ -286,13 +287,18 @@ def test_reclaim_that_removes_every_decode_worker_forces_a_switch() -> None:
     assert record is not None
     assert record.decision.forced and record.decision.switch
     assert "forced switch" in record.decision.reason
-    assert record.decision.target.mode is not None and record.decision.target.total == 2
-    assert set(record.plan.remove) == {2, 3}
-    assert executor.names()[0] == "stop_workers"  # removals before role changes
+    # two workers: 1P1D cannot hold the batch's KV (64 x 1.6 GB > 85 GB), so colocate
+    assert record.decision.target == PDConfig.colocated(2)
+    assert record.plan.remove == (2, 3)
+    assert record.plan.role_changes == ((0, Role.COLOCATED), (1, Role.COLOCATED))
+    assert executor.take() == [
+        ("stop_workers", [2, 3]),  # removals before role changes
+        ("change_roles", [(0, "colocated"), (1, "colocated")]),
+    ]
+    ready_all(controller, [0, 1])
     release_all(controller, [2, 3])
-    assert controller.table.role_counts()[Role.PREFILL] == record.decision.target.num_prefill
-    config = controller.table.current_config()
-    assert config == record.decision.target  # a valid configuration again
+    assert executor.take() == [("release_capacity", JOB.tag)]
+    assert controller.table.current_config() == PDConfig.colocated(2)  # valid again
 
 
 def test_failed_training_slot_is_fatal() -> None:
@@ -337,6 +343,27 @@ def test_training_begin_while_borrowed_workers_are_still_joining() -> None:
     assert executor.take() == []
     release_all(controller, [1, 2])
     assert executor.take() == [("start_training", 1)]
+
+
+def test_joining_survivor_of_a_cut_group_is_admitted_in_its_new_role() -> None:
+    """Regression: when training took back the borrowed members of a joining group, the
+    ready survivor was admitted in its old role and at once sent to change role."""
+    controller, executor, _ = make_controller(
+        training=True, borrowing="ungated", pd_policy="fixed-ratio"
+    )
+    record = controller.grant_reserved([gpus(0)])
+    assert record is not None and record.decision.target == PDConfig(2, 1)
+    assert executor.take() == [("start_workers", [3, 1, 2])]
+    controller.handle(WorkerReady(3))
+    record = controller.handle(TrainingBegin(1))
+    assert record is not None and record.decision.target == PDConfig.colocated(1)
+    assert executor.take() == [
+        ("stop_workers", [1, 2]),
+        ("change_roles", [(3, "colocated")]),
+        ("admit", [3]),
+    ]
+    slot = controller.table.get(3)
+    assert (slot.status, slot.role) == (Status.ACTIVE, Role.COLOCATED)
 
 
 def test_training_starts_at_once_when_nothing_is_borrowed() -> None:
@@ -502,8 +529,17 @@ POLICIES = st.fixed_dictionaries(
         "expected_capacity_window_s": st.sampled_from([60.0, 1800.0]),
     }
 )
-ACTIONS = ["respond", "respond", "respond", "grant", "reclaim", "fail", "begin", "finish",
-           "telemetry"]
+ACTIONS = [
+    "respond",
+    "respond",
+    "respond",
+    "grant",
+    "reclaim",
+    "fail",
+    "begin",
+    "finish",
+    "telemetry",
+]
 
 
 class FakeBackend:
@@ -531,7 +567,9 @@ class FakeBackend:
 
     def absorb(self, record: Reconfiguration | None) -> None:
         table = self.controller.table
-        for name, arg in self.executor.take():
+        calls = self.executor.take()
+        admitted = {i for name, arg in calls if name == "admit" for i in arg}
+        for name, arg in calls:
             if name == "start_workers":
                 for slot_id in arg:
                     assert table.get(slot_id).status is Status.JOINING
@@ -540,7 +578,11 @@ class FakeBackend:
                 for slot_id, role in arg:
                     slot = table.get(slot_id)
                     assert slot.effective_role.value == role
-                    assert slot.status in (Status.JOINING, Status.REROLE)
+                    # a joining worker is retargeted (and may be admitted right after)
+                    ok = (Status.JOINING, Status.REROLE) + (
+                        (Status.ACTIVE,) * (slot_id in admitted)
+                    )
+                    assert slot.status in ok
                     if slot.status is Status.REROLE:  # a joining worker reports once
                         self._expect(("ready", slot_id))
             elif name == "stop_workers":

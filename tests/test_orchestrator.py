@@ -25,7 +25,9 @@ IN_SERVICE = (Status.JOINING, Status.ACTIVE, Status.REROLE)
 JOB = ElasticSource("1001", 0)
 
 
-def units(count: int, *, start: int = 100, source: ElasticSource | None = None) -> list[CapacityUnit]:
+def units(
+    count: int, *, start: int = 100, source: ElasticSource | None = None
+) -> list[CapacityUnit]:
     return [CapacityUnit(gpus(start + i), Zone.DEDICATED, source) for i in range(count)]
 
 
@@ -87,9 +89,7 @@ def test_colocated_to_disaggregated_rebinds_every_worker() -> None:
     table = make_table(PDConfig.colocated(8))
     plan = plan_transition(table, PDConfig(5, 3))
     assert plan.add == () and plan.remove == ()
-    assert plan.role_changes == tuple(
-        (i, Role.PREFILL if i < 5 else Role.DECODE) for i in range(8)
-    )
+    assert plan.role_changes == tuple((i, Role.PREFILL if i < 5 else Role.DECODE) for i in range(8))
     apply_plan(table, plan)
     assert table.current_config() == PDConfig(5, 3)
 
@@ -324,7 +324,9 @@ def _walk(table: RoleTable, slot: WorkerSlot, status: Status, role: Role) -> Non
         table.fail(sid)
         table.add_worker(gpu_ids, zone=zone, role=old_role, source=source, slot_id=sid)
     elif status is Status.REROLE:
-        new_role = role if role is not slot.role else next(r for r in ROLLOUT_ROLES if r is not role)
+        new_role = (
+            role if role is not slot.role else next(r for r in ROLLOUT_ROLES if r is not role)
+        )
         table.transition(sid, Status.REROLE, role=new_role)
     elif status is Status.LEAVING:
         table.transition(sid, Status.LEAVING)

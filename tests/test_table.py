@@ -46,10 +46,14 @@ def _slot_in(kind: str, status: Status) -> tuple[RoleTable, int]:
     """A table holding one slot of ``kind`` in ``status`` (reached through the lifecycle)."""
     table = RoleTable()
     if kind == "training":
-        slot = table.add_worker(["t:0", "t:1"], zone=Zone.OVERLAP, role=Role.TRAINING, status=status)
+        slot = table.add_worker(
+            ["t:0", "t:1"], zone=Zone.OVERLAP, role=Role.TRAINING, status=status
+        )
         return table, slot.slot_id
     if kind == "overlap":
-        table.add_worker(["t:0", "t:1"], zone=Zone.OVERLAP, role=Role.TRAINING, status=Status.INACTIVE)
+        table.add_worker(
+            ["t:0", "t:1"], zone=Zone.OVERLAP, role=Role.TRAINING, status=Status.INACTIVE
+        )
         slot = table.add_worker(
             ["t:0", "t:1"], zone=Zone.OVERLAP, role=Role.PREFILL, status=Status.INACTIVE
         )
@@ -177,7 +181,11 @@ def test_unknown_slot_is_a_transition_error() -> None:
 
 @pytest.mark.parametrize(
     ("status", "zone"),
-    [(Status.REROLE, Zone.DEDICATED), (Status.LEAVING, Zone.DEDICATED), (Status.INACTIVE, Zone.DEDICATED)],
+    [
+        (Status.REROLE, Zone.DEDICATED),
+        (Status.LEAVING, Zone.DEDICATED),
+        (Status.INACTIVE, Zone.DEDICATED),
+    ],
 )
 def test_new_rollout_worker_start_status(status: Status, zone: Zone) -> None:
     table = RoleTable()
@@ -195,10 +203,14 @@ def test_gpu_bound_to_two_rollout_workers() -> None:
     # also between overlap workers on the same training GPU, whatever their status
     table = make_table(num_training_gpus=4, num_overlap_workers=1)
     with pytest.raises(InvariantError):
-        table.add_worker(["t:1", "t:2"], zone=Zone.OVERLAP, role=Role.DECODE, status=Status.INACTIVE)
+        table.add_worker(
+            ["t:1", "t:2"], zone=Zone.OVERLAP, role=Role.DECODE, status=Status.INACTIVE
+        )
     # the failed add did not consume the slot id and bound nothing
     assert table.next_slot_ids(1) == [2]
-    slot = table.add_worker(["t:2", "t:3"], zone=Zone.OVERLAP, role=Role.DECODE, status=Status.INACTIVE)
+    slot = table.add_worker(
+        ["t:2", "t:3"], zone=Zone.OVERLAP, role=Role.DECODE, status=Status.INACTIVE
+    )
     assert slot.slot_id == 2
     table.check_invariants()
 
@@ -258,7 +270,9 @@ def test_zones_keep_to_their_gpus() -> None:
     with pytest.raises(InvariantError, match="dedicated worker on training GPUs"):
         table.add_worker(["t:1", "z:0"], zone=Zone.DEDICATED, role=Role.PREFILL)
     with pytest.raises(InvariantError, match="training GPUs only"):
-        table.add_worker(["t:0", "z:0"], zone=Zone.OVERLAP, role=Role.PREFILL, status=Status.INACTIVE)
+        table.add_worker(
+            ["t:0", "z:0"], zone=Zone.OVERLAP, role=Role.PREFILL, status=Status.INACTIVE
+        )
     with pytest.raises(InvariantError, match="dedicated rollout GPU"):
         table.add_worker(["n0:0"], zone=Zone.OVERLAP, role=Role.TRAINING, status=Status.INACTIVE)
     with pytest.raises(InvariantError, match="overlap zone"):
@@ -299,7 +313,8 @@ def test_removed_slot_ids_are_reused_lowest_first() -> None:
     survivors = {s.slot_id: s.gpu_ids for s in table}
     assert table.next_slot_ids(3) == [1, 3, 5]
     added = [
-        table.add_worker([f"x:{i}"], zone=Zone.DEDICATED, role=Role.DECODE).slot_id for i in range(3)
+        table.add_worker([f"x:{i}"], zone=Zone.DEDICATED, role=Role.DECODE).slot_id
+        for i in range(3)
     ]
     assert added == [1, 3, 5]
     for slot_id, gpu_ids in survivors.items():  # survivors never renumbered
@@ -330,7 +345,11 @@ def test_retarget_joining_and_rerole() -> None:
     table.transition(0, Status.REROLE, role=Role.DECODE)
     table.retarget(0, Role.COLOCATED)
     slot = table.get(0)
-    assert (slot.role, slot.pending_role, slot.status) == (Role.PREFILL, Role.COLOCATED, Status.REROLE)
+    assert (slot.role, slot.pending_role, slot.status) == (
+        Role.PREFILL,
+        Role.COLOCATED,
+        Status.REROLE,
+    )
     assert table.role_counts() == {Role.PREFILL: 0, Role.DECODE: 2, Role.COLOCATED: 1}
     table.check_invariants()
 
@@ -593,8 +612,11 @@ class RoleTableMachine(RuleBasedStateMachine):
         assert back.to_dict() == self.table.to_dict()
         assert back.to_json() == text
         assert back.next_slot_ids(3) == self.table.next_slot_ids(3)
-        in_service = [s for s in self.table if s.is_rollout and s.status in
-                      (Status.JOINING, Status.ACTIVE, Status.REROLE)]
+        in_service = [
+            s
+            for s in self.table
+            if s.is_rollout and s.status in (Status.JOINING, Status.ACTIVE, Status.REROLE)
+        ]
         counts = self.table.role_counts()
         assert sum(counts.values()) == len(in_service)
 

@@ -124,10 +124,14 @@ MODELS: dict[str, ModelSpec] = {
 
 # Stated efficiencies and engine constants (assumptions, not fits).
 MEM_EFFICIENCY = 0.65  # achieved / peak HBM bandwidth in decode (vLLM-class engines)
-PREFILL_EFFICIENCY_DENSE = 0.45  # achieved / peak FLOP/s, dense prefill
-PREFILL_EFFICIENCY_MOE = 0.30  # MoE prefill (grouped GEMMs, routing)
+PREFILL_EFFICIENCY_DENSE = 0.45  # achieved / peak FLOP/s, dense prefill GEMMs
+PREFILL_EFFICIENCY_MOE = 0.30  # MoE prefill GEMMs (grouped GEMMs, routing)
+ATTENTION_EFFICIENCY = 0.60  # FlashAttention-class kernels on long contexts
 ITERATION_OVERHEAD_S = 0.8e-3  # scheduling, sampling, launch per engine step
 ALLREDUCE_LATENCY_S = 8e-6  # per TP all-reduce (2 per layer) on NVLink
+# CUDA graphs cover decode-only batches; an iteration that carries prefill runs eagerly
+# and pays kernel-launch latency: ~20 kernels per layer at ~5 us each.
+EAGER_LAUNCH_S_PER_LAYER = 100e-6
 NETWORK_EFFICIENCY = 0.5  # achieved / line rate for KV transfer
 TRANSFER_LATENCY_S = 2e-3  # per KV hand-off (handshake, block-table exchange)
 GPU_MEMORY_UTILIZATION = 0.9
@@ -203,10 +207,12 @@ class CostModel:
         touched = 1.0 - (1.0 - m.experts_per_token / m.num_experts) ** max(tokens, 1.0)
         return 2.0 * (m.total_params - m.expert_params) + 2.0 * m.expert_params * touched
 
-    def _flops(self, tokens: float, context_tokens: float) -> float:
+    def _linear_flops(self, tokens: float) -> float:
+        return 2.0 * self.model.active_params * tokens
+
+    def _attention_flops(self, context_tokens: float) -> float:
         m = self.model
-        attention = 4.0 * m.num_layers * m.num_q_heads * m.head_dim * context_tokens
-        return 2.0 * m.active_params * tokens + attention
+        return 4.0 * m.num_layers * m.num_q_heads * m.head_dim * context_tokens
 
     def decode_iteration_s(self, num_seqs: int, context_tokens: float) -> float:
         """One decode step of ``num_seqs`` sequences holding ``context_tokens`` in all."""
@@ -214,20 +220,41 @@ class CostModel:
         memory_s = (
             self._weight_bytes_read(num_seqs) + context_tokens * self.kv_bytes_per_token
         ) / bw
-        compute_s = self._flops(num_seqs, context_tokens) / (self.tp * self.gpu.bf16_flops)
+        flops = self._linear_flops(num_seqs) + self._attention_flops(context_tokens)
+        compute_s = flops / (self.tp * self.gpu.bf16_flops)
         return max(memory_s, compute_s) + self._overhead_s
 
     def prefill_chunk_s(self, tokens: float, context_tokens: float) -> float:
         """Compute time of a prefill chunk of ``tokens`` whose attention spans
         ``context_tokens`` on average (prefix + half the chunk)."""
         eff = PREFILL_EFFICIENCY_MOE if self.model.num_experts else PREFILL_EFFICIENCY_DENSE
-        return self._flops(tokens, tokens * context_tokens) / (self.tp * self.gpu.bf16_flops * eff)
+        peak = self.tp * self.gpu.bf16_flops
+        linear_s = self._linear_flops(tokens) / (peak * eff)
+        return linear_s + self._attention_flops(tokens * context_tokens) / (
+            peak * ATTENTION_EFFICIENCY
+        )
 
     def prefill_iteration_s(self, tokens: float, context_tokens: float) -> float:
-        """A prefill-only iteration (a dedicated prefill worker)."""
+        """A prefill-only iteration (a dedicated prefill worker); eager, no CUDA graph."""
         bw = self.tp * self.gpu.hbm_bytes_per_s * MEM_EFFICIENCY
         memory_s = self._weight_bytes_read(tokens) / bw
-        return max(memory_s, self.prefill_chunk_s(tokens, context_tokens)) + self._overhead_s
+        compute_s = self.prefill_chunk_s(tokens, context_tokens)
+        return max(memory_s, compute_s) + self._overhead_s + self.eager_launch_s
+
+    def mixed_iteration_s(
+        self, num_seqs: int, context_tokens: float, chunk_tokens: float, chunk_context: float
+    ) -> float:
+        """A colocated iteration: every decode sequence plus a prefill chunk. The chunk's
+        compute adds to the decode step (the interference) and the batch runs eagerly."""
+        return (
+            self.decode_iteration_s(num_seqs, context_tokens)
+            + self.prefill_chunk_s(chunk_tokens, chunk_context)
+            + self.eager_launch_s
+        )
+
+    @property
+    def eager_launch_s(self) -> float:
+        return self.model.num_layers * EAGER_LAUNCH_S_PER_LAYER
 
     def transfer_s(self, tokens: float) -> float:
         """KV hand-off of ``tokens`` from a prefill to a decode worker."""

@@ -147,6 +147,7 @@ class SimSetup:
     overlap: bool = True  # overlap workers exist on the training GPUs (borrowing)
     grace_s: float = 30.0  # reclaim deadline after the trace drops
     weight_pull: bool = True  # joining workers pull the latest weights (preparation)
+    prefix_affinity: bool = True  # route a turn back to the worker caching its prefix
 
 
 # ----------------------------------------------------------------------- simulator
@@ -188,6 +189,7 @@ class Simulator:
         self.trajs_started = 0
         self.trajs_finished = 0
         self.interrupted_turns = 0
+        self.prefilled_tokens = 0  # every token prefilled (cache misses and resumes included)
         self.released: list[str] = []
         self._turns: list[TurnRecord] = []
         self._iters: list[IterationRecord] = []
@@ -502,12 +504,12 @@ class Simulator:
         while self.pending:
             traj = self.pending.popleft()
             pool = coloc if coloc else prefill
-            w = self._pick(pool, traj.worker)
+            w = self._pick(pool, traj.worker if self.setup.prefix_affinity else None)
             self._submit_prefill(w, traj)
 
     def _pick(self, pool: list[SimWorker], sticky: int | None) -> SimWorker:
-        """Sticky to the worker holding the prefix unless its load exceeds 1.5x the mean
-        + 2; otherwise least loaded (ties: lowest slot id)."""
+        """Sticky to the worker holding the prefix (``sticky``) unless its load exceeds
+        1.5x the mean + 2; otherwise least loaded (ties: lowest slot id)."""
         mean = sum(w.load for w in pool) / len(pool)
         for w in pool:
             if w.slot_id == sticky and w.load <= 1.5 * mean + 2:
@@ -522,6 +524,7 @@ class Simulator:
         tokens = prompt - min(cached, traj.context)
         req = Request(traj, prefill_tokens=max(1, tokens), gen_left=turn.gen_tokens - traj.done_gen)
         traj.prefilled += req.prefill_tokens
+        self.prefilled_tokens += req.prefill_tokens
         req.kv_tokens = traj.context + turn.new_tokens + turn.gen_tokens
         traj.worker = w.slot_id
         self._admit(w, "prefill", req)
@@ -589,7 +592,7 @@ class Simulator:
             chunk = min(float(CHUNK_TOKENS), max(w.prefill_left, 1.0))
             span = head.traj.context + chunk / 2
             if n and w.role is Role.COLOCATED:
-                it = cost.decode_iteration_s(n, ctx) + cost.prefill_chunk_s(chunk, span)
+                it = cost.mixed_iteration_s(n, ctx, chunk, span)
             else:
                 it = cost.prefill_iteration_s(chunk, span)
             w.prefill_rate = chunk / it

@@ -68,6 +68,7 @@ class SimRequest:
     seed: int = 0
     workload_path: str | Path = DEFAULT_WORKLOAD
     sweep_static: bool = False
+    router: str = "sticky"  # sticky (prefix affinity) | least-loaded
 
     def resolve_trace(self) -> tuple[AvailabilityTrace | None, float]:
         """The elastic trace (None for fixed resources) and the simulated duration."""
@@ -102,7 +103,7 @@ def system_names(req: SimRequest) -> list[str]:
                 "--sweep-static needs fixed resources: --rollout-gpus N --no-elastic"
             )
         workers = req.rollout_gpus // req.tp
-        names = [n for n in names if n == "pearl"] or ["pearl"]
+        names = ["pearl"]  # the decision engine alone: adaptive PD, no borrowing
         names += ["static-coloc"] + [f"static-{p}P{workers - p}D" for p in range(1, workers)]
     return names
 
@@ -134,6 +135,11 @@ def _summary(sim: Simulator, wall_s: float) -> dict[str, Any]:
         "rollout_tokens": sum(s.generated_tokens for s in steps),
         "trained_tokens": sum(s.trained_tokens for s in steps),
         "steps": len(steps),
+        "prefill_token_share": round(
+            sim.prefilled_tokens
+            / max(1, sim.prefilled_tokens + sum(s.generated_tokens for s in steps)),
+            4,
+        ),
         "interrupted_turns": sim.interrupted_turns,
         "reconfigurations": len(sim.controller.history),
         "trajectories_started": sim.trajs_started,
@@ -161,6 +167,8 @@ def simulate(
     if req.max_trajectory_tokens is not None:
         changes["max_trajectory_tokens"] = req.max_trajectory_tokens
     workload = dataclasses.replace(workload, **changes)
+    if req.router not in ("sticky", "least-loaded"):
+        raise SimConfigError(f"--router {req.router!r}: choose sticky or least-loaded")
     if workload.batch_size < 1 or workload.max_trajectory_tokens < 64:
         raise SimConfigError("--batch-size must be >= 1 and --max-trajectory-tokens >= 64")
     trace, duration = req.resolve_trace()
@@ -176,6 +184,7 @@ def simulate(
             rollout_gpus=req.rollout_gpus,
             training_gpus=req.training_gpus,
             tp=req.tp,
+            prefix_affinity=req.router == "sticky",
         )
         tick = None if progress is None else (lambda t, n=name: progress(n, t, duration))
         started = time.perf_counter()
@@ -199,6 +208,7 @@ def simulate(
         "seed": req.seed,
         "batch_size": workload.batch_size,
         "max_trajectory_tokens": workload.max_trajectory_tokens,
+        "router": req.router,
         "systems": results,
     }
     for base in ("roll", "rlboost+", "static-coloc"):

@@ -53,6 +53,7 @@ def make_setup(
     rollout_gpus: int | None,
     training_gpus: int = TRAINING_GPUS,
     tp: int = 2,
+    prefix_affinity: bool = True,
 ) -> SimSetup:
     """``rollout_gpus`` set = fixed resources (no elastic trace) for every system."""
     adaptive, coloc = PDPolicyName.ADAPTIVE, PDPolicyName.COLOCATED
@@ -67,6 +68,7 @@ def make_setup(
             training_gpus=training_gpus,
             elastic=trace if elastic and not fixed else None,
             overlap=overlap,
+            prefix_affinity=prefix_affinity,
         )
 
     reserved = rollout_gpus if fixed else RESERVED_ROLLOUT_GPUS
@@ -84,6 +86,8 @@ def make_setup(
     if name == "pd+toggle":
         return setup(_policy(base, adaptive, ungated), reserved, True, True)
     if name == "pearl":
+        if fixed:  # fixed resources: the decision engine alone, against static splits
+            return setup(_policy(base, adaptive, none), reserved, False, False)
         return setup(_policy(base, adaptive, gated), reserved, True, True)
     if name == "static-coloc":
         return setup(_policy(base, coloc, none), reserved, False, False)

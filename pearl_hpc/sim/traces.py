@@ -6,21 +6,29 @@ time point. :func:`load_trace` reads the Bamboo (NSDI'23) spot-availability CSVs
 in ``pearl_hpc/data/traces/`` (see the README there).
 
 PEARL replays three 2-hour segments of these traces; :data:`SEGMENTS` names the windows
-we chose with :func:`find_windows` (means include the 4 reserved rollout GPUs):
+chosen by :func:`select_window` (built on :func:`find_windows`, 60 s start grid, over both
+files). Means include the 4 reserved rollout GPUs:
 
-========  ====================  ========  ======  =========  =======  ==============
-segment   trace file            start_s   target  mean       changes  changes/hour
-========  ====================  ========  ======  =========  =======  ==============
-1         us-east-1c (Nov 20)   __S1__
-2         us-east-1d (Nov 23)   __S2__
-3         us-east-1c (Nov 20)   __S3__
-========  ====================  ========  ======  =========  =======  ==============
+=======  ==========  ========  ======  ======  =======  ======  ========
+segment  file        start_s   target  mean    changes  per h   pool
+=======  ==========  ========  ======  ======  =======  ======  ========
+1        us-east-1d  37380     13.6    13.600  17       8.5     7-16
+2        us-east-1c  18960     9.0     9.017   15       7.5     4-16
+3        us-east-1d  35520     11.8    11.628  14       7.0     7-16
+=======  ==========  ========  ======  ======  =======  ======  ========
+
+Caveats: segment 2 has no preemptible GPU for its first 2569 s (the 1c trace's lead-in),
+then a burst of 15 changes. Segment 3 is the fewest-changes window within 0.3 of 11.8 in
+either file, yet only slightly calmer than 1 and 2 (14 changes, total |step| 46 vs 54 and
+73), and it overlaps segment 1 by 5340 s: these traces hold no calmer 2-hour window at
+that mean.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -296,6 +304,45 @@ def find_windows(
     return out
 
 
+def select_window(
+    traces: Mapping[str, AvailabilityTrace],
+    target_mean: float,
+    *,
+    many_changes: bool = True,
+    tolerance: float = 0.3,
+    reserved: int = DEFAULT_RESERVED,
+    duration_s: float = 7200,
+    step_s: float = 60,
+) -> tuple[str, WindowCandidate]:
+    """The rule that chose :data:`SEGMENTS`, over several traces (key: trace file name).
+
+    ``many_changes=True``: the window whose mean is closest to the target (ties: more
+    changes, then earlier key and start), i.e. the first :func:`find_windows` candidate
+    over all traces. ``many_changes=False``: among the windows within ``tolerance`` of the
+    target, the one with the fewest changes (ties: closest mean, then key and start).
+    Raises :class:`TraceError` when no window is within ``tolerance``.
+    """
+    pool: list[tuple[str, WindowCandidate]] = []
+    for key, trace in traces.items():
+        for cand in find_windows(trace, target_mean, reserved, duration_s, step_s):
+            if cand.error <= tolerance:
+                pool.append((key, cand))
+    if not pool:
+        raise TraceError(
+            f"no {duration_s:g} s window has a mean within {tolerance} of {target_mean};"
+            " widen the tolerance or use another trace"
+        )
+    order = list(traces)
+    if many_changes:
+        return min(
+            pool,
+            key=lambda kc: (kc[1].error, -kc[1].num_changes, order.index(kc[0]), kc[1].start_s),
+        )
+    return min(
+        pool, key=lambda kc: (kc[1].num_changes, kc[1].error, order.index(kc[0]), kc[1].start_s)
+    )
+
+
 # -- PEARL's segments ----------------------------------------------------------------------
 
 TRACE_1C = "aws-spot-instances-g4dn-xlarge-us-east-1c-2020-11-20-1930-to-2020-11-21-2200.csv"
@@ -314,7 +361,32 @@ class Segment:
     target_mean: float | None = None  # PEARL's mean pool, reserved GPUs included
 
 
-SEGMENTS: dict[int, Segment] = {}  # __SEGMENTS__
+SEGMENTS: dict[int, Segment] = {
+    # select_window(all traces, 13.6, many_changes=True)
+    1: Segment(
+        trace_file=TRACE_1D,
+        start_s=37380.0,
+        description="many changes, plenty: mean 13.600 (4 reserved included), 17 changes"
+        " (8.5/h), pool 7-16",
+        target_mean=13.6,
+    ),
+    # select_window(all traces, 9.0, many_changes=True)
+    2: Segment(
+        trace_file=TRACE_1C,
+        start_s=18960.0,
+        description="many changes, scarce: mean 9.017, 15 changes (7.5/h), pool 4-16;"
+        " no preemptible GPU for the first 2569 s, then a burst of changes",
+        target_mean=9.0,
+    ),
+    # select_window(all traces, 11.8, many_changes=False)
+    3: Segment(
+        trace_file=TRACE_1D,
+        start_s=35520.0,
+        description="moderate, fewer changes: mean 11.628, 14 changes (7.0/h), pool 7-16;"
+        " overlaps segment 1 (it starts 1860 s earlier)",
+        target_mean=11.8,
+    ),
+}
 
 
 def trace_path(trace_file: str) -> Path:
