@@ -70,9 +70,7 @@ def make_table(
             + [Role.COLOCATED] * config.num_colocated
         )
         for i, role in enumerate(roles):
-            table.add_worker(
-                gpus(i), zone=Zone.DEDICATED, role=role, status=status, source=elastic
-            )
+            table.add_worker(gpus(i), zone=Zone.DEDICATED, role=role, status=status, source=elastic)
     return table
 
 

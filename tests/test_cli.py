@@ -30,8 +30,18 @@ def plan_json(*args: str) -> dict:
 
 def test_plan_json_contract_from_scratch() -> None:
     doc = plan_json("--rollout-workers", "8")
-    for key in ("mode", "num_prefill", "num_decode", "num_colocated", "predicted_makespan_s",
-                "switch", "reason", "candidates", "plan", "decision_time_s"):
+    for key in (
+        "mode",
+        "num_prefill",
+        "num_decode",
+        "num_colocated",
+        "predicted_makespan_s",
+        "switch",
+        "reason",
+        "candidates",
+        "plan",
+        "decision_time_s",
+    ):
         assert key in doc
     target = PDConfig(doc["num_prefill"], doc["num_decode"], doc["num_colocated"])
     assert target.total == 8
@@ -54,8 +64,16 @@ def test_plan_hysteresis_keeps_colocated_and_borrowing_adds_overlap_workers() ->
 
 
 def test_plan_gate_refuses_borrowing_when_toggle_is_expensive() -> None:
-    doc = plan_json("--rollout-workers", "8", "--current", "8C", "--borrowable-workers", "4",
-                    "--toggle-cost-s", "1000")
+    doc = plan_json(
+        "--rollout-workers",
+        "8",
+        "--current",
+        "8C",
+        "--borrowable-workers",
+        "4",
+        "--toggle-cost-s",
+        "1000",
+    )
     assert doc["borrowing"]["allowed"] is False
     assert doc["num_colocated"] == 8 and doc["plan"]["add"] == []
 
@@ -67,8 +85,9 @@ def test_plan_shrink_removes_and_forces_when_decode_is_gone() -> None:
 
 
 def test_plan_readable_output_by_shipped_name() -> None:
-    result = cli("plan", "--profile", "qwen3-8b-h800-tp2", "--rollout-workers", "6",
-                 "--current", "3P3D")
+    result = cli(
+        "plan", "--profile", "qwen3-8b-h800-tp2", "--rollout-workers", "6", "--current", "3P3D"
+    )
     assert result.returncode == 0, result.stderr
     assert "candidates" in result.stdout and "plan" in result.stdout
 

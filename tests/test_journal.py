@@ -14,7 +14,9 @@ from tests.factories import ManualClock, RecordingExecutor, make_profile
 
 
 def _controller() -> Controller:
-    return Controller(make_profile(), RecordingExecutor(), clock=ManualClock(), check_invariants=True)
+    return Controller(
+        make_profile(), RecordingExecutor(), clock=ManualClock(), check_invariants=True
+    )
 
 
 def test_master_restarts_from_journal(tmp_path: Path) -> None:

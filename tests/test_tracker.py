@@ -22,8 +22,11 @@ def dec(n: int, wall: float, slot: int = 0) -> IterationRecord:
     return IterationRecord(slot, Role.DECODE, n, 100 * n, 0, wall)
 
 
-def pre(tokens: int, wall: float, n: int = 1, slot: int = 0) -> IterationRecord:
-    return IterationRecord(slot, Role.PREFILL, n, tokens, tokens, wall)
+def pre(tokens: int, wall: float, n: int = 0, slot: int = 0) -> IterationRecord:
+    """A prefill iteration; ``n`` decoding sequences ride along (colocated, mixed)."""
+    return IterationRecord(
+        slot, Role.PREFILL if n == 0 else Role.COLOCATED, n, tokens, tokens, wall
+    )
 
 
 def turn(
@@ -61,6 +64,22 @@ def test_exact_telemetry_recovers_a_b_and_prefill_cost():
     assert v["decode_fixed_s"] == pytest.approx(A_TRUE, rel=1e-9)
     assert v["decode_per_seq_s"] == pytest.approx(B_TRUE, rel=1e-9)
     assert v["prefill_s_per_token"] == pytest.approx(TP_TRUE, rel=1e-9)
+
+
+def test_mixed_colocated_iterations_leave_decode_cost_out_of_t_prefill():
+    its = [it for it in synthetic_iterations() if it.prefill_tokens == 0]
+    its += [pre(t, A_TRUE + B_TRUE * n + TP_TRUE * t, n=n) for t in (512, 2048) for n in (2, 9)]
+    assert fit(iterations=its)["prefill_s_per_token"] == pytest.approx(TP_TRUE, rel=1e-9)
+
+
+def test_aggregated_records_weigh_as_many_iterations():
+    its = synthetic_iterations()
+    heavy = [IterationRecord(0, Role.DECODE, 4, 400, 0, A_TRUE + B_TRUE * 4 + 0.01, count=1000.0)]
+    v_plain = fit(iterations=its)
+    v_heavy = fit(iterations=its + heavy)
+    # a record standing for 1000 iterations pulls the fit towards its point
+    predicted_at_4 = v_heavy["decode_fixed_s"] + 4 * v_heavy["decode_per_seq_s"]
+    assert predicted_at_4 > v_plain["decode_fixed_s"] + 4 * v_plain["decode_per_seq_s"] + 0.005
 
 
 def test_noisy_telemetry_is_the_least_squares_fit():

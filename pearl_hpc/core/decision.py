@@ -55,11 +55,13 @@ class Decision:
     reason: str
     incumbent: PDConfig | None = None
     # candidates as arrays (materialised on demand: thousands of workers are cheap)
-    coloc_makespan_s: float = float("nan")
-    _num_prefill: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    _makespan_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    _kv_ok: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
-    _prefill_ok: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    coloc_makespan_s: float = field(default=float("nan"), compare=False)
+    _num_prefill: np.ndarray = field(
+        default_factory=lambda: np.zeros(0, dtype=np.int64), compare=False
+    )
+    _makespan_s: np.ndarray = field(default_factory=lambda: np.zeros(0), compare=False)
+    _kv_ok: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool), compare=False)
+    _prefill_ok: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool), compare=False)
 
     @property
     def num_workers(self) -> int:
@@ -82,6 +84,20 @@ class Decision:
             why = ",".join(w for w, ok in (("kv", kv), ("prefill", pre)) if not ok)
             out.append(Candidate(PDConfig(num_p, n - num_p, 0), kv and pre, t, why))
         return out
+
+
+def needs_switch(current: PDConfig | None, target: PDConfig) -> bool:
+    """Does reaching ``target`` from ``current`` change a mode or re-role a survivor?
+    (A resize that only adds or removes workers is not a switch.)"""
+    if current is None or current.total == 0 or target.total == 0:
+        return False
+    if current.mode is not target.mode:
+        return True
+    if target.mode is Mode.COLOCATED:
+        return False
+    delta = target.total - current.total
+    lo, hi = sorted((current.num_prefill, current.num_prefill + delta))
+    return not lo <= target.num_prefill <= hi
 
 
 def _pct(x: float) -> str:

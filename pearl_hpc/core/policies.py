@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from pearl_hpc.core import decision as decision_mod
 from pearl_hpc.core import predictor
-from pearl_hpc.core.decision import Decision
+from pearl_hpc.core.decision import Decision, needs_switch
 from pearl_hpc.core.profile import WorkloadProfile
 from pearl_hpc.core.schema import from_mapping, spec_field
 from pearl_hpc.core.types import PDConfig
@@ -56,7 +56,8 @@ class FixedColocatedPD:
         n = max(0, num_workers)
         target = PDConfig.colocated(n)
         t = float(predictor.t_coloc(profile, n)) if n else math.inf
-        return Decision(target, t, False, False, f"fixed colocated policy: {target}", current, t)
+        switch = needs_switch(current, target)
+        return Decision(target, t, switch, False, f"fixed colocated policy: {target}", current, t)
 
 
 class FixedRatioPD:
@@ -80,9 +81,7 @@ class FixedRatioPD:
         target = PDConfig(num_p, n - num_p, 0)
         t = predictor.predict(profile, num_p, n - num_p, 0)
         reason = f"fixed ratio policy ({self.prefill_fraction:.2f} prefill): {target}"
-        return Decision(
-            target, t, current is not None and target != current, False, reason, current
-        )
+        return Decision(target, t, needs_switch(current, target), False, reason, current)
 
 
 # ----------------------------------------------------------------------- borrowing
@@ -326,14 +325,17 @@ _EXPANSION: dict[ExpansionName, type] = {
 
 
 def make_policies(config: PolicyConfig) -> Policies:
+    """The policies a config names (plain strings are accepted as well as the enums)."""
     pd: PDPolicy
-    if config.pd_policy is PDPolicyName.FIXED_RATIO:
+    pd_name = PDPolicyName(config.pd_policy)
+    if pd_name is PDPolicyName.FIXED_RATIO:
         pd = FixedRatioPD(config.prefill_fraction)
-    elif config.pd_policy is PDPolicyName.COLOCATED:
+    elif pd_name is PDPolicyName.COLOCATED:
         pd = FixedColocatedPD()
     else:
         pd = AdaptivePD()
-    return Policies(pd, _BORROWING[config.borrowing](), _EXPANSION[config.expansion]())
+    borrowing = _BORROWING[BorrowingName(config.borrowing)]()
+    return Policies(pd, borrowing, _EXPANSION[ExpansionName(config.expansion)]())
 
 
 # ------------------------------------------------------------------- gate inputs

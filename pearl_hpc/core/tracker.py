@@ -7,8 +7,9 @@ Per step it fits (PEARL.md section 4):
   - ``decode_fixed_s`` (A), ``decode_per_seq_s`` (b): least squares of
     ``wall_s = A + b * num_seqs`` over decode iterations (no prefill tokens), constrained
     to A, b >= 0; needs at least two distinct batch sizes;
-  - ``prefill_s_per_token`` (t_prefill): ``sum(wall_s - A) / sum(prefill_tokens)`` over
-    iterations that prefill (the fixed iteration cost removed);
+  - ``prefill_s_per_token`` (t_prefill): ``sum(wall_s - A - b*num_seqs) /
+    sum(prefill_tokens)`` over iterations that prefill (the decode part of a colocated
+    mixed iteration removed);
   - ``decode_bubble_ratio`` (theta): ``(1-f)/f`` with ``f`` the time-averaged fraction of
     the batch inside an engine iteration, ``sum(num_seqs * wall_s) / (B * rollout_s)``
     summed over all workers.
@@ -55,7 +56,7 @@ class IterationRecord:
 
     slot_id: int
     role: Role
-    num_seqs: int  # sequences in the batch
+    num_seqs: int  # sequences decoding in this iteration (prefilling ones not counted)
     context_tokens: int  # total context tokens of those sequences
     prefill_tokens: int  # tokens prefilled in this iteration (0 = pure decode)
     wall_s: float
@@ -84,6 +85,7 @@ def fit_step(
     batch_size: int,
     rollout_s: float | None,
     prior_decode_fixed_s: float,
+    prior_decode_per_seq_s: float = 0.0,
 ) -> StepFit:
     """Fit one step's parameters (pure). Unfittable values are None."""
     values: dict[str, float | None] = dict.fromkeys(FITTED_FIELDS)
@@ -112,9 +114,11 @@ def fit_step(
     prefill = [it for it in timed if it.prefill_tokens > 0]
     if prefill:
         fixed = a_fit if _ok(a_fit) else prior_decode_fixed_s
-        assert fixed is not None
+        per_seq = b_fit if _ok(b_fit) else prior_decode_per_seq_s
+        assert fixed is not None and per_seq is not None
         tokens = sum(it.prefill_tokens * it.count for it in prefill)
-        busy = sum(max(0.0, it.wall_s - fixed) * it.count for it in prefill)
+        # the decode part of a mixed (colocated) iteration is not prefill time
+        busy = sum(max(0.0, it.wall_s - fixed - per_seq * it.num_seqs) * it.count for it in prefill)
         values["prefill_s_per_token"] = busy / tokens if busy > 0 else None
 
     # theta sums every iteration: one unusable wall time makes the sum unknowable
@@ -179,6 +183,7 @@ class RuntimeTracker:
             batch_size=batch_size or self.profile.batch_size,
             rollout_s=rollout_s,
             prior_decode_fixed_s=self.profile.decode_fixed_s,
+            prior_decode_per_seq_s=self.profile.decode_per_seq_s,
         )
         alpha = self.ema_alpha
         changes: dict[str, Any] = {}
