@@ -285,6 +285,26 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_calibrate_sim(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from pearl_hpc.sim.calibrate import run
+
+    console = Console(stderr=True)
+    figures = run(args.router, progress=None if args.json else console.log)
+    if args.json:
+        print(json.dumps([f.to_dict() for f in figures], indent=2))
+        return 0
+    table = Table(title=f"simulator vs PEARL's measurements (router: {args.router})")
+    for col in ("figure", "PEARL", "simulator", "tolerance", "within"):
+        table.add_column(col)
+    for f in figures:
+        table.add_row(f.name, f.paper, f.ours, f.tolerance, "yes" if f.ok else "NO")
+    Console().print(table)
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from pearl_hpc.bench import decision_speed
 
@@ -395,6 +415,14 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--report", metavar="DIR", help="write summary.md, results.json, PNG plots")
     sim.add_argument("--no-progress", action="store_true", help="no progress bar")
     sim.set_defaults(func=_cmd_simulate)
+
+    cal = sub.add_parser(
+        "calibrate-sim",
+        help="compare the simulator with PEARL's published motivation measurements",
+    )
+    cal.add_argument("--router", choices=("sticky", "least-loaded"), default="sticky")
+    cal.add_argument("--json", action="store_true")
+    cal.set_defaults(func=_cmd_calibrate_sim)
 
     bench = sub.add_parser("bench", help="benchmark decision + plan speed (64 .. 4096 workers)")
     bench.add_argument("--json", action="store_true")

@@ -116,6 +116,7 @@ def _summary(sim: Simulator, wall_s: float) -> dict[str, Any]:
             "started_s": round(s.started_s, 3),
             "finished_s": round(s.finished_s, 3),
             "duration_s": round(s.duration_s, 3),
+            "rollout_s": round(s.finished_s - s.rollout_started_s, 3),
             "throughput_tokens_per_s": round(s.throughput_tokens_per_s, 3),
             "rollout_tokens": s.generated_tokens,
             "trained_tokens": s.trained_tokens,
