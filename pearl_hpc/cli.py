@@ -306,9 +306,10 @@ def _cmd_calibrate_sim(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from pearl_hpc.bench import decision_speed
+    from pearl_hpc.bench import decision_speed, sim_speed
 
-    return decision_speed.main(["--json"] if args.json else [])
+    module = sim_speed if args.sim else decision_speed
+    return module.main(["--json"] if args.json else [])
 
 
 # --------------------------------------------------------------------------- main
@@ -424,7 +425,10 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--json", action="store_true")
     cal.set_defaults(func=_cmd_calibrate_sim)
 
-    bench = sub.add_parser("bench", help="benchmark decision + plan speed (64 .. 4096 workers)")
+    bench = sub.add_parser(
+        "bench", help="benchmarks: decision + plan speed (64 .. 4096 workers), or --sim"
+    )
+    bench.add_argument("--sim", action="store_true", help="simulator speed instead")
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(func=_cmd_bench)
     return parser

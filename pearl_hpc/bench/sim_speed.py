@@ -1,0 +1,76 @@
+"""Simulator speed: wall time of the four default systems over a 2-hour segment, and how
+cost grows with simulated time and with trajectories per batch.
+
+Run: ``pearl-hpc bench --sim`` (or ``python -m pearl_hpc.bench.sim_speed``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pearl_hpc.sim.run import SimRequest, simulate
+
+SYSTEMS = ("roll", "roll-large", "rlboost+", "pearl")
+
+
+def _run(**kwargs: Any) -> dict[str, Any]:
+    started = time.perf_counter()
+    doc = simulate(SimRequest(**kwargs))
+    wall = time.perf_counter() - started
+    events = sum(r["events"] for r in doc["systems"].values())
+    trajectories = sum(r["trajectories_started"] for r in doc["systems"].values())
+    return {
+        "wall_s": round(wall, 2),
+        "events": events,
+        "trajectories": trajectories,
+        "us_per_event": round(1e6 * wall / max(1, events), 1),
+    }
+
+
+def run() -> list[dict[str, Any]]:
+    rows = []
+    for model in ("qwen3-8b", "qwen3-30b-a3b"):
+        for segment in (1, 2, 3):
+            row = _run(model=model, segment=segment, systems=SYSTEMS)
+            rows.append({"case": f"{model} segment {segment}, 4 systems, 7200 s", **row})
+    for duration in (3600.0, 7200.0):
+        row = _run(model="qwen3-8b", segment=2, duration_s=duration, systems=("pearl",))
+        rows.append({"case": f"pearl, segment 2, {duration:.0f} s", **row})
+    for batch in (64, 128):
+        row = _run(model="qwen3-8b", segment=2, batch_size=batch, systems=("pearl",))
+        rows.append({"case": f"pearl, segment 2, batch {batch}", **row})
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    rows = run()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="simulator speed (wall seconds on this machine)")
+    for col in ("case", "wall s", "events", "trajectories", "us/event"):
+        table.add_column(col, justify="left" if col == "case" else "right")
+    for r in rows:
+        table.add_row(
+            r["case"],
+            f"{r['wall_s']:.2f}",
+            str(r["events"]),
+            str(r["trajectories"]),
+            f"{r['us_per_event']:.1f}",
+        )
+    Console().print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
