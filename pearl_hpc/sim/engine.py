@@ -200,7 +200,6 @@ class Simulator:
         self._training_queue: deque[int] = deque()  # completed batches awaiting training
         self._training_running: int | None = None
         self._training_begin_s: float | None = None
-        self._ready_at: dict[int, float] = {}
         self._borrow_started: dict[int, float] = {}
         self._activation_s: list[float] = []
         self._deactivation_s: list[float] = []

@@ -175,9 +175,8 @@ def simulate(
     trace, duration = req.resolve_trace()
     profile = initial_profile(cost, workload)
     names = system_names(req)
-    results: dict[str, Any] = {}
-    for name in names:
-        setup = make_setup(
+    setups = {
+        name: make_setup(
             name,
             base=PolicyConfig(),
             trace=trace,
@@ -187,6 +186,10 @@ def simulate(
             tp=req.tp,
             prefix_affinity=req.router == "sticky",
         )
+        for name in names
+    }  # every name is checked before anything runs
+    results: dict[str, Any] = {}
+    for name, setup in setups.items():
         tick = None if progress is None else (lambda t, n=name: progress(n, t, duration))
         started = time.perf_counter()
         sim = Simulator(

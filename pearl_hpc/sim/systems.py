@@ -72,8 +72,8 @@ def make_setup(
         )
 
     reserved = rollout_gpus if fixed else RESERVED_ROLLOUT_GPUS
-    if name == "roll":
-        return setup(_policy(base, coloc, none), RESERVED_ROLLOUT_GPUS, False, False)
+    if name == "roll":  # 4 GPUs, or the fixed resources every system gets
+        return setup(_policy(base, coloc, none), reserved, False, False)
     if name == "roll-large":
         gpus = rollout_gpus if fixed else ROLL_LARGE_GPUS.get(segment or 0)
         if gpus is None:
