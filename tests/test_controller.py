@@ -727,3 +727,23 @@ def test_random_event_sequences_keep_the_controller_consistent(
             )
         backend.check()
     backend.drain(random.Random(seed))
+
+
+def test_cancelled_reserved_workers_give_their_gpus_back_to_the_base_job() -> None:
+    controller, executor, _ = make_controller()
+    controller.grant_reserved([gpus(0), gpus(1), gpus(2)])
+    controller.handle(WorkerReady(0))
+    controller.handle(WorkerFailed(1, "engine crashed"))  # cancels slots 0 and 2
+    executor.take()
+    release_all(controller, [0, 2])
+    assert sorted(u.gpu_ids for u in controller.free_units) == [gpus(0), gpus(2)]
+    assert ("release_capacity", None) not in [(n, a) for n, a in executor.calls]
+
+
+def test_a_joining_slot_without_an_admission_group_is_admitted_alone() -> None:
+    table = RoleTable()
+    table.add_worker(gpus(0), zone=Zone.DEDICATED, role=Role.COLOCATED, status=Status.JOINING)
+    controller, executor, _ = make_controller(table=table)
+    controller.handle(WorkerReady(0))
+    assert calls_named(executor, "admit") == [[0]]
+    assert statuses(controller, [0]) == [Status.ACTIVE]

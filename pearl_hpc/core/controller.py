@@ -309,6 +309,10 @@ class Controller:
             self.table.transition(slot_id, Status.ACTIVE, now_s=now)
         elif slot.status is Status.JOINING:
             group_id = self._group_of(slot_id)
+            if group_id is None:  # joined before a restart that kept no group: alone
+                group_id = self._next_group
+                self._next_group += 1
+                self._groups[group_id] = _AdmissionGroup({slot_id})
             group = self._groups[group_id]
             group.ready.add(slot_id)
             if group.ready >= group.members:
@@ -331,6 +335,8 @@ class Controller:
             self.table.remove(slot_id)
             if slot.source is not None:
                 self._release_if_empty(slot.source)
+            else:  # reserved GPUs stay with the base job: they can host a worker again
+                self.free_units.append(CapacityUnit(slot.gpu_ids))
         self._maybe_start_training()
         return None
 
@@ -521,11 +527,11 @@ class Controller:
         assert self.training_step is not None
         self.executor.start_training(self.training_step)
 
-    def _group_of(self, slot_id: int) -> int:
+    def _group_of(self, slot_id: int) -> int | None:
         for group_id, group in self._groups.items():
             if slot_id in group.members:
                 return group_id
-        raise KeyError(slot_id)
+        return None
 
     def _leave_groups(self, slot_ids: set[int]) -> None:
         for group_id, group in list(self._groups.items()):
