@@ -31,34 +31,25 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _number(kind: type, minimum: float) -> Any:
+    """An argparse type: ``kind`` (int or float) that must be >= ``minimum`` and finite."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            noun = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
+        if not (value >= minimum and value != float("inf")):
+            raise argparse.ArgumentTypeError(f"must be >= {minimum:g}, got {text}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
+_positive_int = _number(int, 1)
+_non_negative_int = _number(int, 0)
+_non_negative_float = _number(float, 0.0)
 
 
 def resolve_profile(name_or_path: str) -> Path:
@@ -92,11 +83,7 @@ def build_plan_table(
             )
             overlap_ids.append(slot.slot_id)
     if current is not None:
-        roles = (
-            [Role.PREFILL] * current.num_prefill
-            + [Role.DECODE] * current.num_decode
-            + [Role.COLOCATED] * current.num_colocated
-        )
+        roles = current.roles()
         for i, role in enumerate(roles):
             table.add_worker([f"d{i}"], zone=Zone.DEDICATED, role=role, status=Status.ACTIVE)
     return table, overlap_ids

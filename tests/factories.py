@@ -64,11 +64,7 @@ def make_table(
             status=Status.INACTIVE,
         )
     if config is not None:
-        roles = (
-            [Role.PREFILL] * config.num_prefill
-            + [Role.DECODE] * config.num_decode
-            + [Role.COLOCATED] * config.num_colocated
-        )
+        roles = config.roles()
         for i, role in enumerate(roles):
             table.add_worker(gpus(i), zone=Zone.DEDICATED, role=role, status=status, source=elastic)
     return table

@@ -24,18 +24,14 @@ from pearl_hpc.core.decision import decide
 from pearl_hpc.core.orchestrator import CapacityUnit, plan_transition
 from pearl_hpc.core.profile import WorkloadProfile
 from pearl_hpc.core.table import RoleTable
-from pearl_hpc.core.types import PDConfig, Role, Status, Zone
+from pearl_hpc.core.types import PDConfig, Status, Zone
 
 SIZES = (64, 256, 1024, 4096)
 
 
 def _table(config: PDConfig) -> RoleTable:
     table = RoleTable()
-    roles = (
-        [Role.PREFILL] * config.num_prefill
-        + [Role.DECODE] * config.num_decode
-        + [Role.COLOCATED] * config.num_colocated
-    )
+    roles = config.roles()
     for i, role in enumerate(roles):
         table.add_worker((f"g{i}a", f"g{i}b"), zone=Zone.DEDICATED, role=role, status=Status.ACTIVE)
     return table

@@ -105,6 +105,14 @@ class PDConfig:
             Role.COLOCATED: self.num_colocated,
         }.get(role, 0)
 
+    def roles(self) -> list[Role]:
+        """One role per worker: prefill first, then decode, then colocated."""
+        return (
+            [Role.PREFILL] * self.num_prefill
+            + [Role.DECODE] * self.num_decode
+            + [Role.COLOCATED] * self.num_colocated
+        )
+
     def spec(self) -> str:
         if self.num_prefill or self.num_decode:
             return f"{self.num_prefill}P{self.num_decode}D"
