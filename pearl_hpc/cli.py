@@ -227,7 +227,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise ConfigError("--report needs matplotlib: pip install -e '.[plots]'") from None
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    systems = (
+        None if args.systems is None else [s.strip() for s in args.systems.split(",") if s.strip()]
+    )
     req = SimRequest(
         model=args.model,
         gpu=args.gpu,
@@ -372,9 +374,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument(
         "--systems",
-        default="roll,roll-large,rlboost+,pearl",
-        help="comma list: roll, roll-large, rlboost+, pd-only, pd+toggle, pearl, "
-        "static-coloc, static-<P>P<D>D",
+        default=None,
+        help="comma list of roll, roll-large, rlboost+, pd-only, pd+toggle, pearl, "
+        "static-coloc, static-<P>P<D>D (default: roll,roll-large,rlboost+,pearl; with "
+        "--sweep-static: pearl and the sweep)",
     )
     sim.add_argument(
         "--rollout-gpus",

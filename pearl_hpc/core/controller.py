@@ -200,6 +200,7 @@ class Controller:
         self.unfinished_trajectories: int | None = None
         self.history: list[Reconfiguration] = []
         self._groups: dict[int, _AdmissionGroup] = {}
+        self.released_sources: set[ElasticSource] = set()  # given back; never twice
         self._next_group = 0
 
     # ----------------------------------------------------------------- set-up
@@ -394,9 +395,9 @@ class Controller:
             if s.status in IN_SERVICE and s.slot_id not in forced
         ]
         num_dedicated = sum(1 for s in survivors if s.zone is Zone.DEDICATED)
-        num_borrowed = len(survivors) - num_dedicated
 
-        # Expansion gate on granted but unused dedicated units.
+        # Expansion gate on granted but unused dedicated units, against the dedicated
+        # pool they join (borrowed workers leave at every Training Begin).
         free = list(self.free_units) if reuse_free else []
         expansion_gate = None
         if free and gate_expansion:
@@ -404,7 +405,7 @@ class Controller:
                 self.policies,
                 self.config,
                 profile,
-                num_current=num_dedicated + num_borrowed,
+                num_current=num_dedicated,
                 num_new=len(free),
             )
             if not expansion_gate.allow:
@@ -552,6 +553,9 @@ class Controller:
             return
         if any(u.source == source for u in self.free_units):
             return
+        if source in self.released_sources:  # e.g. a reclaim of a job already given back
+            return
+        self.released_sources.add(source)
         self.executor.release_capacity(source)
 
     # ---------------------------------------------------------------- journal
@@ -576,6 +580,7 @@ class Controller:
             "unfinished_trajectories": self.unfinished_trajectories,
             "groups": [sorted(g.members) for g in self._groups.values()],
             "groups_ready": [sorted(g.ready) for g in self._groups.values()],
+            "released_sources": sorted([s.job_id, s.het_component] for s in self.released_sources),
         }
 
     def restore(self, data: dict[str, Any]) -> None:
@@ -600,3 +605,6 @@ class Controller:
             for i, (m, r) in enumerate(zip(data["groups"], data["groups_ready"], strict=True))
         }
         self._next_group = len(self._groups)
+        self.released_sources = {
+            ElasticSource(str(job), int(comp)) for job, comp in data.get("released_sources", [])
+        }

@@ -48,6 +48,7 @@ from pearl_hpc.sim.workload import TrajectorySpec, WorkloadConfig, WorkloadGener
 # event priorities at equal times: capacity changes, then completions, then arrivals
 _P_CAPACITY, _P_CONTROL, _P_WORK, _P_ARRIVAL = 0, 1, 2, 3
 DEDICATED_RELEASE_S = 1.0  # stop a dedicated worker: abort requests, free the GPUs
+RETURN_DEADLINE_S = 120.0  # borrowed GPUs not back this long after Training Begin: a bug
 
 
 class SimInvariantError(AssertionError):
@@ -76,6 +77,7 @@ class Request:
     prefill_tokens: int = 0  # tokens to prefill (new, or whole context on a miss)
     gen_left: int = 0
     kv_tokens: int = 0  # reserved on the worker where it is resident
+    prompt_tokens: int = 0  # context the turn's response starts from
     finish_vt: float = 0.0
     started_vt: float = 0.0
     worker: int | None = None
@@ -89,7 +91,8 @@ class SimWorker:
     kv_capacity: int
     state: str = "starting"  # starting | active | rerole | draining | off
     decode: list[tuple[float, int, Request]] = field(default_factory=list)  # heap by finish_vt
-    decode_ctx: int = 0
+    decode_ctx: float = 0.0  # context read per decode step (prompt + half the response)
+    cached_tokens: int = 0  # sum of cache values
     prefill: deque[Request] = field(default_factory=deque)
     prefill_left: float = 0.0  # remaining tokens of the head prefill job
     waiting: deque[tuple[str, Request]] = field(default_factory=deque)  # KV admission queue
@@ -200,6 +203,7 @@ class Simulator:
         self._training_queue: deque[int] = deque()  # completed batches awaiting training
         self._training_running: int | None = None
         self._training_begin_s: float | None = None
+        self._training_started = False
         self._borrow_started: dict[int, float] = {}
         self._activation_s: list[float] = []
         self._deactivation_s: list[float] = []
@@ -392,6 +396,7 @@ class Simulator:
             )
         assert self._training_begin_s is not None
         wait_s = self.now - self._training_begin_s
+        self._training_started = True
         rec = self.steps[step]
         rec.training_return_s = wait_s
         tokens = rec.trained_tokens
@@ -403,7 +408,11 @@ class Simulator:
         )
 
     def release_capacity(self, source: ElasticSource) -> None:
+        """The controller gives an elastic job back (declined, drained or failed): its
+        GPUs leave the budget; a later rise of the trace may grant them again."""
         self.released.append(source.tag)
+        self._granted = [(src, gpus) for src, gpus in self._granted if src != source]
+        self._record_budget()
 
     # ------------------------------------------------------------------ training
     def _training_done(self, step: int) -> None:
@@ -420,7 +429,15 @@ class Simulator:
         step = self._training_queue.popleft()
         self._training_running = step
         self._training_begin_s = self.now
+        self._training_started = False
+        self.at(self.now + RETURN_DEADLINE_S, _P_CONTROL, self._check_returned, step)
         self.controller.handle(TrainingBegin(step))
+
+    def _check_returned(self, step: int) -> None:
+        if self._training_running == step and not self._training_started:
+            raise SimInvariantError(
+                f"training step {step} still waits for borrowed GPUs after {RETURN_DEADLINE_S} s"
+            )
 
     # ------------------------------------------------------------------ batches
     def _start_batch(self) -> None:
@@ -517,7 +534,7 @@ class Simulator:
 
     def _submit_prefill(self, w: SimWorker, traj: Traj) -> None:
         turn = traj.spec.turns[traj.turn]
-        cached = w.cache.pop(traj.spec.trajectory_id, 0)
+        cached = self._uncache(w, traj.spec.trajectory_id)
         # the prompt includes a response interrupted earlier (token-level resume)
         prompt = traj.context + turn.new_tokens + traj.done_gen
         tokens = prompt - min(cached, traj.context)
@@ -525,6 +542,7 @@ class Simulator:
         traj.prefilled += req.prefill_tokens
         self.prefilled_tokens += req.prefill_tokens
         req.kv_tokens = traj.context + turn.new_tokens + turn.gen_tokens
+        req.prompt_tokens = prompt
         traj.worker = w.slot_id
         self._admit(w, "prefill", req)
 
@@ -549,14 +567,22 @@ class Simulator:
             req.started_vt = w.vt
             req.finish_vt = w.vt + req.gen_left
             heapq.heappush(w.decode, (req.finish_vt, next(self._seq), req))
-            w.decode_ctx += req.kv_tokens
+            w.decode_ctx += self._decode_ctx(req)
 
     def _evict(self, w: SimWorker) -> None:
         room = w.kv_capacity - w.kv_used
-        cached = sum(w.cache.values())
-        while w.cache and cached > room:
+        while w.cache and w.cached_tokens > room:
             _, tokens = w.cache.popitem(last=False)
-            cached -= tokens
+            w.cached_tokens -= tokens
+
+    def _uncache(self, w: SimWorker, tid: str) -> int:
+        tokens = w.cache.pop(tid, 0)
+        w.cached_tokens -= tokens
+        return tokens
+
+    @staticmethod
+    def _decode_ctx(req: Request) -> float:
+        return req.prompt_tokens + req.gen_left / 2
 
     # ------------------------------------------------------- processor sharing
     def _advance(self, w: SimWorker) -> None:
@@ -589,7 +615,8 @@ class Simulator:
         if w.prefill:
             head = w.prefill[0]
             chunk = min(float(CHUNK_TOKENS), max(w.prefill_left, 1.0))
-            span = head.traj.context + chunk / 2
+            # attention span of this chunk: the prompt up to where prefill has got to
+            span = head.prompt_tokens - w.prefill_left + chunk / 2
             if n and w.role is Role.COLOCATED:
                 it = cost.mixed_iteration_s(n, ctx, chunk, span)
             else:
@@ -621,7 +648,7 @@ class Simulator:
         done_decode: list[Request] = []
         while w.decode and w.decode[0][0] - w.vt <= eps:
             _, _, req = heapq.heappop(w.decode)
-            w.decode_ctx -= req.kv_tokens
+            w.decode_ctx -= self._decode_ctx(req)
             done_decode.append(req)
         done_prefill: Request | None = None
         if w.prefill and w.prefill_left <= eps:
@@ -639,8 +666,10 @@ class Simulator:
         w.kv_used -= req.kv_tokens
         if keep_cache:  # the prompt stays cached as a prefix (not this turn's reasoning)
             tid = req.traj.spec.trajectory_id
-            w.cache[tid] = req.traj.context + req.traj.spec.turns[req.traj.turn].new_tokens
-            w.cache.move_to_end(tid)
+            self._uncache(w, tid)
+            tokens = req.traj.context + req.traj.spec.turns[req.traj.turn].new_tokens
+            w.cache[tid] = tokens
+            w.cached_tokens += tokens
             self._evict(w)
 
     def _admit_waiting(self, w: SimWorker) -> None:
@@ -698,6 +727,8 @@ class Simulator:
             if traj.finished_s is not None:
                 raise SimInvariantError(f"trajectory {traj.spec.trajectory_id} finished twice")
             traj.finished_s = self.now
+            for holder in self.workers.values():  # its prefix will never be used again
+                self._uncache(holder, traj.spec.trajectory_id)
             self.trajs_finished += 1
             self._left[traj.step] -= 1
             if self._left[traj.step] == 0:
@@ -727,7 +758,9 @@ class Simulator:
         w.decode.clear()
         w.prefill.clear()
         w.waiting.clear()
-        w.decode_ctx = w.kv_used = 0
+        w.decode_ctx = 0.0
+        w.kv_used = 0
+        w.cached_tokens = 0
         w.prefill_left = 0.0
         w.cache.clear()
         self._reschedule(w)

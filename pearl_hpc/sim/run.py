@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from pearl_hpc.sim.workload import WorkloadConfig
 
 DEFAULT_WORKLOAD = REPO_CONFIGS / "workloads" / "swe-bench.yaml"
 OVERHEAD_S_PER_TURN = 0.3  # T_over seed, as in the shipped profiles
+DEFAULT_SYSTEMS = ("roll", "roll-large", "rlboost+", "pearl")
 
 
 def initial_profile(cost: CostModel, workload: WorkloadConfig) -> WorkloadProfile:
@@ -56,7 +56,7 @@ class SimRequest:
     model: str = "qwen3-8b"
     gpu: str = "h800"
     tp: int = 2
-    systems: Sequence[str] = ("roll", "roll-large", "rlboost+", "pearl")
+    systems: Sequence[str] | None = None  # None: DEFAULT_SYSTEMS (just pearl with a sweep)
     segment: int | None = 2
     trace_path: str | None = None
     start_s: float = 0.0
@@ -87,7 +87,8 @@ class SimRequest:
                     f"({trace.duration_s:g} s)"
                 )
         else:
-            trace, duration = None, self.duration_s or 7200.0
+            trace = None
+            duration = 7200.0 if self.duration_s is None else self.duration_s
         if self.rollout_gpus is not None:
             trace = None
         if duration <= 0:
@@ -96,19 +97,24 @@ class SimRequest:
 
 
 def system_names(req: SimRequest) -> list[str]:
-    names = list(req.systems)
+    if req.systems is not None:
+        names = list(req.systems)
+    else:
+        names = [] if req.sweep_static else list(DEFAULT_SYSTEMS)
     if req.sweep_static:
         if req.rollout_gpus is None:
             raise SimConfigError(
                 "--sweep-static needs fixed resources: --rollout-gpus N --no-elastic"
             )
         workers = req.rollout_gpus // req.tp
-        names = ["pearl"]  # the decision engine alone: adaptive PD, no borrowing
+        if "pearl" not in names:  # the decision engine alone: adaptive PD, no borrowing
+            names.append("pearl")
         names += ["static-coloc"] + [f"static-{p}P{workers - p}D" for p in range(1, workers)]
     return names
 
 
-def _summary(sim: Simulator, wall_s: float) -> dict[str, Any]:
+def _summary(sim: Simulator) -> dict[str, Any]:
+    """One system's part of the document: deterministic for a seed (no wall times)."""
     steps = [s for s in sim.steps if s.finished_s > 0]
     per_step = [
         {
@@ -146,7 +152,6 @@ def _summary(sim: Simulator, wall_s: float) -> dict[str, Any]:
         "trajectories_started": sim.trajs_started,
         "trajectories_finished": sim.trajs_finished,
         "events": sim.events,
-        "wall_s": round(wall_s, 3),
         "per_step": per_step,
     }
 
@@ -191,11 +196,10 @@ def simulate(
     results: dict[str, Any] = {}
     for name, setup in setups.items():
         tick = None if progress is None else (lambda t, n=name: progress(n, t, duration))
-        started = time.perf_counter()
         sim = Simulator(
             setup, cost, workload, profile, seed=req.seed, duration_s=duration, progress=tick
         ).run()
-        results[name] = _summary(sim, time.perf_counter() - started)
+        results[name] = _summary(sim)
         if keep is not None:
             keep[name] = sim
         if progress is not None:

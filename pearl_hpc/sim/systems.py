@@ -44,6 +44,14 @@ def _policy(
     )
 
 
+def _check_gpus(what: str, count: int, tp: int) -> None:
+    if count < tp or count % tp:
+        raise SimConfigError(
+            f"{what} = {count} cannot be split into TP{tp} workers: use a multiple of {tp} "
+            "or change --tp"
+        )
+
+
 def make_setup(
     name: str,
     *,
@@ -72,12 +80,15 @@ def make_setup(
         )
 
     reserved = rollout_gpus if fixed else RESERVED_ROLLOUT_GPUS
+    _check_gpus("--rollout-gpus" if fixed else "reserved rollout GPUs", reserved, tp)
+    _check_gpus("--training-gpus", training_gpus, tp)
     if name == "roll":  # 4 GPUs, or the fixed resources every system gets
         return setup(_policy(base, coloc, none), reserved, False, False)
     if name == "roll-large":
         gpus = rollout_gpus if fixed else ROLL_LARGE_GPUS.get(segment or 0)
         if gpus is None:
             raise SimConfigError("roll-large needs --segment 1|2|3 or --rollout-gpus N")
+        _check_gpus("roll-large rollout GPUs", gpus, tp)
         return setup(_policy(base, coloc, none), gpus, False, False)
     if name == "rlboost+":
         return setup(_policy(base, coloc, none, ExpansionName.ALWAYS), reserved, True, False)

@@ -1,0 +1,492 @@
+"""The discrete-event simulator (pearl_hpc.sim.engine) driving the production controller:
+determinism, the guarantees it checks (census, returns before training, one owner per
+GPU), and that elastic and borrowing runs really exercise grants, reclaims and loans."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+
+from pearl_hpc.core.controller import WorkerReleased
+from pearl_hpc.core.policies import BorrowingName, ExpansionName, PDPolicyName, PolicyConfig
+from pearl_hpc.core.types import Role, Status, Zone
+from pearl_hpc.sim import run as run_module
+from pearl_hpc.sim.costmodel import CostModel, SimConfigError
+from pearl_hpc.sim.engine import SimInvariantError, Simulator
+from pearl_hpc.sim.run import SimRequest, initial_profile, simulate
+from pearl_hpc.sim.systems import make_setup
+from pearl_hpc.sim.workload import WorkloadConfig
+
+DURATION_S = 1800.0
+# A borrowed worker must be back within its deactivation time (3.18 s for Qwen3-8B); a
+# training step waiting far longer than the reclaim grace means a lost return.
+STALL_S = 60.0
+
+
+def build(
+    system: str,
+    *,
+    segment: int | None = 2,
+    duration_s: float = DURATION_S,
+    seed: int = 0,
+    rollout_gpus: int | None = None,
+    batch_size: int | None = None,
+    sim_cls: type[Simulator] = Simulator,
+    model: str = "qwen3-8b",
+) -> Simulator:
+    """A Simulator built the way :func:`pearl_hpc.sim.run.simulate` builds it."""
+    req = SimRequest(
+        model=model,
+        systems=(system,),
+        segment=segment,
+        duration_s=duration_s,
+        seed=seed,
+        rollout_gpus=rollout_gpus,
+        batch_size=batch_size,
+    )
+    cost = CostModel.from_names(req.gpu, req.model, req.tp)
+    workload = WorkloadConfig.load(req.workload_path)
+    if batch_size is not None:
+        workload = dataclasses.replace(workload, batch_size=batch_size)
+    trace, duration = req.resolve_trace()
+    setup = make_setup(
+        system,
+        base=PolicyConfig(),
+        trace=trace,
+        segment=segment,
+        rollout_gpus=rollout_gpus,
+        training_gpus=req.training_gpus,
+        tp=req.tp,
+    )
+    return sim_cls(
+        setup, cost, workload, initial_profile(cost, workload), seed=seed, duration_s=duration
+    )
+
+
+class AuditedSimulator(Simulator):
+    """Checks, after every event, what the engine itself only checks at the end or at
+    training start: the census, one owner per GPU among live workers (and agreement with
+    the controller's table), KV accounting, and no borrowed worker while training runs."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.training_executing: int | None = None
+        self.training_starts: list[tuple[int, float]] = []
+        self.finished_ids: set[str] = set()
+        self.audits = 0
+
+    def at(self, time_s: float, prio: int, fn: Callable[..., None], *args: Any) -> None:
+        super().at(time_s, prio, self._audited, fn, args)
+
+    def _audited(self, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+        fn(*args)
+        self.audit()
+
+    def start_training(self, step: int) -> None:
+        super().start_training(step)
+        assert self.training_executing is None, "two training steps at once"
+        self.training_executing = step
+        self.training_starts.append((step, self.now))
+
+    def _training_done(self, step: int) -> None:
+        assert self.training_executing == step
+        self.training_executing = None
+        super()._training_done(step)
+
+    def _turn_done(self, req: Any, w: Any) -> None:
+        traj = req.traj
+        last = traj.turn + 1 >= len(traj.spec.turns)
+        super()._turn_done(req, w)
+        if last:
+            tid = traj.spec.trajectory_id
+            assert tid not in self.finished_ids, f"{tid} finished twice"
+            self.finished_ids.add(tid)
+
+    def audit(self) -> None:
+        self.audits += 1
+        self.check_census()
+        assert len(self.finished_ids) == self.trajs_finished
+        table = self.controller.table
+        owner: dict[str, int] = {}
+        for slot_id, w in self.workers.items():
+            assert w.slot_id == slot_id
+            assert slot_id in table, f"live worker {slot_id} is not in the role table"
+            slot = table.get(slot_id)
+            assert slot.zone is w.zone
+            for gpu in slot.gpu_ids:
+                assert gpu not in owner, f"GPU {gpu} used by workers {owner[gpu]} and {slot_id}"
+                owner[gpu] = slot_id
+            # KV: reserved = what running requests hold; the prefix cache fits beside it
+            decoding = sum(entry[2].kv_tokens for entry in w.decode)
+            held = decoding + sum(r.kv_tokens for r in w.prefill)
+            assert w.kv_used == held, (slot_id, w.kv_used, held)
+            # decode reads each sequence's prompt and, on average, half its response
+            read = sum(e[2].prompt_tokens + e[2].gen_left / 2 for e in w.decode)
+            assert w.decode_ctx == pytest.approx(read, abs=1e-6 * (1 + read))
+            assert w.kv_used <= w.kv_capacity
+            assert w.cached_tokens == sum(w.cache.values())
+            assert w.kv_used + w.cached_tokens <= w.kv_capacity
+            if w.state != "active":
+                assert not w.decode and not w.prefill and not w.waiting, (slot_id, w.state)
+            if w.role is Role.PREFILL:
+                assert not w.decode
+            if w.role is Role.DECODE:
+                assert not w.prefill
+        if self.training_executing is not None:
+            borrowed = [s for s, w in self.workers.items() if w.zone is Zone.OVERLAP]
+            assert not borrowed, f"training runs while overlap workers {borrowed} hold GPUs"
+            assert all(s.status is Status.INACTIVE for s in table.overlap_workers())
+        assert all(left >= 0 for left in self._left.values())
+
+
+def finished_steps(sim: Simulator) -> list[Any]:
+    return [s for s in sim.steps if s.finished_s > 0]
+
+
+def training_stalled(sim: Simulator) -> bool:
+    """A training step has waited for borrowed GPUs longer than any return can take."""
+    ctl = sim.controller
+    return (
+        ctl.training_state == "waiting"
+        and ctl.training_wait_started_s is not None
+        and sim.now - ctl.training_wait_started_s > STALL_S
+    )
+
+
+# --------------------------------------------------------------------------- (a)
+def test_same_seed_identical_document() -> None:
+    req = SimRequest(systems=("pearl",), segment=1, duration_s=DURATION_S, seed=3)
+    first, second = simulate(req), simulate(req)
+    assert json.dumps(first, sort_keys=True) == json.dumps(second, sort_keys=True)
+    other = simulate(dataclasses.replace(req, seed=4))
+    assert other["systems"] != first["systems"]
+
+
+def test_same_seed_identical_simulator_state() -> None:
+    a = build("pearl", segment=1).run()
+    b = build("pearl", segment=1).run()
+    assert a.timeline == b.timeline
+    assert a.budget == b.budget
+    assert a.events == b.events
+    assert [r.cause for r in a.controller.history] == [r.cause for r in b.controller.history]
+    assert [dataclasses.asdict(s) for s in a.steps] == [dataclasses.asdict(s) for s in b.steps]
+
+
+# --------------------------------------------------------------------------- (b), (c)
+@pytest.mark.parametrize("segment", [1, 2, 3])
+@pytest.mark.parametrize("system", ["roll", "rlboost+", "pd+toggle", "pearl"])
+def test_invariants_every_event(system: str, segment: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # run through simulate() so the summary is checked too, with the audited engine
+    monkeypatch.setattr(run_module, "Simulator", AuditedSimulator)
+    keep: dict[str, Simulator] = {}
+    doc = simulate(SimRequest(systems=(system,), segment=segment, duration_s=DURATION_S), keep=keep)
+    sim = keep[system]
+    assert isinstance(sim, AuditedSimulator)
+    assert sim.controller.check  # the role table is checked after every controller event
+    assert sim.audits == sim.events > 1000
+    sim.check_census()
+    steps = finished_steps(sim)
+    assert len(steps) >= 3
+    in_flight = (
+        len(sim.pending)
+        + sum(len(w.decode) + len(w.prefill) + len(w.waiting) for w in sim.workers.values())
+        + sim._in_transit
+    )
+    assert sim.trajs_started == sim.trajs_finished + in_flight
+    assert sim.trajs_started == len(sim.steps) * sim.workload.batch_size
+    assert sim.trajs_finished >= len(steps) * sim.workload.batch_size
+    # every finished step was trained or is in training / queued for it
+    assert sim.training_starts, "no training step ever started"
+    assert [s for s, _ in sim.training_starts] == list(range(len(sim.training_starts)))
+    assert sim._trained_step >= len(steps) - 3
+    assert not training_stalled(sim)
+    for rec in steps:
+        assert math.isfinite(rec.training_return_s)
+        assert 0.0 <= rec.training_return_s <= STALL_S
+        assert rec.duration_s > 0
+        assert rec.generated_tokens > 0 and rec.trained_tokens > rec.generated_tokens
+    # the summary agrees with the simulator
+    result = doc["systems"][system]
+    assert result["trajectories_started"] == sim.trajs_started
+    assert result["trajectories_finished"] == sim.trajs_finished
+    assert result["steps"] == len(steps)
+    assert result["events"] == sim.events
+    for entry in result["per_step"]:
+        assert math.isfinite(entry["training_return_wait_s"])
+        assert 0.0 <= entry["training_return_wait_s"] <= STALL_S
+
+
+def test_borrowed_returns_take_the_deactivation_time() -> None:
+    sim = build("pearl", segment=2, sim_cls=AuditedSimulator).run()
+    waits = [s.training_return_s for s in finished_steps(sim) if s.borrowed_workers]
+    assert waits
+    deactivation = sim.cost.reconfig_s("deactivation")
+    assert all(w == pytest.approx(deactivation) for w in waits)
+    # roll never lends its training GPUs: training starts at once
+    roll = build("roll", segment=2).run()
+    assert all(s.training_return_s == 0.0 for s in finished_steps(roll))
+
+
+# ---------------------------------------------------------------- negative tests
+class LyingSimulator(Simulator):
+    """Reports borrowed workers released at once but keeps them running."""
+
+    def stop_workers(self, slot_ids: Sequence[int], deadline_s: float | None) -> None:
+        lying = [s for s in slot_ids if s in self.workers and self.workers[s].zone is Zone.OVERLAP]
+        super().stop_workers([s for s in slot_ids if s not in lying], deadline_s)
+        for slot_id in lying:
+            self.at(self.now, 1, self.controller.handle, WorkerReleased(slot_id))
+
+
+class DeafSimulator(Simulator):
+    """Ignores every request to stop a borrowed worker."""
+
+    def stop_workers(self, slot_ids: Sequence[int], deadline_s: float | None) -> None:
+        super().stop_workers(
+            [s for s in slot_ids if s in self.workers and self.workers[s].zone is not Zone.OVERLAP],
+            deadline_s,
+        )
+
+
+def test_training_over_live_borrowed_worker_is_detected() -> None:
+    sim = build("pearl", segment=2, sim_cls=LyingSimulator)
+    with pytest.raises(SimInvariantError, match=r"training step 0 starts while overlap workers"):
+        sim.run()
+
+
+def test_borrowed_worker_never_returned_is_caught_by_the_return_watchdog() -> None:
+    # A borrowed worker that never comes back leaves training waiting; the engine's
+    # watchdog refuses to go on once the return is RETURN_DEADLINE_S late.
+    with pytest.raises(SimInvariantError, match="still waits for borrowed GPUs"):
+        build("pearl", segment=2, sim_cls=DeafSimulator).run()
+    # a correct run of the same setup neither stalls nor stops
+    clean = build("pearl", segment=2).run()
+    assert not training_stalled(clean)
+    assert len(finished_steps(clean)) > 1 + clean.workload.staleness
+
+
+def test_census_detects_a_lost_trajectory() -> None:
+    sim = build("roll", segment=2, duration_s=300).run()
+    sim.check_census()
+    sim.trajs_started += 1
+    with pytest.raises(SimInvariantError, match="trajectories started but"):
+        sim.check_census()
+
+
+def test_finishing_twice_is_detected() -> None:
+    class Twice(Simulator):
+        def _turn_done(self, req: Any, w: Any) -> None:
+            traj = req.traj
+            last = traj.turn + 1 >= len(traj.spec.turns)
+            super()._turn_done(req, w)
+            if last:  # replay the last turn
+                traj.turn -= 1
+                traj.context -= traj.spec.turns[traj.turn].new_tokens
+                traj.context -= traj.spec.turns[traj.turn].kept_tokens
+                super()._turn_done(req, w)
+
+    with pytest.raises(SimInvariantError, match="finished twice"):
+        build("roll", segment=2, sim_cls=Twice).run()
+
+
+# --------------------------------------------------------------------------- (d)
+def test_elastic_run_exercises_grants_and_reclaims(monkeypatch: pytest.MonkeyPatch) -> None:
+    # segment 2 has no preemptible GPU for its first 2569 s: simulate past that
+    monkeypatch.setattr(run_module, "Simulator", AuditedSimulator)
+    keep: dict[str, Simulator] = {}
+    doc = simulate(SimRequest(systems=("rlboost+",), segment=2, duration_s=3600), keep=keep)
+    sim = keep["rlboost+"]
+    result = doc["systems"]["rlboost+"]
+    assert result["interrupted_turns"] > 0 or result["reconfigurations"] > 2
+    assert result["interrupted_turns"] == sim.interrupted_turns > 0
+    assert result["reconfigurations"] == len(sim.controller.history) > 2
+    causes = [r.cause for r in sim.controller.history]
+    assert any(c.startswith("capacity granted") for c in causes)
+    assert any(c.startswith("capacity reclaimed") for c in causes)
+    assert sim.released  # reclaimed sources were handed back
+    assert max(g for _, g in sim.budget) > 4
+    assert {s.dedicated_gpus for s in finished_steps(sim)} != {4}
+    # nothing borrowed without overlap workers
+    assert all(s.borrowed_workers == 0 for s in finished_steps(sim))
+    # in the first 1800 s of segment 2 there is nothing to grant: rlboost+ == roll
+    early = build("rlboost+", segment=2).run()
+    assert early.interrupted_turns == 0
+    assert len(early.controller.history) == 1
+
+
+def test_pearl_borrows_and_roll_never_does() -> None:
+    doc = simulate(
+        SimRequest(systems=("roll", "pearl"), segment=2, duration_s=DURATION_S), keep=(keep := {})
+    )
+    pearl = doc["systems"]["pearl"]["per_step"]
+    roll = doc["systems"]["roll"]["per_step"]
+    assert any(s["borrowed_workers"] > 0 for s in pearl)
+    assert all(s["borrowed_workers"] == 0 for s in roll)
+    assert all(not state.endswith("-borrowed") for _, _, _, state in keep["roll"].timeline)
+    assert any(state == "active-borrowed" for _, _, _, state in keep["pearl"].timeline)
+    assert not keep["roll"].controller.table.overlap_workers()
+    # roll is four fixed GPUs: two colocated workers, never reconfigured
+    assert {(s["num_colocated"], s["num_prefill"], s["num_decode"]) for s in roll} == {(2, 0, 0)}
+    assert {s["dedicated_rollout_gpus"] for s in roll} == {4}
+    assert doc["systems"]["roll"]["reconfigurations"] == 1
+    assert doc["systems"]["roll"]["interrupted_turns"] == 0
+
+
+# --------------------------------------------------------------------------- (e)
+def test_fixed_resources_sweep_static() -> None:
+    req = SimRequest(
+        systems=("roll",),
+        segment=None,
+        rollout_gpus=8,
+        duration_s=DURATION_S,
+        batch_size=16,
+        sweep_static=True,
+    )
+    doc = simulate(req)
+    names = list(doc["systems"])  # the systems asked for, then pearl and the sweep
+    assert names == ["roll", "pearl", "static-coloc", "static-1P3D", "static-2P2D", "static-3P1D"]
+    assert doc["rollout_gpus"] == 8 and doc["segment"] is None and doc["trace"] is None
+    for name, result in doc["systems"].items():
+        assert result["throughput_tokens_per_s"] > 0, name
+        assert result["steps"] >= 1
+        assert result["interrupted_turns"] == 0  # nothing elastic, nothing borrowed
+        for entry in result["per_step"]:
+            assert entry["borrowed_workers"] == 0
+            assert entry["dedicated_rollout_gpus"] == 8
+            if name == "static-coloc":
+                assert entry["mode"] == "colocated"
+                assert (entry["num_colocated"], entry["num_prefill"]) == (4, 0)
+            elif name.startswith("static-"):
+                p, d = int(name[7]), int(name[9])
+                assert entry["mode"] == "disaggregated"
+                assert (entry["num_prefill"], entry["num_decode"]) == (p, d)
+                assert entry["num_colocated"] == 0
+            else:
+                assert entry["num_colocated"] + entry["num_prefill"] + entry["num_decode"] == 4
+    ratios = doc["ratios_vs_static-coloc"]
+    assert ratios["static-coloc"] == 1.0
+    assert set(ratios) == set(names)
+    assert doc["ratios_vs_roll"]["roll"] == 1
+
+
+def test_disaggregated_run_holds_invariants() -> None:
+    sim = build(
+        "static-1P3D", segment=None, rollout_gpus=8, batch_size=16, sim_cls=AuditedSimulator
+    ).run()
+    assert len(finished_steps(sim)) >= 3
+    assert sim.prefilled_tokens > 0
+
+
+@pytest.mark.parametrize(
+    "req,match",
+    [
+        (SimRequest(sweep_static=True), "--sweep-static needs fixed resources"),
+        (SimRequest(segment=2, duration_s=9000), "longer than segment 2"),
+        (SimRequest(systems=("roll", "nope")), "unknown system 'nope'"),
+        (SimRequest(router="random"), "--router"),
+        (SimRequest(systems=("static-2P3D",), rollout_gpus=8), "needs 4 workers"),
+        (SimRequest(gpu="v100"), "unknown GPU"),
+    ],
+)
+def test_bad_requests(req: SimRequest, match: str) -> None:
+    with pytest.raises(SimConfigError, match=match):
+        simulate(dataclasses.replace(req, duration_s=req.duration_s or 60.0))
+
+
+def test_unknown_system_fails_before_anything_runs() -> None:
+    ticks: list[str] = []
+    req = SimRequest(systems=("roll", "pearl", "bogus"), segment=2, duration_s=DURATION_S)
+    with pytest.raises(SimConfigError, match="unknown system 'bogus'"):
+        simulate(req, progress=lambda name, t, total: ticks.append(name))
+    assert ticks == []
+
+
+def test_fixed_resources_apply_to_every_system() -> None:
+    doc = simulate(
+        SimRequest(
+            systems=("roll", "roll-large", "rlboost+", "pearl"),
+            segment=None,
+            rollout_gpus=6,
+            duration_s=DURATION_S,
+            batch_size=16,
+        )
+    )
+    for name, result in doc["systems"].items():
+        assert {s["dedicated_rollout_gpus"] for s in result["per_step"]} == {6}, name
+        assert all(s["borrowed_workers"] == 0 for s in result["per_step"]), name
+        assert result["interrupted_turns"] == 0, name
+
+
+@pytest.mark.parametrize(
+    "segment,fraction,model,duration_s",
+    [
+        (1, 0.5, "qwen3-8b", 1800.0),
+        (1, 0.25, "qwen3-30b-a3b", 1800.0),
+        (2, 0.5, "qwen3-8b", 3000.0),
+    ],
+)
+def test_disaggregated_elastic_borrowing_stress(
+    segment: int, fraction: float, model: str, duration_s: float
+) -> None:
+    """Fixed P:D splits with trace-driven grants and reclaims *and* borrowing: KV
+    transfers, interrupted transfers, impossible survivors (P without D) and returns
+    before training all at once, audited after every event."""
+    base = build("pearl", segment=segment, model=model)
+    policy = dataclasses.replace(
+        PolicyConfig(),
+        pd_policy=PDPolicyName.FIXED_RATIO,
+        borrowing=BorrowingName.GATED,
+        expansion=ExpansionName.ALWAYS,
+        prefill_fraction=fraction,
+    )
+    setup = dataclasses.replace(base.setup, name="stress", policy=policy)
+    sim = AuditedSimulator(
+        setup,
+        base.cost,
+        base.workload,
+        initial_profile(base.cost, base.workload),
+        seed=segment,
+        duration_s=duration_s,
+    ).run()
+    steps = finished_steps(sim)
+    assert len(steps) >= 4
+    assert all(s.mode == "disaggregated" for s in steps)
+    assert any(s.borrowed_workers > 0 for s in steps)
+    assert not training_stalled(sim)
+    assert sim.interrupted_turns > 0
+    assert all(0.0 <= s.training_return_s <= STALL_S for s in steps)
+
+
+# --------------------------------------------------------------------------- (f)
+def test_throughput_is_mean_of_steps_and_ratios() -> None:
+    doc = simulate(
+        SimRequest(systems=("roll", "rlboost+", "pearl"), segment=1, duration_s=DURATION_S)
+    )
+    assert doc["ratios_vs_roll"]["roll"] == 1
+    assert doc["ratios_vs_rlboost+"]["rlboost+"] == 1
+    roll_tp = doc["systems"]["roll"]["throughput_tokens_per_s"]
+    for name, result in doc["systems"].items():
+        per_step = result["per_step"]
+        assert len(per_step) == result["steps"] > 0
+        mean = sum(s["throughput_tokens_per_s"] for s in per_step) / len(per_step)
+        assert result["throughput_tokens_per_s"] == pytest.approx(mean, abs=2e-3)
+        assert doc["ratios_vs_roll"][name] == pytest.approx(
+            result["throughput_tokens_per_s"] / roll_tp, abs=1e-4
+        )
+        assert result["rollout_tokens"] == sum(s["rollout_tokens"] for s in per_step)
+        assert result["trained_tokens"] == sum(s["trained_tokens"] for s in per_step)
+        for s in per_step:
+            assert s["throughput_tokens_per_s"] == pytest.approx(
+                (s["rollout_tokens"] + s["trained_tokens"]) / s["duration_s"], rel=1e-4
+            )
+        # step windows tile the timeline
+        for a, b in itertools.pairwise(per_step):
+            assert b["started_s"] == a["finished_s"]
+        assert per_step[0]["started_s"] == 0.0
+        assert per_step[-1]["finished_s"] <= DURATION_S
