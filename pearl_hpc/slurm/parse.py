@@ -1,0 +1,106 @@
+"""Pure parsers of sbatch and squeue output."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from pearl_hpc.errors import PearlError
+
+# `squeue -h -o SQUEUE_FORMAT`: one job (component) per line, fields split by '|'
+SQUEUE_FORMAT = "%i|%T|%j|%k|%P|%N|%r"
+
+
+class SlurmParseError(PearlError):
+    """Slurm printed something we cannot read."""
+
+
+@dataclass(frozen=True, slots=True)
+class JobRow:
+    """One job, or one component of a heterogeneous job."""
+
+    job_id: str  # the leader's id for a heterogeneous job
+    component: int | None  # het component index; None for a plain job
+    state: str  # PENDING, RUNNING, COMPLETING, CANCELLED, ...
+    name: str
+    comment: str
+    partition: str
+    nodes: str
+    reason: str
+
+    @property
+    def key(self) -> str:
+        """``JOB`` or ``JOB+N``, as scancel takes it."""
+        return self.job_id if self.component is None else f"{self.job_id}+{self.component}"
+
+
+def parse_sbatch_parsable(stdout: str) -> str:
+    """``sbatch --parsable`` prints ``JOBID`` or ``JOBID;CLUSTER``."""
+    text = stdout.strip().splitlines()[-1] if stdout.strip() else ""
+    job_id = text.split(";", 1)[0].strip()
+    if not re.fullmatch(r"\d+", job_id):
+        raise SlurmParseError(f"sbatch --parsable printed {stdout.strip()!r}, not a job id")
+    return job_id
+
+
+def parse_squeue_text(stdout: str) -> list[JobRow]:
+    rows = []
+    for lineno, line in enumerate(stdout.splitlines(), 1):
+        if not line.strip():
+            continue
+        parts = line.split("|")
+        if len(parts) != 7:
+            raise SlurmParseError(
+                f"squeue line {lineno}: {len(parts)} fields, expected 7 ({SQUEUE_FORMAT}): {line!r}"
+            )
+        raw_id, state, name, comment, partition, nodes, reason = (p.strip() for p in parts)
+        m = re.fullmatch(r"(\d+)(?:\+(\d+))?(?:_\S+)?", raw_id)
+        if not m:
+            raise SlurmParseError(f"squeue line {lineno}: job id {raw_id!r}")
+        component = int(m.group(2)) if m.group(2) is not None else None
+        rows.append(JobRow(m.group(1), component, state, name, comment, partition, nodes, reason))
+    return rows
+
+
+def _state(value: Any) -> str:
+    """``job_state`` is a string on Slurm 22.05 and a list of flags on newer releases."""
+    if isinstance(value, list):
+        return str(value[0]) if value else "UNKNOWN"
+    return str(value)
+
+
+def _number(value: Any) -> int | None:
+    """Numbers are plain on 22.05 and ``{"set": .., "number": ..}`` on newer releases."""
+    if isinstance(value, dict):
+        return int(value["number"]) if value.get("set", True) else None
+    return None if value is None else int(value)
+
+
+def parse_squeue_json(stdout: str) -> list[JobRow]:
+    try:
+        doc = json.loads(stdout)
+    except json.JSONDecodeError as exc:
+        raise SlurmParseError(f"squeue --json: not JSON ({exc.msg})") from None
+    rows = []
+    for job in doc.get("jobs", []):
+        job_id = _number(job.get("job_id"))
+        het_id = _number(job.get("het_job_id"))
+        offset = _number(job.get("het_job_offset"))
+        if job_id is None:
+            raise SlurmParseError(f"squeue --json: job without job_id: {job!r:.200}")
+        het = het_id not in (None, 0)
+        rows.append(
+            JobRow(
+                str(het_id if het else job_id),
+                offset if het else None,
+                _state(job.get("job_state")),
+                str(job.get("name", "")),
+                str(job.get("comment", "") or ""),
+                str(job.get("partition", "")),
+                str(job.get("nodes", "") or ""),
+                str(job.get("state_reason", "") or ""),
+            )
+        )
+    return rows

@@ -1,0 +1,119 @@
+"""Pure builders of sbatch scripts, including heterogeneous jobs (one component per
+role shape), and of scancel arguments."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pearl_hpc.errors import ConfigError
+
+_TIME_RE = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$|^\d+$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
+
+
+@dataclass(frozen=True)
+class HetComponent:
+    """One component of a (heterogeneous) job: one role shape."""
+
+    partition: str
+    nodes: int = 1
+    gpus_per_node: int = 0
+    ntasks_per_node: int = 1
+    cpus_per_task: int = 1
+    time_limit: str = "01:00:00"  # Slurm time format, e.g. 30:00, 2:00:00, 1-00:00:00
+    extra: tuple[str, ...] = ()  # further raw sbatch options, e.g. "--exclusive"
+
+    def __post_init__(self) -> None:
+        if not _NAME_RE.match(self.partition):
+            raise ConfigError(f"partition {self.partition!r}: letters, digits, _ . + - only")
+        for what, value in (
+            ("nodes", self.nodes),
+            ("ntasks_per_node", self.ntasks_per_node),
+            ("cpus_per_task", self.cpus_per_task),
+        ):
+            if value < 1:
+                raise ConfigError(f"{what} must be >= 1, got {value}")
+        if self.gpus_per_node < 0:
+            raise ConfigError(f"gpus_per_node must be >= 0, got {self.gpus_per_node}")
+        if not _TIME_RE.match(self.time_limit):
+            raise ConfigError(
+                f"time_limit {self.time_limit!r} is not a Slurm time: use MM, MM:SS, "
+                "HH:MM:SS or D-HH:MM:SS"
+            )
+
+    def options(self) -> list[str]:
+        opts = [
+            f"--partition={self.partition}",
+            f"--nodes={self.nodes}",
+            f"--ntasks-per-node={self.ntasks_per_node}",
+            f"--cpus-per-task={self.cpus_per_task}",
+            f"--time={self.time_limit}",
+        ]
+        if self.gpus_per_node:
+            opts.append(f"--gres=gpu:{self.gpus_per_node}")
+        return opts + list(self.extra)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A batch job of one or more components, tagged so a restarted master finds it."""
+
+    name: str  # job name, e.g. pearl-elastic
+    run_tag: str  # identifies the pearl run: written to --comment as pearl:<run_tag>
+    components: tuple[HetComponent, ...]
+    command: Sequence[str]  # what the batch step runs (e.g. srun ... python -m ...)
+    signal: str | None = "B:USR2@30"  # delivered before preemption / time limit
+    requeue: bool = False
+    output: str | None = None  # stdout path (%j allowed); None: Slurm's default
+    workdir: str | None = None
+    env: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if not self.components:
+            raise ConfigError("a job needs at least one component")
+        if not _NAME_RE.match(self.name):
+            raise ConfigError(f"job name {self.name!r}: letters, digits, _ . + - only")
+        if not _NAME_RE.match(self.run_tag):
+            raise ConfigError(f"run tag {self.run_tag!r}: letters, digits, _ . + - only")
+        if not self.command:
+            raise ConfigError("a job needs a command")
+
+    @property
+    def comment(self) -> str:
+        return f"pearl:{self.run_tag}"
+
+
+def render_sbatch(spec: JobSpec) -> str:
+    """The sbatch script text: options of component 0, then ``#SBATCH hetjob`` and the
+    options of each further component; job-wide options go with component 0."""
+    lines = ["#!/bin/bash", f"#SBATCH --job-name={spec.name}", f"#SBATCH --comment={spec.comment}"]
+    if spec.signal:
+        lines.append(f"#SBATCH --signal={spec.signal}")
+    lines.append("#SBATCH --requeue" if spec.requeue else "#SBATCH --no-requeue")
+    if spec.output:
+        lines.append(f"#SBATCH --output={spec.output}")
+    if spec.workdir:
+        lines.append(f"#SBATCH --chdir={spec.workdir}")
+    for i, component in enumerate(spec.components):
+        if i:
+            lines.append("#SBATCH hetjob")
+        lines.extend(f"#SBATCH {opt}" for opt in component.options())
+    lines.append("set -euo pipefail")
+    for key, value in spec.env:
+        lines.append(f"export {key}={shlex.quote(value)}")
+    # exec: the command replaces the batch shell, so a B: --signal reaches it
+    lines.append("exec " + " ".join(shlex.quote(part) for part in spec.command))
+    return "\n".join(lines) + "\n"
+
+
+def scancel_args(
+    job_id: str, component: int | None = None, *, signal: str | None = None
+) -> list[str]:
+    """``scancel JOB`` (every component) or ``scancel JOB+N`` (one component)."""
+    if not re.match(r"^\d+$", job_id):
+        raise ConfigError(f"job id {job_id!r} is not a Slurm job id")
+    target = job_id if component is None else f"{job_id}+{component}"
+    return ["scancel", *([f"--signal={signal}"] if signal else []), target]

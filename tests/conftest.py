@@ -1,0 +1,24 @@
+"""Shared fixtures: the local Slurm cluster for tests marked ``slurm``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> str:
+    """The running local cluster's SLURM_CONF; skips (with the way to start one) if none."""
+    how = "start one: eval $(bash slurm/local-cluster.sh up)"
+    if shutil.which("sbatch") is None:
+        pytest.skip(f"Slurm is not installed here; {how}")
+    conf = os.environ.get("SLURM_CONF")
+    if not conf:
+        pytest.skip(f"SLURM_CONF is not set; {how}")
+    ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=20)
+    if "is UP" not in ping.stdout:
+        pytest.skip(f"the Slurm controller at {conf} is not up; {how}")
+    return conf

@@ -1,0 +1,203 @@
+"""Slurm builders, parsers and client logic, without a cluster (a hand-written runner)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from pearl_hpc.errors import ConfigError
+from pearl_hpc.slurm.client import CommandResult, SlurmClient, SlurmError
+from pearl_hpc.slurm.parse import (
+    SlurmParseError,
+    parse_sbatch_parsable,
+    parse_squeue_json,
+    parse_squeue_text,
+)
+from pearl_hpc.slurm.scripts import HetComponent, JobSpec, render_sbatch, scancel_args
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def elastic_spec() -> JobSpec:
+    return JobSpec(
+        name="pearl-elastic",
+        run_tag="run42",
+        components=(
+            HetComponent(
+                "elastic", nodes=1, gpus_per_node=2, ntasks_per_node=1, time_limit="30:00"
+            ),
+            HetComponent(
+                "elastic", nodes=2, gpus_per_node=4, ntasks_per_node=2, time_limit="30:00"
+            ),
+        ),
+        command=["srun", "--het-group=0,1", "python", "-m", "pearl_hpc.worker", "--run", "run 42"],
+        output="/runs/run42/elastic-%j.out",
+        env=(("PEARL_RUN_DIR", "/runs/run42"),),
+    )
+
+
+def test_hetjob_script_matches_golden_file() -> None:
+    assert render_sbatch(elastic_spec()) == (GOLDEN / "hetjob.sbatch").read_text()
+
+
+def test_single_component_script_has_no_hetjob_line() -> None:
+    spec = JobSpec(
+        "pearl-base",
+        "r1",
+        (HetComponent("normal", gpus_per_node=8),),
+        ["true"],
+        signal=None,
+        requeue=True,
+    )
+    text = render_sbatch(spec)
+    assert "hetjob" not in text and "--signal" not in text and "#SBATCH --requeue" in text
+    assert "#SBATCH --gres=gpu:8" in text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"partition": "bad name"}, "partition 'bad name'"),
+        ({"partition": "p", "nodes": 0}, "nodes must be >= 1"),
+        ({"partition": "p", "gpus_per_node": -1}, "gpus_per_node must be >= 0"),
+        ({"partition": "p", "time_limit": "1 hour"}, "is not a Slurm time"),
+    ],
+)
+def test_bad_component_is_a_clear_error(kwargs: dict, needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        HetComponent(**kwargs)
+
+
+def test_scancel_of_job_or_component() -> None:
+    assert scancel_args("123") == ["scancel", "123"]
+    assert scancel_args("123", 1) == ["scancel", "123+1"]
+    assert scancel_args("123", signal="USR2") == ["scancel", "--signal=USR2", "123"]
+    with pytest.raises(ConfigError):
+        scancel_args("12;rm -rf /")
+
+
+def test_parse_sbatch_parsable() -> None:
+    assert parse_sbatch_parsable("123\n") == "123"
+    assert parse_sbatch_parsable("456;cluster\n") == "456"
+    with pytest.raises(SlurmParseError):
+        parse_sbatch_parsable("sbatch: error: invalid partition")
+
+
+def test_parse_squeue_text_plain_and_het() -> None:
+    rows = parse_squeue_text(
+        "3+0|RUNNING|pearl-el|pearl:run1|elastic|n1|None\n"
+        "3+1|PENDING|pearl-el|pearl:run1|elastic||Resources\n"
+        "7|RUNNING|base|pearl:run1|normal|n[1-2]|None\n"
+    )
+    assert [r.key for r in rows] == ["3+0", "3+1", "7"]
+    assert rows[1].state == "PENDING" and rows[1].reason == "Resources"
+    assert rows[2].component is None and rows[2].nodes == "n[1-2]"
+    with pytest.raises(SlurmParseError, match="2 fields, expected 7"):
+        parse_squeue_text("3|RUNNING\n")
+
+
+def test_parse_squeue_json_2205_and_newer_forms() -> None:
+    old = {
+        "jobs": [
+            {
+                "job_id": 3,
+                "het_job_id": 3,
+                "het_job_offset": 0,
+                "job_state": "RUNNING",
+                "name": "e",
+                "comment": "pearl:r",
+                "partition": "elastic",
+                "nodes": "n1",
+                "state_reason": "None",
+            },
+            {
+                "job_id": 9,
+                "het_job_id": 0,
+                "het_job_offset": 0,
+                "job_state": "PENDING",
+                "name": "b",
+                "comment": "",
+                "partition": "normal",
+                "nodes": "",
+                "state_reason": "Priority",
+            },
+        ]
+    }
+    new = {
+        "jobs": [
+            {
+                "job_id": 4,
+                "het_job_id": {"set": True, "number": 3},
+                "het_job_offset": {"set": True, "number": 1},
+                "job_state": ["RUNNING", "COMPLETING"],
+                "name": "e",
+                "comment": "pearl:r",
+                "partition": "elastic",
+                "nodes": "n2",
+            },
+            {
+                "job_id": 10,
+                "het_job_id": {"set": False, "number": 0},
+                "het_job_offset": {"set": False, "number": 0},
+                "job_state": ["PENDING"],
+                "name": "b",
+            },
+        ]
+    }
+    a = parse_squeue_json(json.dumps(old))
+    b = parse_squeue_json(json.dumps(new))
+    assert [(r.key, r.state) for r in a] == [("3+0", "RUNNING"), ("9", "PENDING")]
+    assert [(r.key, r.state) for r in b] == [("3+1", "RUNNING"), ("10", "PENDING")]
+    with pytest.raises(SlurmParseError):
+        parse_squeue_json("not json")
+
+
+class ScriptedRunner:
+    """Answers each command with the next scripted result; records the calls."""
+
+    def __init__(self, *results: CommandResult) -> None:
+        self.results = list(results)
+        self.calls: list[tuple[list[str], str | None]] = []
+
+    def __call__(self, argv: Sequence[str], stdin: str | None) -> CommandResult:
+        self.calls.append((list(argv), stdin))
+        return self.results.pop(0)
+
+
+def test_submit_sends_the_script_and_raises_with_stderr() -> None:
+    runner = ScriptedRunner(
+        CommandResult(0, "77\n", ""),
+        CommandResult(1, "", "sbatch: error: invalid partition specified: gpuz"),
+    )
+    client = SlurmClient(runner)
+    assert client.submit(elastic_spec()) == "77"
+    assert runner.calls[0][0] == ["sbatch", "--parsable"]
+    assert runner.calls[0][1] == render_sbatch(elastic_spec())
+    with pytest.raises(SlurmError, match="invalid partition specified: gpuz"):
+        client.submit(elastic_spec())
+
+
+def test_failed_poll_keeps_last_state_and_backs_off() -> None:
+    now = [0.0]
+    ok = CommandResult(
+        0, "5+0|RUNNING|e|pearl:r|elastic|n1|None\n8|RUNNING|x|other|normal|n2|None\n", ""
+    )
+    down = CommandResult(1, "", "slurm_load_jobs error: Unable to contact slurm controller")
+    runner = ScriptedRunner(ok, down, down, ok)
+    client = SlurmClient(runner, clock=lambda: now[0], min_backoff_s=1.0)
+    assert list(client.poll("r")) == ["5+0"]  # only this run's jobs
+    assert list(client.poll("r")) == ["5+0"]  # squeue failed: last known state
+    assert client.poll_failures == 1
+    assert list(client.poll("r")) == ["5+0"] and len(runner.calls) == 2  # backing off
+    now[0] = 1.5
+    client.poll("r")  # fails again: back-off doubles
+    assert client.poll_failures == 2 and len(runner.calls) == 3
+    now[0] = 3.0
+    assert set(client.poll()) == {"5+0", "8"}  # backing off until 3.5: last known, unfiltered
+    assert len(runner.calls) == 3
+    now[0] = 4.0
+    assert set(client.poll()) == {"5+0", "8"}
+    assert len(runner.calls) == 4
