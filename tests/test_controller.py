@@ -416,7 +416,7 @@ def test_borrowing_none_never_touches_overlap_workers() -> None:
         if name in ("start_workers", "stop_workers", "admit")
         for i in arg
     ]
-    assert 1 not in touched and 2 not in touched
+    assert {1, 2}.isdisjoint(touched)
     assert calls_named(executor, "start_training") == [0, 1, 2]
     assert all(r.borrow_gate is None or not r.borrow_gate.allow for r in controller.history)
 

@@ -27,7 +27,7 @@ def check_batch(config: WorkloadConfig, batch: list[TrajectorySpec], step: int) 
     cap = config.max_trajectory_tokens
     for traj in batch:
         assert traj.trajectory_id.startswith(f"s{step}g{traj.group_id}m")
-        assert 1 <= len(traj.turns) <= config.max_turns
+        assert len(traj.turns) in range(1, config.max_turns + 1)
         context = 0
         for i, turn in enumerate(traj.turns):
             assert turn.new_tokens >= 1 and turn.gen_tokens >= 1 and turn.kept_tokens >= 1
@@ -52,7 +52,7 @@ def check_batch(config: WorkloadConfig, batch: list[TrajectorySpec], step: int) 
         groups.setdefault(traj.group_id, []).append(traj)
     sizes = [len(g) for g in groups.values()]
     assert all(s == config.group_size for s in sizes[:-1])
-    assert 1 <= sizes[-1] <= config.group_size
+    assert sizes[-1] in range(1, config.group_size + 1)
     for members in groups.values():
         assert len({m.turns[0].new_tokens for m in members}) == 1
         assert [m.trajectory_id for m in members] == [
