@@ -303,7 +303,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="pearl-hpc", description=__doc__.splitlines()[0])
+    parser = _Parser(
+        prog="pearl-hpc",
+        description="PEARL (adaptive prefill-decode execution with elasticity for agentic RL) "
+        "on Slurm clusters: plan, simulate, calibrate, benchmark.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     plan = sub.add_parser(
