@@ -267,6 +267,9 @@ class Simulator:
             )
 
     # ------------------------------------------------------------ capacity trace
+    def _dedicated_gpus(self) -> int:
+        return self.setup.reserved_rollout_gpus + self._elastic_gpus()
+
     def _elastic_gpus(self) -> int:
         return sum(len(g) for _, g in self._granted)
 
@@ -294,7 +297,7 @@ class Simulator:
         self._record_budget()
 
     def _record_budget(self) -> None:
-        self.budget.append((self.now, self.setup.reserved_rollout_gpus + self._elastic_gpus()))
+        self.budget.append((self.now, self._dedicated_gpus()))
 
     # ------------------------------------------------------------------- executor
     def start_workers(self, adds: Sequence[WorkerAdd]) -> None:
@@ -476,7 +479,7 @@ class Simulator:
         rec.borrowed_workers = sum(
             1 for s in self.controller.table.overlap_workers() if s.status is not Status.INACTIVE
         )
-        rec.dedicated_gpus = self.setup.reserved_rollout_gpus + self._elastic_gpus()
+        rec.dedicated_gpus = self._dedicated_gpus()
         telemetry = StepTelemetry(
             step,
             tuple(self._turns),

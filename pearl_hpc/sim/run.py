@@ -13,8 +13,8 @@ from pearl_hpc.core.policies import PolicyConfig
 from pearl_hpc.core.profile import WorkloadProfile
 from pearl_hpc.sim.costmodel import CHUNK_TOKENS, NETWORK_EFFICIENCY, CostModel, SimConfigError
 from pearl_hpc.sim.engine import Simulator
-from pearl_hpc.sim.systems import ROLL_LARGE_GPUS, make_setup
-from pearl_hpc.sim.traces import SEGMENTS, AvailabilityTrace, load_segment, load_trace
+from pearl_hpc.sim.systems import make_setup
+from pearl_hpc.sim.traces import AvailabilityTrace, load_segment, load_trace
 from pearl_hpc.sim.workload import WorkloadConfig
 
 DEFAULT_WORKLOAD = REPO_CONFIGS / "workloads" / "swe-bench.yaml"
@@ -226,6 +226,3 @@ def simulate(
                 n: round(r["throughput_tokens_per_s"] / ref, 4) for n, r in results.items()
             }
     return doc
-
-
-__all__ = ["ROLL_LARGE_GPUS", "SEGMENTS", "SimRequest", "initial_profile", "simulate"]
