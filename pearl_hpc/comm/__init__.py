@@ -1,0 +1,1 @@
+"""Communication: the MPI control plane and the torch.distributed data plane."""
