@@ -20,3 +20,8 @@ class TransitionError(PearlError):
 
 class InvariantError(PearlError):
     """A role-table invariant would break (e.g. one GPU bound to two rollout workers)."""
+
+
+class CalibrationError(PearlError):
+    """A bandwidth measurement failed or its output is unusable (no data rows, wrong
+    values reported by nccl-tests, a gloo rank that died); the message says which."""
