@@ -1,0 +1,456 @@
+"""The MPI control plane (mpi4py): the master's side and the members' side.
+
+Communicators:
+- **link**: how the master talks to one member, point to point. The base job's ranks
+  share the base world (the master is rank 0); an elastic job component joins with
+  ``Connect`` to the master's port and ``Merge``s with it, giving one link per
+  component (the master is rank 0 there too). Links live as long as their members.
+- **universe**: one intracomm over the master and every admitted member, extended by
+  ``Create_intercomm`` + ``Merge`` when a component is admitted and cut down by
+  ``Create_group`` (collective over the survivors only) when members leave or fail.
+- **role groups**: ``universe.Split`` by role after every applied plan (one epoch each).
+
+Joining. MPICH holds a global lock inside a blocking ``Accept``, so a master thread
+waiting in ``Accept`` stalls every other MPI call of the process (verified with MPICH
+5.0.2 under ``srun --mpi=pmi2``, whatever the async-progress settings). The master
+therefore never waits in ``Accept`` on spec: a joining component's rank 0 first writes
+an announcement file ``joins/<group>.json`` in the run directory, then its ranks
+``Connect``; the master's loop sees the file and ``Accept``s a connection that is
+already being made. The port name is in ``mpi-port`` (mode 0600) in the run directory.
+
+Failure detection: every member sends a heartbeat every ``heartbeat_interval_s``;
+the master marks a member silent for ``heartbeat_timeout_s`` as failed and drops it
+from the universe (``Create_group`` needs no call from the dead).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pearl_hpc.comm.membership import MASTER_ID, Member, Membership, MemberState
+from pearl_hpc.comm.messages import COLLECTIVE, TAG_COMMAND, TAG_REPORT, Command, Kind, Op, Report
+from pearl_hpc.errors import PearlError
+
+log = logging.getLogger(__name__)
+
+PORT_FILE = "mpi-port"
+JOINS_DIR = "joins"
+TAG_INTERCOMM = 21
+TAG_SHRINK = 22
+
+
+class PlaneError(PearlError):
+    """The control plane cannot go on (no port file, a join that never connects...)."""
+
+
+def _mpi() -> Any:
+    from mpi4py import MPI
+
+    return MPI
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` atomically to a file only the owner can read (0600)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def base_member_id(rank: int) -> str:
+    return f"base:{rank}"
+
+
+# ---------------------------------------------------------------------- master side
+@dataclass
+class Timings:
+    """Seconds spent in the plane's collective operations, for the latency benchmark."""
+
+    accept_s: list[float] = field(default_factory=list)
+    admit_s: list[float] = field(default_factory=list)
+    shrink_s: list[float] = field(default_factory=list)
+    partition_s: list[float] = field(default_factory=list)
+
+
+class MasterPlane:
+    """Rank 0 of the base job. Call :meth:`poll` often from the master's loop."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        heartbeat_timeout_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+        hello_timeout_s: float = 60.0,
+    ) -> None:
+        MPI = _mpi()
+        self.MPI = MPI
+        self.run_dir = Path(run_dir)
+        self.clock = clock
+        self.hello_timeout_s = hello_timeout_s
+        world = MPI.COMM_WORLD
+        if world.rank != 0:
+            raise PlaneError(f"the master must be rank 0 of the base job, this is {world.rank}")
+        self.universe = world.Dup()
+        self.links: dict[str, Any] = {"base": world}
+        self.membership = Membership(heartbeat_timeout_s)
+        self.role_comm: Any = None
+        self.epoch = 0
+        self.seq = 0
+        self.timings = Timings()
+        self.port = MPI.Open_port()
+        (self.run_dir / JOINS_DIR).mkdir(parents=True, exist_ok=True)
+        write_private(self.run_dir / PORT_FILE, self.port)
+
+    # --------------------------------------------------------------- joining
+    def start_base(self) -> list[Member]:
+        """Wait for the hello of every other base rank; they form the first universe."""
+        world = self.links["base"]
+        hellos = self._collect_hellos(world, "base", range(1, world.size))
+        members = [self._member(r, "base", rank) for rank, r in sorted(hellos.items())]
+        self.membership.start_base(members, self.clock())
+        return members
+
+    def poll_joins(self) -> list[str]:
+        """Accept the components whose rank 0 announced itself; returns their groups."""
+        joined = []
+        for path in sorted((self.run_dir / JOINS_DIR).glob("*.json")):
+            try:
+                note = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue  # being written
+            group = str(note["group"])
+            path.rename(path.with_suffix(".accepted"))
+            t0 = time.perf_counter()
+            intercomm = self.MPI.COMM_SELF.Accept(self.port)
+            link = intercomm.Merge(high=False)
+            intercomm.Free()
+            self.timings.accept_s.append(time.perf_counter() - t0)
+            hellos = self._collect_hellos(link, group, range(1, link.size))
+            self.links[group] = link
+            now = self.clock()
+            for rank, report in sorted(hellos.items()):
+                self.membership.link(self._member(report, group, rank), now)
+            joined.append(group)
+            log.info("group %s linked: %d ranks", group, link.size - 1)
+        return joined
+
+    def _collect_hellos(self, link: Any, group: str, ranks: Iterable[int]) -> dict[int, Report]:
+        wanted = set(ranks)
+        hellos: dict[int, Report] = {}
+        deadline = time.monotonic() + self.hello_timeout_s
+        status = self.MPI.Status()
+        while wanted - hellos.keys():
+            if link.iprobe(source=self.MPI.ANY_SOURCE, tag=TAG_REPORT, status=status):
+                report = link.recv(source=status.Get_source(), tag=TAG_REPORT)
+                if report.kind is Kind.HELLO:
+                    hellos[status.Get_source()] = report
+                continue
+            if time.monotonic() > deadline:
+                missing = sorted(wanted - hellos.keys())
+                raise PlaneError(f"group {group}: ranks {missing} never said hello")
+            time.sleep(0.005)
+        return hellos
+
+    @staticmethod
+    def _member(report: Report, group: str, link_rank: int) -> Member:
+        args = report.args
+        return Member(
+            report.member_id,
+            group,
+            link_rank,
+            node=str(args.get("node", "")),
+            gpu_ids=tuple(args.get("gpu_ids", ())),
+            info=dict(args),
+        )
+
+    # --------------------------------------------------------------- messages
+    def send(self, member_id: str, op: Op, **args: Any) -> int:
+        member = self.membership.members[member_id]
+        self.seq += 1
+        self.links[member.group].send(
+            Command(op, self.seq, args), dest=member.link_rank, tag=TAG_COMMAND
+        )
+        return self.seq
+
+    def poll(self) -> list[Report]:
+        """Reports that arrived on any live link (heartbeats update liveness)."""
+        reports = []
+        status = self.MPI.Status()
+        now = self.clock()
+        for group, link in list(self.links.items()):
+            while group in self.links and link.iprobe(
+                source=self.MPI.ANY_SOURCE, tag=TAG_REPORT, status=status
+            ):
+                report = link.recv(source=status.Get_source(), tag=TAG_REPORT)
+                self.membership.heard(report.member_id, now)
+                if report.kind is not Kind.HEARTBEAT:
+                    reports.append(report)
+                if report.kind is Kind.ACK and report.args.get("op") == Op.LEAVE:
+                    self._left(group, report.member_id)
+        return reports
+
+    def overdue(self) -> list[Member]:
+        return self.membership.overdue(self.clock())
+
+    # ------------------------------------------------------------ collectives
+    def admit(self, group: str) -> float:
+        """Extend the universe with a linked group; returns the seconds it took."""
+        t0 = time.perf_counter()
+        self._shrink_if_needed()
+        old = list(self.membership.universe[1:])
+        joining = [
+            m.member_id for m in self.membership.group(group) if m.state is MemberState.LINKED
+        ]
+        for member_id in old + joining:
+            self.send(member_id, Op.ADMIT, group=group)
+        intercomm = self.universe.Create_intercomm(0, self.links[group], 1, TAG_INTERCOMM)
+        universe = intercomm.Merge(high=False)
+        intercomm.Free()
+        self.universe.Free()
+        self.universe = universe
+        self.membership.admit(group)
+        elapsed = time.perf_counter() - t0
+        self.timings.admit_s.append(elapsed)
+        return elapsed
+
+    def _shrink_if_needed(self) -> None:
+        if self.membership.needs_shrink():
+            self.shrink()
+
+    def shrink(self) -> float:
+        """Drop leaving and failed members from the universe (the survivors only)."""
+        t0 = time.perf_counter()
+        old = list(self.membership.universe)
+        survivors = self.membership.shrink()
+        keep = [old.index(i) for i in survivors]
+        for member_id in survivors[1:]:
+            self.send(member_id, Op.SHRINK, keep=keep)
+        group = self.universe.Get_group().Incl(keep)
+        universe = self.universe.Create_group(group, TAG_SHRINK)
+        group.Free()
+        self.universe = universe  # the old one may hold dead ranks: never freed collectively
+        elapsed = time.perf_counter() - t0
+        self.timings.shrink_s.append(elapsed)
+        return elapsed
+
+    def partition(self, roles: Mapping[str, str]) -> float:
+        """Re-partition the universe into role groups (``Comm.Split``)."""
+        t0 = time.perf_counter()
+        self._shrink_if_needed()
+        self.epoch += 1
+        colors = self.membership.colors(roles)
+        by_rank = [colors[i] for i in self.membership.universe]
+        for member_id in self.membership.universe[1:]:
+            self.send(member_id, Op.PARTITION, epoch=self.epoch, colors=by_rank)
+        if self.role_comm is not None:
+            self.role_comm.Free()
+        self.role_comm = self.universe.Split(by_rank[0], 0)
+        self.role_comm.allreduce(1)  # every group counts its members (the workers' check)
+        elapsed = time.perf_counter() - t0
+        self.timings.partition_s.append(elapsed)
+        return elapsed
+
+    # ---------------------------------------------------------------- leaving
+    def leave(self, group: str) -> list[Member]:
+        """The group's job is given back: its members leave the plane."""
+        leaving = self.membership.leave(group)
+        for member in leaving:
+            self.send(member.member_id, Op.LEAVE)
+        return leaving
+
+    def _left(self, group: str, member_id: str) -> None:
+        self.membership.gone(member_id)
+        if group == "base":
+            return
+        if all(m.state is MemberState.GONE for m in self.membership.group(group)):
+            link = self.links.pop(group)
+            link.Disconnect()  # every member acked LEAVE and is disconnecting too
+
+    def drop_group(self, group: str) -> None:
+        """A group whose members died: forget its link without a collective call."""
+        self.links.pop(group, None)
+
+    def abort(self) -> None:
+        """The master failed: end every base rank now (the caller cancels elastic jobs)."""
+        self.links["base"].Abort(1)
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Tell every live member to exit; wait (bounded) for their acks."""
+        waiting = set()
+        for member in self.membership.live() + [
+            m for m in self.membership.members.values() if m.state is MemberState.LEAVING
+        ]:
+            self.send(member.member_id, Op.SHUTDOWN)
+            waiting.add(member.member_id)
+        deadline = time.monotonic() + timeout_s
+        while waiting and time.monotonic() < deadline:
+            for report in self.poll():
+                if report.kind is Kind.ACK and report.args.get("op") == Op.SHUTDOWN:
+                    waiting.discard(report.member_id)
+            time.sleep(0.01)
+        if waiting:
+            log.warning("no shutdown ack from %s", ", ".join(sorted(waiting)))
+        self.MPI.Close_port(self.port)
+        (self.run_dir / PORT_FILE).unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------- member side
+class WorkerPlane:
+    """One member: a base rank or a rank of an elastic job component."""
+
+    def __init__(
+        self,
+        link: Any,
+        member_id: str,
+        universe: Any,
+        local: Any,
+        *,
+        heartbeat_interval_s: float = 1.0,
+    ) -> None:
+        self.MPI = _mpi()
+        self.link = link
+        self.member_id = member_id
+        self.universe = universe  # None until admitted
+        self.local = local  # the component's own world (joiners); None for base ranks
+        self.role_comm: Any = None
+        self.epoch = 0
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self._last_beat = 0.0
+        self.signalled: int | None = None
+        self._signal_reported = False
+
+    @classmethod
+    def base(cls, *, heartbeat_interval_s: float = 1.0) -> WorkerPlane:
+        MPI = _mpi()
+        world = MPI.COMM_WORLD
+        return cls(
+            world,
+            base_member_id(world.rank),
+            world.Dup(),
+            None,
+            heartbeat_interval_s=heartbeat_interval_s,
+        )
+
+    @classmethod
+    def join(
+        cls,
+        run_dir: str | Path,
+        group: str,
+        *,
+        timeout_s: float = 300.0,
+        heartbeat_interval_s: float = 1.0,
+    ) -> WorkerPlane:
+        """Connect this component (all its ranks, collectively) to the master."""
+        MPI = _mpi()
+        run_dir = Path(run_dir)
+        local = MPI.COMM_WORLD
+        port_file = run_dir / PORT_FILE
+        deadline = time.monotonic() + timeout_s
+        while not port_file.exists():
+            if time.monotonic() > deadline:
+                raise PlaneError(f"{port_file}: no master port after {timeout_s:g} s")
+            time.sleep(0.1)
+        port = port_file.read_text()
+        if local.rank == 0:
+            note = {"group": group, "size": local.size, "pid": os.getpid()}
+            write_private(run_dir / JOINS_DIR / f"{group}.json", json.dumps(note))
+        intercomm = local.Connect(port, root=0)
+        link = intercomm.Merge(high=True)
+        intercomm.Free()
+        return cls(
+            link,
+            f"{group}:{local.rank}",
+            None,
+            local,
+            heartbeat_interval_s=heartbeat_interval_s,
+        )
+
+    def report(self, kind: Kind, seq: int = -1, **args: Any) -> None:
+        self.link.send(Report(kind, self.member_id, seq, args), dest=0, tag=TAG_REPORT)
+
+    def catch_signals(self, signums: Iterable[int] = (signal.SIGUSR2, signal.SIGTERM)) -> None:
+        def handler(signum: int, _frame: Any) -> None:
+            self.signalled = signum
+
+        for signum in signums:
+            signal.signal(signum, handler)
+
+    def next_command(self, timeout_s: float) -> Command | None:
+        """Wait up to ``timeout_s`` for a command, heartbeating (and reporting a caught
+        signal once) meanwhile."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            now = time.monotonic()
+            if self.signalled is not None and not self._signal_reported:
+                self._signal_reported = True
+                self.report(Kind.SIGNAL, signum=int(self.signalled))
+            if now - self._last_beat >= self.heartbeat_interval_s:
+                self._last_beat = now
+                self.report(Kind.HEARTBEAT)
+            if self.link.iprobe(source=0, tag=TAG_COMMAND):
+                cmd: Command = self.link.recv(source=0, tag=TAG_COMMAND)
+                return cmd
+            if now >= deadline:
+                return None
+            time.sleep(0.005)
+
+    def enter(self, cmd: Command) -> float:
+        """Take part in a collective command; returns the seconds it took."""
+        if cmd.op not in COLLECTIVE:
+            raise PlaneError(f"{cmd.op} is not a collective command")
+        t0 = time.perf_counter()
+        if cmd.op is Op.ADMIT:
+            if self.universe is None:  # the joining side
+                intercomm = self.local.Create_intercomm(0, self.link, 0, TAG_INTERCOMM)
+                self.universe = intercomm.Merge(high=True)
+            else:
+                intercomm = self.universe.Create_intercomm(0, self.universe, 0, TAG_INTERCOMM)
+                universe = intercomm.Merge(high=False)
+                self.universe.Free()
+                self.universe = universe
+            intercomm.Free()
+        elif cmd.op is Op.SHRINK:
+            group = self.universe.Get_group().Incl(cmd.args["keep"])
+            self.universe = self.universe.Create_group(group, TAG_SHRINK)
+            group.Free()
+        elif cmd.op is Op.PARTITION:
+            colors = cmd.args["colors"]
+            if self.role_comm is not None:
+                self.role_comm.Free()
+            self.role_comm = self.universe.Split(colors[self.universe.rank], self.universe.rank)
+            self.epoch = int(cmd.args["epoch"])
+        return time.perf_counter() - t0
+
+    def disconnect(self) -> None:
+        """Leave the plane: free the shared communicators, disconnect from the master."""
+        if self.role_comm is not None:
+            self.role_comm.Free()
+            self.role_comm = None
+        self.universe = None  # may span dead ranks: dropped, not freed collectively
+        if self.local is not None:
+            self.link.Disconnect()
+
+
+def member_info(extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What a member says in its hello: where it runs."""
+    info: dict[str, Any] = {
+        "node": os.environ.get("SLURMD_NODENAME") or os.uname().nodename,
+        "pid": os.getpid(),
+        "local_id": int(os.environ.get("SLURM_LOCALID", "0")),
+        "job_id": os.environ.get("SLURM_JOB_ID", ""),
+    }
+    info.update(extra or {})
+    return info
+
+
+__all__ = ["MASTER_ID", "MasterPlane", "PlaneError", "WorkerPlane", "member_info"]

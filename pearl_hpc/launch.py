@@ -1,0 +1,143 @@
+"""Start a run's base job on Slurm: with submitit (default) or a plain sbatch script.
+
+    pearl-hpc launch configs/clusters/local.yaml [--sbatch] [--wait]
+
+Python API::
+
+    from pearl_hpc.launch import submit
+    job, run_dir = submit("configs/clusters/local.yaml")
+    summary = job.result()          # rank 0's return value: the run summary
+
+Every rank of the base job runs :func:`base_main`: rank 0 becomes the master
+(:class:`pearl_hpc.master.Master`), the others serve as training and reserved rollout
+workers. The run directory holds the config copy, the MPI port file, the journal, the
+event log and the summary.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pearl_hpc.cluster import ClusterConfig, load_cluster
+from pearl_hpc.errors import ConfigError
+from pearl_hpc.slurm.client import SlurmClient
+from pearl_hpc.slurm.scripts import JobSpec, render_sbatch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def new_run_dir(cfg: ClusterConfig, config_path: Path) -> tuple[Path, str]:
+    """A fresh run directory under ``cfg.runs_dir`` and the run's tag."""
+    tag = f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    run_dir = Path(cfg.runs_dir).resolve() / tag
+    run_dir.mkdir(parents=True, exist_ok=False)
+    (run_dir / "cluster.yaml").write_text(config_path.read_text())
+    return run_dir, tag
+
+
+def elastic_command(cfg: ClusterConfig, run_dir: Path) -> list[str]:
+    """The batch command of an elastic job."""
+    return [
+        sys.executable, "-m", "pearl_hpc.worker", "elastic",
+        "--run-dir", str(run_dir), "--mpi", cfg.mpi,
+        "--gpus-per-worker", str(cfg.base.gpus_per_worker),
+        "--heartbeat-s", str(cfg.run.heartbeat_interval_s),
+    ]  # fmt: skip
+
+
+def base_main(config_path: str, run_dir: str, run_tag: str) -> dict[str, Any] | None:
+    """Every rank of the base job: rank 0 is the master, the others workers."""
+    from mpi4py import MPI
+
+    from pearl_hpc.comm.mpi import MasterPlane, WorkerPlane, member_info
+    from pearl_hpc.master import Master
+    from pearl_hpc.worker import NoopWorker
+
+    cfg = load_cluster(config_path)
+    path = Path(run_dir)
+    if MPI.COMM_WORLD.rank == 0:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+        plane = MasterPlane(path, heartbeat_timeout_s=cfg.run.heartbeat_timeout_s)
+        master = Master(cfg, path, run_tag, plane, SlurmClient(), worker_command=elastic_command)
+        return master.run()
+    worker = WorkerPlane.base(heartbeat_interval_s=cfg.run.heartbeat_interval_s)
+    NoopWorker(worker).serve(member_info({"group": "base"}))
+    return None
+
+
+def submit(config_path: str | Path, *, folder: str | Path | None = None) -> tuple[Any, Path]:
+    """Submit the base job with submitit; returns (job, run_dir)."""
+    import submitit
+
+    config_path = Path(config_path).resolve()
+    cfg = load_cluster(config_path)
+    run_dir, tag = new_run_dir(cfg, config_path)
+    executor = submitit.AutoExecutor(folder=str(folder or run_dir / "submitit"), cluster="slurm")
+    base = cfg.base_component()
+    params: dict[str, Any] = {
+        "slurm_partition": base.partition,
+        "nodes": base.nodes,
+        "tasks_per_node": base.ntasks_per_node,
+        "cpus_per_task": base.cpus_per_task,
+        "timeout_min": _minutes(base.time_limit),
+        "slurm_comment": f"pearl:{tag}",
+        "slurm_job_name": "pearl-base",
+        "slurm_srun_args": [f"--mpi={cfg.mpi}"],
+    }
+    if base.gpus_per_node:
+        params["slurm_gres"] = f"gpu:{base.gpus_per_node}"
+    executor.update_parameters(**params)
+    job = executor.submit(base_main, str(config_path), str(run_dir), tag)
+    return job, run_dir
+
+
+def sbatch_spec(config_path: Path, cfg: ClusterConfig, run_dir: Path, tag: str) -> JobSpec:
+    """The base job as a plain sbatch script (what launch/pearl.sbatch does by hand)."""
+    command = [
+        "srun", f"--mpi={cfg.mpi}", sys.executable, "-m", "pearl_hpc.launch",
+        str(config_path), str(run_dir), tag,
+    ]  # fmt: skip
+    return JobSpec(
+        name="pearl-base",
+        run_tag=tag,
+        components=(cfg.base_component(),),
+        command=command,
+        signal="B:USR2@60",
+        output=str(run_dir / "base-%j.out"),
+        workdir=str(REPO_ROOT),
+    )
+
+
+def submit_sbatch(config_path: str | Path) -> tuple[str, Path]:
+    config_path = Path(config_path).resolve()
+    cfg = load_cluster(config_path)
+    run_dir, tag = new_run_dir(cfg, config_path)
+    spec = sbatch_spec(config_path, cfg, run_dir, tag)
+    (run_dir / "base.sbatch").write_text(render_sbatch(spec))
+    return SlurmClient().submit(spec), run_dir
+
+
+def _minutes(time_limit: str) -> int:
+    days, _, rest = time_limit.rpartition("-")
+    parts = [int(p) for p in rest.split(":")]
+    if len(parts) == 1:
+        minutes = parts[0]
+    elif len(parts) == 2:
+        minutes = parts[0] + (parts[1] > 0)
+    else:
+        minutes = parts[0] * 60 + parts[1] + (parts[2] > 0)
+    return int(days or 0) * 1440 + max(1, minutes)
+
+
+if __name__ == "__main__":  # the plain-sbatch entry: every rank runs this
+    if len(sys.argv) != 4:
+        raise SystemExit("usage: srun --mpi=pmi2 python -m pearl_hpc.launch CONFIG RUN_DIR RUN_TAG")
+    try:
+        base_main(*sys.argv[1:])
+    except ConfigError as exc:
+        raise SystemExit(f"pearl-hpc: {exc}") from None

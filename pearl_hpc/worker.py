@@ -1,0 +1,155 @@
+"""A member process of the control plane: a base-job rank or an elastic job's rank.
+
+    python -m pearl_hpc.worker elastic --run-dir DIR   # batch step of an elastic job
+    python -m pearl_hpc.worker join --run-dir DIR --group JOB+N
+
+``elastic`` starts one ``srun`` step per heterogeneous component (so ``scancel JOB+N``
+ends only that component's ranks) and forwards SIGUSR2/SIGTERM to them; each rank runs
+``join``: connect to the master over MPI, then serve commands.
+
+The workload is the documented no-op of :class:`pearl_hpc.cluster.RunConfig`: roles are
+taken and acknowledged, a training step sleeps ``seconds``. Issue 5 puts the vLLM
+engine and the GRPO trainer behind the same commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pearl_hpc.comm.messages import COLLECTIVE, Command, Kind, Op
+from pearl_hpc.comm.mpi import WorkerPlane, member_info
+
+
+def gpu_ids_of(group: str, node: str, local_id: int, gpus_per_worker: int) -> list[str]:
+    """This rank's GPUs as the capacity manager names them (``JOB+N:node:gpuI``): the
+    ranks of a node split its GPUs in local-id order."""
+    first = local_id * gpus_per_worker
+    return [f"{group}:{node}:gpu{i}" for i in range(first, first + gpus_per_worker)]
+
+
+class NoopWorker:
+    """Serves the master's commands with no engine behind them."""
+
+    def __init__(self, plane: WorkerPlane) -> None:
+        self.plane = plane
+        self.roles: dict[int, str] = {}  # slot -> role this process hosts
+        self.training: tuple[int, int, float] | None = None  # (seq, step, ends at)
+
+    def serve(self, hello: dict[str, Any]) -> int:
+        plane = self.plane
+        plane.catch_signals()
+        plane.report(Kind.HELLO, **hello)
+        while True:
+            cmd = plane.next_command(0.05)
+            self._finish_training()
+            if cmd is None:
+                continue
+            if self._handle(cmd):
+                return 0
+
+    def _ack(self, cmd: Command, **args: Any) -> None:
+        self.plane.report(Kind.ACK, cmd.seq, op=cmd.op, **args)
+
+    def _handle(self, cmd: Command) -> bool:
+        """Carry out one command; True when the process should exit."""
+        plane = self.plane
+        if cmd.op in COLLECTIVE:
+            seconds = plane.enter(cmd)
+            args: dict[str, Any] = {"seconds": seconds}
+            if cmd.op is Op.PARTITION:  # prove the role group works: count its members
+                args["epoch"] = plane.epoch
+                args["group_size"] = plane.role_comm.allreduce(1)
+            self._ack(cmd, **args)
+        elif cmd.op is Op.ROLE:
+            self.roles[int(cmd.args["slot"])] = str(cmd.args["role"])
+            self._ack(cmd, slot=cmd.args["slot"], role=cmd.args["role"])
+        elif cmd.op in (Op.DRAIN, Op.RELEASE):
+            self.roles.pop(int(cmd.args["slot"]), None)
+            self._ack(cmd, slot=cmd.args["slot"], partial_trajectories=0)
+        elif cmd.op is Op.TRAIN:
+            ends = time.monotonic() + float(cmd.args.get("seconds", 0.0))
+            self.training = (cmd.seq, int(cmd.args["step"]), ends)
+        elif cmd.op in (Op.LEAVE, Op.SHUTDOWN):
+            self._ack(cmd)
+            plane.disconnect()
+            return True
+        else:
+            plane.report(Kind.ERROR, cmd.seq, message=f"unknown command {cmd.op}")
+        return False
+
+    def _finish_training(self) -> None:
+        if self.training is not None and time.monotonic() >= self.training[2]:
+            seq, step, _ = self.training
+            self.training = None
+            self.plane.report(Kind.ACK, seq, op=Op.TRAIN, step=step)
+
+
+def _join(args: argparse.Namespace) -> int:
+    plane = WorkerPlane.join(
+        args.run_dir, args.group, heartbeat_interval_s=args.heartbeat_s, timeout_s=args.timeout_s
+    )
+    info = member_info({"group": args.group})
+    info["gpu_ids"] = gpu_ids_of(
+        args.group, str(info["node"]), int(info["local_id"]), args.gpus_per_worker
+    )
+    return NoopWorker(plane).serve(info)
+
+
+def _elastic(args: argparse.Namespace) -> int:
+    """The batch step of an elastic job: one srun step per component."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        print("pearl_hpc.worker elastic: not inside a Slurm job (no SLURM_JOB_ID)", file=sys.stderr)
+        return 2
+    het_size = int(os.environ.get("SLURM_HET_SIZE", "1"))
+    procs = []
+    for k in range(het_size):
+        argv = ["srun", f"--mpi={args.mpi}"]
+        if "SLURM_HET_SIZE" in os.environ:
+            argv.append(f"--het-group={k}")
+        argv += [
+            sys.executable, "-m", "pearl_hpc.worker", "join",
+            "--run-dir", str(args.run_dir), "--group", f"{job}+{k}",
+            "--gpus-per-worker", str(args.gpus_per_worker),
+            "--heartbeat-s", str(args.heartbeat_s),
+        ]  # fmt: skip
+        procs.append(subprocess.Popen(argv))
+
+    def forward(signum: int, _frame: Any) -> None:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    for signum in (signal.SIGUSR2, signal.SIGTERM):
+        signal.signal(signum, forward)
+    codes = [proc.wait() for proc in procs]
+    return max(codes, default=0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pearl_hpc.worker", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("join", "elastic"):
+        p = sub.add_parser(name)
+        p.add_argument("--run-dir", type=Path, required=True)
+        p.add_argument("--gpus-per-worker", type=int, default=1)
+        p.add_argument("--heartbeat-s", type=float, default=0.5)
+        if name == "join":
+            p.add_argument("--group", required=True, help="JOB+N of this component")
+            p.add_argument("--timeout-s", type=float, default=300.0)
+        else:
+            p.add_argument("--mpi", default="pmi2", help="srun --mpi plugin")
+    args = parser.parse_args(argv)
+    return _join(args) if args.command == "join" else _elastic(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
