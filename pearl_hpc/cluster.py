@@ -43,6 +43,11 @@ class ComponentConfig:
             raise ConfigError(f"shape {self.shape!r}: use prefill, decode or any")
 
 
+def _check_data_plane(value: str) -> None:
+    if value not in ("off", "auto", "gloo", "nccl"):
+        raise ConfigError(f"run.data_plane {value!r}: use off, auto, gloo or nccl")
+
+
 @dataclass(frozen=True)
 class ReleaseConfig:
     component: int = spec_field("component index (0 = first) to give back", ge=0)
@@ -80,6 +85,10 @@ class RunConfig:
     steps: int = spec_field("training steps", default=3, ge=1)
     rollout_s: float = spec_field("no-op rollout phase per step, seconds", default=5.0, ge=0)
     train_s: float = spec_field("no-op training step, seconds", default=1.0, ge=0)
+    data_plane: str = spec_field(
+        "torch.distributed groups per plan: off | auto (NCCL with GPUs, else gloo) | gloo | nccl",
+        default="auto",
+    )
     heartbeat_interval_s: float = spec_field("member heartbeat period", default=0.5, gt=0)
     heartbeat_timeout_s: float = spec_field(
         "a member silent this long is failed", default=5.0, gt=0
@@ -130,6 +139,7 @@ class ClusterConfig:
 
 def load_cluster(path: str | Path) -> ClusterConfig:
     cfg = from_mapping(ClusterConfig, load_yaml(path), where=str(path))
+    _check_data_plane(cfg.run.data_plane)
     for i, request in enumerate(cfg.elastic.requests):
         for comp in request.components:
             cfg.elastic_component(comp)

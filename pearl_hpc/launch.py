@@ -16,8 +16,10 @@ event log and the summary.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -47,24 +49,48 @@ def elastic_command(cfg: ClusterConfig, run_dir: Path) -> list[str]:
         "--run-dir", str(run_dir), "--mpi", cfg.mpi,
         "--gpus-per-worker", str(cfg.base.gpus_per_worker),
         "--heartbeat-s", str(cfg.run.heartbeat_interval_s),
+        "--data-plane", cfg.run.data_plane,
     ]  # fmt: skip
 
 
 def base_main(config_path: str, run_dir: str, run_tag: str) -> dict[str, Any] | None:
     """Every rank of the base job: rank 0 is the master, the others workers."""
+    faulthandler.enable()  # a crash in MPI / torch native code leaves a Python stack
+    cfg = load_cluster(config_path)
+    path = Path(run_dir)
+    master_rank = os.environ.get("SLURM_PROCID", os.environ.get("PMI_RANK", "0")) == "0"
+    store = None
+    if master_rank and cfg.run.data_plane != "off":
+        # before MPI starts: a child forked from an initialised MPI process crashed it
+        from pearl_hpc.comm.store_server import StoreProcess
+
+        store = StoreProcess(path, socket.gethostname())
+    elif cfg.run.data_plane != "off":
+        import torch  # noqa: F401  (loaded before joining, not inside a plan)
+
     from mpi4py import MPI
 
     from pearl_hpc.comm.mpi import MasterPlane, WorkerPlane, member_info
     from pearl_hpc.master import Master
     from pearl_hpc.worker import NoopWorker
 
-    cfg = load_cluster(config_path)
-    path = Path(run_dir)
     if MPI.COMM_WORLD.rank == 0:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
         plane = MasterPlane(path, heartbeat_timeout_s=cfg.run.heartbeat_timeout_s)
-        master = Master(cfg, path, run_tag, plane, SlurmClient(), worker_command=elastic_command)
-        return master.run()
+        master = Master(
+            cfg,
+            path,
+            run_tag,
+            plane,
+            SlurmClient(),
+            worker_command=elastic_command,
+            rendezvous=store,
+        )
+        try:
+            return master.run()
+        finally:
+            if store is not None:
+                store.close()
     worker = WorkerPlane.base(heartbeat_interval_s=cfg.run.heartbeat_interval_s)
     NoopWorker(worker).serve(member_info({"group": "base"}))
     return None
@@ -123,15 +149,19 @@ def submit_sbatch(config_path: str | Path) -> tuple[str, Path]:
 
 
 def _minutes(time_limit: str) -> int:
+    """A Slurm time limit in whole minutes (rounded up), as submitit takes it."""
     days, _, rest = time_limit.rpartition("-")
     parts = [int(p) for p in rest.split(":")]
-    if len(parts) == 1:
+    if days:  # D-HH, D-HH:MM, D-HH:MM:SS
+        h, m, sec = [*parts, 0, 0][:3]
+        minutes = h * 60 + m + (sec > 0)
+    elif len(parts) == 1:
         minutes = parts[0]
     elif len(parts) == 2:
         minutes = parts[0] + (parts[1] > 0)
     else:
         minutes = parts[0] * 60 + parts[1] + (parts[2] > 0)
-    return int(days or 0) * 1440 + max(1, minutes)
+    return max(1, int(days or 0) * 1440 + minutes)
 
 
 if __name__ == "__main__":  # the plain-sbatch entry: every rank runs this

@@ -70,6 +70,7 @@ class Master:
         client: SlurmClient,
         *,
         worker_command: Callable[[ClusterConfig, Path], list[str]],
+        rendezvous: Any = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cfg = cfg
@@ -107,6 +108,10 @@ class Master:
         self.stop_requested: int | None = None
         self._next_poll_s = 0.0
         self._events = (run_dir / "events.jsonl").open("a")
+        # The data plane's store runs in a child started before MPI (see launch.py);
+        # torch stays out of this process. Workers resolve the backend setting.
+        self.rendezvous: Any = rendezvous
+        self.backend = cfg.run.data_plane
 
     def now(self) -> float:
         return self.clock() - self.t0
@@ -246,9 +251,6 @@ class Master:
         source = ElasticSource(job_id, component)
         self.latency.setdefault(source.tag, {})["give_back"] = self.now()
         self._log("give_back", group=source.tag)
-        comp = self.capacity.manager.components.get(source.tag)
-        if comp is not None and comp.state is ComponentState.RUNNING:
-            self.capacity.manager.signalled(source, self.now())  # RUNNING -> RELEASING
         self.queue.append(CapacityReclaimed(source, self.now() + self.cfg.elastic.grace_s))
 
     # ========================================================== plane events
@@ -261,7 +263,9 @@ class Master:
             return
         lat["universe_s"] = self.plane.admit(group)
         self._log(
-            "joined", group=group, members=[m.member_id for m in self.plane.membership.group(group)]
+            "joined",
+            group=group,
+            members={m.member_id: m.info.get("pid") for m in self.plane.membership.group(group)},
         )
         for slot_id, add in list(self.pending.items()):
             if self._bind(slot_id, add.gpu_ids):
@@ -286,7 +290,12 @@ class Master:
         what = self.awaiting.pop(report.seq, None)
         op = report.args.get("op")
         if op == Op.PARTITION:
-            self.partitions[-1]["acks"][report.member_id] = report.args.get("group_size")
+            epoch = report.args.get("epoch")
+            entry = next((p for p in self.partitions if p["epoch"] == epoch), None)
+            if entry is not None:
+                entry["acks"][report.member_id] = report.args.get("group_size")
+                if "dataplane" in report.args:
+                    entry["dataplane"][report.member_id] = report.args["dataplane"]
         if what is None:
             return
         kind, ident = what
@@ -365,12 +374,21 @@ class Master:
                 self._cancel(source)
 
     def _cancel(self, source: ElasticSource) -> None:
-        try:
-            self.capacity.release(source)
-        except SlurmError as exc:  # e.g. the job ended on its own meanwhile
-            self._log("error", what="scancel", message=str(exc))
+        comp = self.capacity.manager.components.get(source.tag)
+        if comp is not None and comp.state is not ComponentState.GONE:
+            # a signalled (preempted) component is RELEASING already: cancel it anyway,
+            # its GPUs are free now, before the grace time ends
+            target = self.capacity.manager.release(source) or (
+                self.capacity.manager.cancel_target(source)
+            )
+            job_id, component = target
+            try:
+                self.capacity.client.cancel(job_id, component)
+            except SlurmError as exc:  # e.g. the job ended on its own meanwhile
+                self._log("error", what="scancel", message=str(exc))
+            scancel = job_id if component is None else f"{job_id}+{component}"
+            self._log("cancelled", group=source.tag, scancel=scancel)
         self.latency.setdefault(source.tag, {})["cancelled"] = self.now()
-        self._log("cancelled", group=source.tag)
 
     # ============================================================== executor
     def start_workers(self, adds: Sequence[WorkerAdd]) -> None:
@@ -454,8 +472,20 @@ class Master:
     def _partition(self) -> None:
         self.need_partition = False
         roles = self._roles()
-        entry: dict[str, Any] = {"at": self.now(), "roles": roles, "acks": {}}
-        entry["seconds"] = self.plane.partition(roles)
+        entry: dict[str, Any] = {"at": self.now(), "roles": roles, "acks": {}, "dataplane": {}}
+        dataplane = None
+        if self.rendezvous is not None:
+            dp_roles = {m: r for m, r in roles.items() if r != "idle"}
+            for member_id in self.trainers:  # trainers hold the weights whatever they host
+                if self.plane.membership.members[member_id].state is MemberState.MEMBER:
+                    dp_roles[member_id] = str(Role.TRAINING)
+            dataplane = {
+                "host": self.rendezvous.host,
+                "port": self.rendezvous.port,
+                "backend": self.backend,
+                "roles": dp_roles,
+            }
+        entry["seconds"] = self.plane.partition(roles, dataplane=dataplane)
         entry["epoch"] = self.plane.epoch
         entry["universe"] = list(self.plane.membership.universe)
         self.partitions.append(entry)
@@ -472,17 +502,11 @@ class Master:
     # ================================================================= finish
     def _finish(self) -> dict[str, Any]:
         """Give every elastic job back, shut the plane down, write the summary."""
-        for comp in self.capacity.manager.live():
-            if comp.state is not ComponentState.RELEASING:
-                self.plane.leave(comp.source.tag)
-        deadline = self.clock() + LEAVE_TIMEOUT_S
-        while self.clock() < deadline and any(
-            m.state is MemberState.LEAVING for m in self.plane.membership.members.values()
-        ):
-            self.plane.poll()
-            time.sleep(0.01)
-        self._cancel_all()
+        for comp in self.capacity.manager.live():  # elastic ranks leave, base ranks exit:
+            if comp.state is not ComponentState.RELEASING:  # together, so that a data-plane
+                self.plane.leave(comp.source.tag)  # leave barrier never waits on the others
         self.plane.shutdown()
+        self._cancel_all()
         deadline = self.clock() + LEAVE_TIMEOUT_S  # see the jobs leave squeue
         while self.clock() < deadline and self.capacity.manager.live():
             self.capacity.poll(self.now())
@@ -496,6 +520,7 @@ class Master:
             "partitions": self.partitions,
             "failures": self.failures,
             "errors": self.errors,
+            "slurm_poll_failures": self.capacity.client.poll_failures,
             "latency": self.latency,
             "timings": dataclasses.asdict(self.plane.timings),
             "table": self.controller.table.to_dict(),

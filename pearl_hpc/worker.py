@@ -42,6 +42,7 @@ class NoopWorker:
         self.plane = plane
         self.roles: dict[int, str] = {}  # slot -> role this process hosts
         self.training: tuple[int, int, float] | None = None  # (seq, step, ends at)
+        self.dp: Any = None  # pearl_hpc.comm.dataplane.DataPlane once used
 
     def serve(self, hello: dict[str, Any]) -> int:
         plane = self.plane
@@ -67,6 +68,8 @@ class NoopWorker:
             if cmd.op is Op.PARTITION:  # prove the role group works: count its members
                 args["epoch"] = plane.epoch
                 args["group_size"] = plane.role_comm.allreduce(1)
+                if cmd.args.get("dataplane"):
+                    args["dataplane"] = self._data_plane(plane.epoch, cmd.args["dataplane"])
             self._ack(cmd, **args)
         elif cmd.op is Op.ROLE:
             self.roles[int(cmd.args["slot"])] = str(cmd.args["role"])
@@ -78,12 +81,52 @@ class NoopWorker:
             ends = time.monotonic() + float(cmd.args.get("seconds", 0.0))
             self.training = (cmd.seq, int(cmd.args["step"]), ends)
         elif cmd.op in (Op.LEAVE, Op.SHUTDOWN):
+            if self.dp is not None and self.dp.joined:
+                self.dp.leave(timeout_s=5.0)  # a dead peer must not hold the exit up
             self._ack(cmd)
             plane.disconnect()
             return True
         else:
             plane.report(Kind.ERROR, cmd.seq, message=f"unknown command {cmd.op}")
         return False
+
+    def _data_plane(self, epoch: int, spec: dict[str, Any]) -> dict[str, Any]:
+        """Rebuild this epoch's torch.distributed groups and check them: the trainer
+        broadcasts a weights tensor, each prefill member sends a KV tensor to the decode
+        members it is paired with. Returns what was seen, for the master's records."""
+        import torch
+
+        from pearl_hpc.comm.dataplane import DataPlane, plan_groups, select_backend
+
+        t0 = time.perf_counter()
+        if self.dp is None:
+            self.dp = DataPlane()
+        if self.dp.joined:
+            self.dp.leave()
+        plan = plan_groups(epoch, spec["roles"])
+        me = self.plane.member_id
+        if me not in plan.members:
+            return {"member": False}
+        backend = select_backend(spec["backend"])
+        self.dp.join(spec["host"], spec["port"], plan, me, backend, timeout_s=60.0)
+        out: dict[str, Any] = {"member": True, "join_s": time.perf_counter() - t0}
+        if plan.weights_source is not None:
+            weights = torch.full((1024,), float(epoch) if plan.weights_source == me else -1.0)
+            self.dp.broadcast([weights])
+            out["weights_ok"] = bool((weights == float(epoch)).all())
+        prefill = [m for m in plan.members if plan.role_of(m) == "prefill"]
+        decode = [m for m in plan.members if plan.role_of(m) == "decode"]
+        if prefill and decode:  # decode member j takes its KV from prefill member j mod P
+            for j, d in enumerate(decode):
+                p = prefill[j % len(prefill)]
+                if me == p:
+                    self.dp.send(torch.full((4096,), float(epoch * 100 + j)), d)
+                elif me == d:
+                    kv = torch.zeros(4096)
+                    self.dp.recv(kv, p)
+                    out["kv_ok"] = bool((kv == float(epoch * 100 + j)).all())
+        out["seconds"] = time.perf_counter() - t0
+        return out
 
     def _finish_training(self) -> None:
         if self.training is not None and time.monotonic() >= self.training[2]:
@@ -93,6 +136,8 @@ class NoopWorker:
 
 
 def _join(args: argparse.Namespace) -> int:
+    if args.data_plane != "off":
+        import torch  # noqa: F401  (loaded before joining, not inside a plan)
     plane = WorkerPlane.join(
         args.run_dir, args.group, heartbeat_interval_s=args.heartbeat_s, timeout_s=args.timeout_s
     )
@@ -120,6 +165,7 @@ def _elastic(args: argparse.Namespace) -> int:
             "--run-dir", str(args.run_dir), "--group", f"{job}+{k}",
             "--gpus-per-worker", str(args.gpus_per_worker),
             "--heartbeat-s", str(args.heartbeat_s),
+            "--data-plane", args.data_plane,
         ]  # fmt: skip
         procs.append(subprocess.Popen(argv))
 
@@ -142,6 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--run-dir", type=Path, required=True)
         p.add_argument("--gpus-per-worker", type=int, default=1)
         p.add_argument("--heartbeat-s", type=float, default=0.5)
+        p.add_argument("--data-plane", default="off", help="off | auto | gloo | nccl")
         if name == "join":
             p.add_argument("--group", required=True, help="JOB+N of this component")
             p.add_argument("--timeout-s", type=float, default=300.0)

@@ -134,7 +134,8 @@ class Membership:
 
     def shrink(self) -> list[str]:
         """Drop leaving, failed and gone members from the universe; returns the
-        survivors in their new rank order. Failed and leaving members become GONE."""
+        survivors in their new rank order. Failed members become GONE; leaving ones stay
+        LEAVING until :meth:`gone`."""
         survivors = [i for i in self.universe if i == MASTER_ID or not self._stale(i)]
         for member_id in self.universe[1:]:
             if member_id not in survivors and self.members[member_id].state is MemberState.FAILED:

@@ -243,7 +243,7 @@ class MasterPlane:
         self.timings.shrink_s.append(elapsed)
         return elapsed
 
-    def partition(self, roles: Mapping[str, str]) -> float:
+    def partition(self, roles: Mapping[str, str], *, dataplane: Any = None) -> float:
         """Re-partition the universe into role groups (``Comm.Split``)."""
         t0 = time.perf_counter()
         self._shrink_if_needed()
@@ -251,7 +251,9 @@ class MasterPlane:
         colors = self.membership.colors(roles)
         by_rank = [colors[i] for i in self.membership.universe]
         for member_id in self.membership.universe[1:]:
-            self.send(member_id, Op.PARTITION, epoch=self.epoch, colors=by_rank)
+            self.send(
+                member_id, Op.PARTITION, epoch=self.epoch, colors=by_rank, dataplane=dataplane
+            )
         if self.role_comm is not None:
             self.role_comm.Free()
         self.role_comm = self.universe.Split(by_rank[0], 0)
@@ -285,21 +287,27 @@ class MasterPlane:
         self.links["base"].Abort(1)
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Tell every live member to exit; wait (bounded) for their acks."""
+        """Tell every live member to exit and wait (bounded) until they and the members
+        already leaving have acknowledged."""
         waiting = set()
-        for member in self.membership.live() + [
-            m for m in self.membership.members.values() if m.state is MemberState.LEAVING
-        ]:
+        for member in self.membership.live():
             self.send(member.member_id, Op.SHUTDOWN)
             waiting.add(member.member_id)
         deadline = time.monotonic() + timeout_s
-        while waiting and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
             for report in self.poll():
                 if report.kind is Kind.ACK and report.args.get("op") == Op.SHUTDOWN:
                     waiting.discard(report.member_id)
+            leaving = {
+                m.member_id
+                for m in self.membership.members.values()
+                if m.state is MemberState.LEAVING
+            }
+            if not waiting and not leaving:
+                break
             time.sleep(0.01)
-        if waiting:
-            log.warning("no shutdown ack from %s", ", ".join(sorted(waiting)))
+        else:
+            log.warning("no shutdown ack from %s", ", ".join(sorted(waiting | leaving)))
         self.MPI.Close_port(self.port)
         (self.run_dir / PORT_FILE).unlink(missing_ok=True)
 

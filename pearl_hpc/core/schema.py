@@ -74,8 +74,8 @@ def from_mapping(cls: type[T], data: Any, *, where: str = "") -> T:
         kwargs[name] = value
     try:
         return cls(**kwargs)
-    except ConfigError:
-        raise
+    except ConfigError as exc:
+        raise ConfigError(f"{prefix}{exc}") from None
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{prefix}{exc}") from None
 

@@ -166,6 +166,11 @@ class CapacityManager:
         if comp is None or comp.state in (ComponentState.RELEASING, ComponentState.GONE):
             return None
         self._move(comp, ComponentState.RELEASING)
+        return self.cancel_target(source)
+
+    def cancel_target(self, source: ElasticSource) -> tuple[str, int | None]:
+        """What ``scancel`` takes for this component: the whole job when it is the only
+        component, else ``JOB+N``."""
         whole = len([c for c in self.components.values() if c.source.job_id == source.job_id])
         return (source.job_id, None if whole == 1 else source.het_component)
 
