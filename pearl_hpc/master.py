@@ -20,6 +20,7 @@ import dataclasses
 import json
 import logging
 import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -50,7 +51,56 @@ from pearl_hpc.slurm.scripts import JobSpec
 
 log = logging.getLogger(__name__)
 
+SUBMIT_RETRY_S = 5.0
+TRANSIENT_SLURM_ERRORS = ("Unable to contact slurm controller", "Socket timed out", "no answer")
 LEAVE_TIMEOUT_S = 15.0  # members that do not ack LEAVE by then are cancelled anyway
+
+
+class SqueuePoller:
+    """Runs ``squeue`` in a thread, so that a slow or unreachable slurmctld (squeue
+    retries for ~9 s before failing) never stalls the master's loop.
+
+    ``fork_lock`` is held while squeue runs: MPICH (ch4:ucx) crashed in ``Accept`` when a
+    child forked after ``MPI_Init`` was alive meanwhile, so the master's join step takes
+    the same lock."""
+
+    def __init__(self, client: SlurmClient, run_tag: str, interval_s: float) -> None:
+        self.client = client
+        self.run_tag = run_tag
+        self.interval_s = interval_s
+        self._rows: dict[str, Any] | None = None
+        self.not_before = 0.0
+        self.fork_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="squeue", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            with self.fork_lock:
+                rows = self.client.poll(self.run_tag)
+            with self._lock:
+                if started >= self.not_before:
+                    self._rows = rows
+            self._stop.wait(self.interval_s)
+
+    def latest(self) -> dict[str, Any] | None:
+        """The newest answer not yet taken (None if there is none)."""
+        with self._lock:
+            rows, self._rows = self._rows, None
+        return rows
+
+    def invalidate(self) -> None:
+        """A job was just submitted: answers from squeue runs begun before now would
+        miss it (and make it look ended)."""
+        with self._lock:
+            self.not_before = time.monotonic()
+            self._rows = None
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def _source_of(group: str) -> ElasticSource:
@@ -84,6 +134,7 @@ class Master:
             run_tag, pending_timeout_s=cfg.elastic.pending_timeout_s, grace_s=cfg.elastic.grace_s
         )
         self.capacity = SlurmCapacity(manager, client)
+        self.squeue = SqueuePoller(client, run_tag, cfg.elastic.poll_s)
         self.controller = Controller(
             load_profile(cfg.profile_path()),
             self,
@@ -97,6 +148,7 @@ class Master:
         self.training_acks: set[str] = set()
         self.queue: list[Event] = []
         self.releasing: dict[str, tuple[ElasticSource, float]] = {}  # group -> (src, by)
+        self.retry_submit: dict[int, float] = {}  # request index -> when to try again
         self.latency: dict[str, dict[str, Any]] = {}
         self.need_partition = False
         self.partitions: list[dict[str, Any]] = []
@@ -106,7 +158,6 @@ class Master:
         self.phase = "rollout"
         self.rollout_ends_s = 0.0
         self.stop_requested: int | None = None
-        self._next_poll_s = 0.0
         self._events = (run_dir / "events.jsonl").open("a")
         # The data plane's store runs in a child started before MPI (see launch.py);
         # torch stays out of this process. Workers resolve the backend setting.
@@ -141,22 +192,36 @@ class Master:
             try:
                 self.capacity.client.cancel(job_id)
             except SlurmError as exc:
-                self._log("error", what="scancel", message=str(exc))
+                self._log("error", during="scancel", message=str(exc))
 
     def _tick(self) -> None:
         now = self.now()
-        for group in self.plane.poll_joins():
-            self._on_join(group, now)
+        if self.plane.joins_waiting():
+            with self.squeue.fork_lock:  # no squeue child alive during Accept
+                joined = self.plane.poll_joins()
+            for group in joined:
+                self._on_join(group, now)
         for report in self.plane.poll():
             self._on_report(report)
         for member in self.plane.overdue():
             self._on_silent(member)
-        if now >= self._next_poll_s:
-            self._next_poll_s = now + self.cfg.elastic.poll_s
-            for event in self.capacity.poll(now):
+        rows = self.squeue.latest()
+        if rows is not None:  # a fresh squeue answer (or the last known state)
+            actions = self.capacity.manager.observe(rows, now)
+            for job_id, component in actions.cancel:  # pending too long
+                self._log("pending_timeout", job_id=job_id)
+                try:
+                    self.capacity.client.cancel(job_id, component)
+                except SlurmError as exc:
+                    self._log("error", during="scancel", message=str(exc))
+            for event in actions.events:
                 self._note_capacity(event, now)
                 self.queue.append(event)
             self._note_gone(now)
+        for index, when in list(self.retry_submit.items()):
+            if now >= when:
+                del self.retry_submit[index]
+                self._submit(index)
         self._drain_queue()
         self._finish_releases(now)
         if self.need_partition:
@@ -233,10 +298,16 @@ class Master:
         )
         try:
             job_id = self.capacity.acquire(spec, self.cfg.base.gpus_per_worker, self.now())
+            self.squeue.invalidate()
         except SlurmError as exc:
-            self.errors.append(str(exc))
-            self._log("error", what="submit", message=str(exc))
-            log.error("elastic request %d not submitted: %s", index, exc)
+            transient = any(text in str(exc) for text in TRANSIENT_SLURM_ERRORS)
+            self._log("error", during="submit", message=str(exc), retry=transient)
+            if transient:  # slurmctld unreachable: try again shortly
+                self.retry_submit[index] = self.now() + SUBMIT_RETRY_S
+                log.warning("elastic request %d: %s; retrying in %g s", index, exc, SUBMIT_RETRY_S)
+            else:
+                self.errors.append(str(exc))
+                log.error("elastic request %d not submitted: %s", index, exc)
             return
         self.submitted = getattr(self, "submitted", {})
         self.submitted[index] = job_id
@@ -385,7 +456,7 @@ class Master:
             try:
                 self.capacity.client.cancel(job_id, component)
             except SlurmError as exc:  # e.g. the job ended on its own meanwhile
-                self._log("error", what="scancel", message=str(exc))
+                self._log("error", during="scancel", message=str(exc))
             scancel = job_id if component is None else f"{job_id}+{component}"
             self._log("cancelled", group=source.tag, scancel=scancel)
         self.latency.setdefault(source.tag, {})["cancelled"] = self.now()
@@ -506,6 +577,7 @@ class Master:
             if comp.state is not ComponentState.RELEASING:  # together, so that a data-plane
                 self.plane.leave(comp.source.tag)  # leave barrier never waits on the others
         self.plane.shutdown()
+        self.squeue.stop()
         self._cancel_all()
         deadline = self.clock() + LEAVE_TIMEOUT_S  # see the jobs leave squeue
         while self.clock() < deadline and self.capacity.manager.live():

@@ -304,12 +304,10 @@ def test_minutes(limit: str, minutes: int) -> None:
     assert _minutes(limit) == minutes
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="launch._minutes applies max(1, ...) before adding the days: 1-00:00:00 -> 1441",
-)
 def test_minutes_whole_day() -> None:
     assert _minutes("1-00:00:00") == 1440
+    assert _minutes("1-12") == 2160
+    assert _minutes("1-12:30") == 2190
 
 
 def test_minutes_days_with_time() -> None:

@@ -95,7 +95,6 @@ def launch(
             assert time.monotonic() < deadline, f"run {tag} still in squeue: {squeue_tagged(tag)}"
             time.sleep(1)
     finally:
-        subprocess.run(["scancel", f"--comment=pearl:{tag}"], check=False)  # never leak
         for line in squeue_tagged(tag):
             subprocess.run(["scancel", line.split("|")[0].split("+")[0]], check=False)
     summary_path = run_dir / "summary.json"
@@ -140,7 +139,7 @@ def test_hetjob_joins_splits_by_role_and_one_component_is_released(
         elastic={"requests": [request]},
         run={"steps": 4, "rollout_s": 4, "data_plane": "gloo"},
     )
-    summary, run_dir, log = launch(config)
+    summary, _, log = launch(config)
 
     assert summary["steps"] == 4
     assert summary["errors"] == [] and summary["failures"] == []
@@ -209,7 +208,7 @@ def test_preemption_signal_is_drained_and_reported_before_the_grace_time(
         preempted["job"] = float(high.stdout.strip().split(";")[0])
         preempted["at"] = time.monotonic()
 
-    summary, run_dir, log = launch(config, during=preempt)
+    summary, _, log = launch(config, during=preempt)
     # let the high-priority job finish so that it leaks nothing either
     deadline = time.monotonic() + 60
     while subprocess.run(["squeue", "-h", "-j", str(int(preempted["job"]))],
@@ -274,9 +273,9 @@ def test_a_killed_worker_is_declared_failed_and_dropped_from_the_universe(
 def test_slurmctld_unreachable_for_a_while_is_survived(
     slurm_cluster: str, mpi_ready: None, tmp_path: Path
 ) -> None:
-    request = {"at_step": 2, "components": [{"partition": "elastic", "gpus_per_node": 2}]}
+    request = {"at_step": 1, "components": [{"partition": "elastic", "gpus_per_node": 2}]}
     config = write_config(
-        tmp_path, elastic={"requests": [request]}, run={"steps": 3, "rollout_s": 5}
+        tmp_path, elastic={"requests": [request]}, run={"steps": 4, "rollout_s": 5}
     )
     conf = Path(slurm_cluster)
     pid_file = conf.parent / "run" / "slurmctld.pid"
@@ -284,7 +283,7 @@ def test_slurmctld_unreachable_for_a_while_is_survived(
     def outage(run_dir: Path) -> None:
         wait_event(run_dir, "base")
         os.kill(int(pid_file.read_text()), 15)
-        time.sleep(6)
+        time.sleep(15)  # longer than squeue's own ~9 s of connection retries
         subprocess.run(["slurmctld", "-f", str(conf)], check=True)
         deadline = time.monotonic() + 30
         while "is UP" not in subprocess.run(["scontrol", "ping"], capture_output=True,
@@ -293,6 +292,8 @@ def test_slurmctld_unreachable_for_a_while_is_survived(
             time.sleep(0.5)
 
     summary, _, log = launch(config, during=outage)
-    assert summary["steps"] == 3
+    assert summary["steps"] == 4
+    assert summary["failures"] == []  # a deaf master declares nobody failed
+    assert summary["errors"] == []  # a submission that met the outage was retried
     assert summary["slurm_poll_failures"] >= 1  # logged, last state kept, backed off
     assert [e for e in log if e["what"] == "granted"]  # the request after the outage ran

@@ -107,6 +107,7 @@ class MasterPlane:
         self.epoch = 0
         self.seq = 0
         self.timings = Timings()
+        self._last_poll_s = clock()
         self.port = MPI.Open_port()
         (self.run_dir / JOINS_DIR).mkdir(parents=True, exist_ok=True)
         write_private(self.run_dir / PORT_FILE, self.port)
@@ -119,6 +120,9 @@ class MasterPlane:
         members = [self._member(r, "base", rank) for rank, r in sorted(hellos.items())]
         self.membership.start_base(members, self.clock())
         return members
+
+    def joins_waiting(self) -> bool:
+        return any((self.run_dir / JOINS_DIR).glob("*.json"))
 
     def poll_joins(self) -> list[str]:
         """Accept the components whose rank 0 announced itself; returns their groups."""
@@ -187,6 +191,11 @@ class MasterPlane:
         reports = []
         status = self.MPI.Status()
         now = self.clock()
+        if now - self._last_poll_s > self.membership.heartbeat_timeout_s / 4:
+            # the master itself was deaf (blocked): nobody is late because of that
+            for member in self.membership.live():
+                self.membership.heard(member.member_id, now)
+        self._last_poll_s = now
         for group, link in list(self.links.items()):
             while group in self.links and link.iprobe(
                 source=self.MPI.ANY_SOURCE, tag=TAG_REPORT, status=status
@@ -200,7 +209,12 @@ class MasterPlane:
         return reports
 
     def overdue(self) -> list[Member]:
-        return self.membership.overdue(self.clock())
+        """Members silent past the timeout, judged only while the master itself is
+        listening (a master blocked in sbatch or squeue has not heard anyone)."""
+        now = self.clock()
+        if now - self._last_poll_s > self.membership.heartbeat_timeout_s / 4:
+            return []
+        return self.membership.overdue(now)
 
     # ------------------------------------------------------------ collectives
     def admit(self, group: str) -> float:
