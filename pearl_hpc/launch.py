@@ -171,3 +171,95 @@ if __name__ == "__main__":  # the plain-sbatch entry: every rank runs this
         base_main(*sys.argv[1:])
     except ConfigError as exc:
         raise SystemExit(f"pearl-hpc: {exc}") from None
+
+
+# ------------------------------------------------------------------ waiting, reports
+def run_jobs(run_dir: Path) -> list[str]:
+    """This run's jobs (``JOB`` / ``JOB+N``) still in squeue, by the tag in --comment."""
+    from pearl_hpc.slurm.client import run_command
+
+    result = run_command(["squeue", "-h", "-o", "%i|%k"])
+    if result.returncode != 0:
+        return []
+    tag = f"pearl:{run_dir.name}"
+    return [line.split("|")[0] for line in result.stdout.splitlines() if line.endswith(tag)]
+
+
+def wait_for_run(run_dir: Path, *, timeout_s: float = 3600.0, poll_s: float = 1.0) -> None:
+    """Block until no job of the run is left in squeue, showing its last event."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    deadline = time.monotonic() + timeout_s
+    with console.status(f"run {run_dir.name}: waiting for the base job") as status:
+        while run_jobs(run_dir):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"run {run_dir.name} still in squeue after {timeout_s:g} s")
+            status.update(f"run {run_dir.name}: {_last_event(run_dir)}")
+            time.sleep(poll_s)
+
+
+def _last_event(run_dir: Path) -> str:
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        return "waiting for the base job to start"
+    lines = path.read_text().splitlines()
+    steps = [line for line in lines if '"what": "step"' in line]
+    return f"{len(steps)} step(s) started, {len(lines)} events"
+
+
+STAGES = (
+    ("submitted", "running", "submit -> RUNNING"),
+    ("running", "joined", "RUNNING -> ranks joined"),
+    ("joined", "admitted", "joined -> admitted"),
+    ("release", "left", "release -> ranks left"),
+    ("cancelled", "gone", "scancel -> gone from squeue"),
+    ("signal", "left", "preemption signal -> ranks left"),
+)
+
+
+def latency_rows(summary: dict[str, Any]) -> list[tuple[str, list[float]]]:
+    """The milestones of every elastic component and the plane's collective timings,
+    as (what, seconds...) rows."""
+    rows = []
+    for start, end, label in STAGES:
+        values = [
+            lat[end] - lat[start]
+            for lat in summary.get("latency", {}).values()
+            if start in lat and end in lat
+        ]
+        if values:
+            rows.append((label, values))
+    timings = summary.get("timings", {})
+    for key, label in (
+        ("accept_s", "MPI Accept + Merge (per component)"),
+        ("admit_s", "universe extension (Create_intercomm + Merge)"),
+        ("shrink_s", "universe shrink (Create_group)"),
+        ("partition_s", "re-partition (Comm.Split)"),
+    ):
+        if timings.get(key):
+            rows.append((label, list(timings[key])))
+    joins = [
+        dp["join_s"]
+        for part in summary.get("partitions", [])
+        for dp in part.get("dataplane", {}).values()
+        if "join_s" in dp
+    ]
+    if joins:
+        rows.append(("data plane join per member (gloo)", joins))
+    return rows
+
+
+def summary_table(summary: dict[str, Any]) -> Any:
+    import statistics
+
+    from rich.table import Table
+
+    table = Table(title=f"run {summary.get('run_tag')}: {summary.get('steps')} steps")
+    for column in ("what", "n", "median s", "max s"):
+        table.add_column(column, justify="left" if column == "what" else "right")
+    for label, values in latency_rows(summary):
+        table.add_row(
+            label, str(len(values)), f"{statistics.median(values):.3f}", f"{max(values):.3f}"
+        )
+    return table

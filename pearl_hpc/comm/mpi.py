@@ -132,14 +132,15 @@ class MasterPlane:
                 note = json.loads(path.read_text())
             except (OSError, json.JSONDecodeError):
                 continue  # being written
-            group = str(note["group"])
             path.rename(path.with_suffix(".accepted"))
             t0 = time.perf_counter()
             intercomm = self.MPI.COMM_SELF.Accept(self.port)
             link = intercomm.Merge(high=False)
             intercomm.Free()
             self.timings.accept_s.append(time.perf_counter() - t0)
-            hellos = self._collect_hellos(link, group, range(1, link.size))
+            # the connection accepted may be another announcer's: its hellos say whose
+            hellos = self._collect_hellos(link, str(note["group"]), range(1, link.size))
+            group = str(hellos[1].args.get("group", note["group"]))
             self.links[group] = link
             now = self.clock()
             for rank, report in sorted(hellos.items()):
