@@ -50,6 +50,7 @@ def elastic_command(cfg: ClusterConfig, run_dir: Path) -> list[str]:
         "--gpus-per-worker", str(cfg.base.gpus_per_worker),
         "--heartbeat-s", str(cfg.run.heartbeat_interval_s),
         "--data-plane", cfg.run.data_plane,
+        "--base-job", os.environ.get("SLURM_JOB_ID", ""),
     ]  # fmt: skip
 
 
@@ -113,7 +114,8 @@ def submit(config_path: str | Path, *, folder: str | Path | None = None) -> tupl
         "timeout_min": _minutes(base.time_limit),
         "slurm_comment": f"pearl:{tag}",
         "slurm_job_name": "pearl-base",
-        "slurm_srun_args": [f"--mpi={cfg.mpi}"],
+        # a rank that dies ends the step: no base rank waits forever on a dead master
+        "slurm_srun_args": [f"--mpi={cfg.mpi}", "--kill-on-bad-exit=1"],
     }
     if base.gpus_per_node:
         params["slurm_gres"] = f"gpu:{base.gpus_per_node}"
@@ -125,7 +127,8 @@ def submit(config_path: str | Path, *, folder: str | Path | None = None) -> tupl
 def sbatch_spec(config_path: Path, cfg: ClusterConfig, run_dir: Path, tag: str) -> JobSpec:
     """The base job as a plain sbatch script (what launch/pearl.sbatch does by hand)."""
     command = [
-        "srun", f"--mpi={cfg.mpi}", sys.executable, "-m", "pearl_hpc.launch",
+        "srun", f"--mpi={cfg.mpi}", "--kill-on-bad-exit=1",
+        sys.executable, "-m", "pearl_hpc.launch",
         str(config_path), str(run_dir), tag,
     ]  # fmt: skip
     return JobSpec(

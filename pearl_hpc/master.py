@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -270,7 +271,12 @@ class Master:
         )
         for slot in self.controller.table.training_slots():
             self.slot_members[slot.slot_id] = list(self.trainers)
-        self._log("base", trainers=self.trainers, reserved=[m.member_id for m in reserved])
+        self._log(
+            "base",
+            trainers=self.trainers,
+            reserved=[m.member_id for m in reserved],
+            master_pid=os.getpid(),
+        )
         reconf = self.controller.grant_reserved([m.gpu_ids for m in reserved])
         if reconf is not None:
             self.need_partition = True

@@ -176,8 +176,31 @@ def _elastic(args: argparse.Namespace) -> int:
 
     for signum in (signal.SIGUSR2, signal.SIGTERM):
         signal.signal(signum, forward)
-    codes = [proc.wait() for proc in procs]
-    return max(codes, default=0)
+    while any(proc.poll() is None for proc in procs):
+        if args.base_job and not _job_alive(args.base_job):
+            # the master's job is gone (crashed, cancelled): nobody will release us
+            print(f"base job {args.base_job} is gone; ending this elastic job", file=sys.stderr)
+            forward(signal.SIGTERM, None)
+            time.sleep(5)
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+            break
+        time.sleep(BASE_CHECK_S)
+    return max((proc.wait() for proc in procs), default=0)
+
+
+BASE_CHECK_S = 5.0
+
+
+def _job_alive(job_id: str) -> bool:
+    """Is the job still in squeue? (True when squeue itself fails: never guess dead.)"""
+    result = subprocess.run(
+        ["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, check=False
+    )
+    if result.returncode != 0:
+        return "Invalid job id" not in result.stderr
+    return bool(result.stdout.strip())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -194,6 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.add_argument("--timeout-s", type=float, default=300.0)
         else:
             p.add_argument("--mpi", default="pmi2", help="srun --mpi plugin")
+            p.add_argument("--base-job", default="", help="the master's job: end with it")
     args = parser.parse_args(argv)
     return _join(args) if args.command == "join" else _elastic(args)
 

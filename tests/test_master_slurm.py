@@ -297,3 +297,33 @@ def test_slurmctld_unreachable_for_a_while_is_survived(
     assert summary["errors"] == []  # a submission that met the outage was retried
     assert summary["slurm_poll_failures"] >= 1  # logged, last state kept, backed off
     assert [e for e in log if e["what"] == "granted"]  # the request after the outage ran
+
+
+def test_a_killed_master_takes_its_jobs_down(
+    slurm_cluster: str, mpi_ready: None, tmp_path: Path
+) -> None:
+    """kill -9 of rank 0: srun --kill-on-bad-exit ends the base job, the elastic job's
+    launcher sees its base job gone and ends too: nothing is left to the time limit."""
+    from pearl_hpc.launch import submit
+
+    request = {"at_step": 0, "components": [{"partition": "elastic", "gpus_per_node": 2}]}
+    config = write_config(
+        tmp_path, elastic={"requests": [request]}, run={"steps": 50, "rollout_s": 5}
+    )
+    _, run_dir = submit(config)
+    tag = run_dir.name
+    try:
+        base = wait_event(run_dir, "base")
+        wait_event(run_dir, "admitted")
+        wait_event(run_dir, "joined")
+        os.kill(int(base["master_pid"]), 9)
+        deadline = time.monotonic() + 60
+        while squeue_tagged(tag):
+            assert time.monotonic() < deadline, f"left behind: {squeue_tagged(tag)}"
+            time.sleep(1)
+    finally:
+        for line in squeue_tagged(tag):
+            subprocess.run(["scancel", line.split("|")[0].split("+")[0]], check=False)
+    time.sleep(2)
+    stray = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout
+    assert not stray.strip(), f"processes of the run left behind: {stray}"
