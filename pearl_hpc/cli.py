@@ -345,6 +345,11 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from pearl_hpc.bench import decision_speed, sim_speed
 
+    if args.slurm:
+        from pearl_hpc.bench import slurm_latency
+
+        extra = ["--runs", str(args.runs)] + (["--config", args.config] if args.config else [])
+        return slurm_latency.main(extra + (["--json"] if args.json else []))
     module = sim_speed if args.sim else decision_speed
     return module.main(["--json"] if args.json else [])
 
@@ -521,6 +526,13 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="benchmarks: decision + plan speed (64 .. 4096 workers), or --sim"
     )
     bench.add_argument("--sim", action="store_true", help="simulator speed instead")
+    bench.add_argument(
+        "--slurm",
+        action="store_true",
+        help="Slurm + MPI latencies on a running cluster (submit, join, Split, release)",
+    )
+    bench.add_argument("--config", help="with --slurm: cluster YAML (default: local.yaml)")
+    bench.add_argument("--runs", type=int, default=2, help="with --slurm: runs to merge")
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(func=_cmd_bench)
     return parser

@@ -150,6 +150,7 @@ class Master:
         self.queue: list[Event] = []
         self.releasing: dict[str, tuple[ElasticSource, float]] = {}  # group -> (src, by)
         self.retry_submit: dict[int, float] = {}  # request index -> when to try again
+        self.to_admit: list[str] = []  # joined groups waiting to enter the universe
         self.latency: dict[str, dict[str, Any]] = {}
         self.need_partition = False
         self.partitions: list[dict[str, Any]] = []
@@ -225,7 +226,8 @@ class Master:
                 self._submit(index)
         self._drain_queue()
         self._finish_releases(now)
-        if self.need_partition:
+        self._admit_joined()
+        if self.need_partition and not self.to_admit and self.plane.all_fresh():
             self._partition()
         if self.phase == "rollout" and now >= self.rollout_ends_s:
             self.phase = "training"
@@ -338,12 +340,25 @@ class Master:
         if group in self.releasing or self._source_gone(group):
             self.plane.leave(group)
             return
-        lat["universe_s"] = self.plane.admit(group)
         self._log(
             "joined",
             group=group,
             members={m.member_id: m.info.get("pid") for m in self.plane.membership.group(group)},
         )
+        self.to_admit.append(group)
+        self._admit_joined()
+
+    def _admit_joined(self) -> None:
+        """Extend the universe with the joined groups, only while every member was heard
+        very recently (a dead member would hang the collective call)."""
+        while self.to_admit and self.plane.all_fresh(joining=self.to_admit[0]):
+            group = self.to_admit.pop(0)
+            if any(m.state is not MemberState.LINKED for m in self.plane.membership.group(group)):
+                continue  # failed or left before it could be admitted
+            self.latency.setdefault(group, {})["universe_s"] = self.plane.admit(group)
+            self._bind_pending()
+
+    def _bind_pending(self) -> None:
         for slot_id, add in list(self.pending.items()):
             if self._bind(slot_id, add.gpu_ids):
                 del self.pending[slot_id]

@@ -255,8 +255,13 @@ def test_a_killed_worker_is_declared_failed_and_dropped_from_the_universe(
 
     def kill_one(run_dir: Path) -> None:
         joined = wait_event(run_dir, "joined")
-        wait_event(run_dir, "admitted")
         member, pid = sorted(joined["members"].items())[-1]
+        # only once it is in the universe and has a role (killing a rank in the middle of
+        # a collective call would hang the others: MPI has no fault tolerance there)
+        deadline = time.monotonic() + 60
+        while not any(e["what"] == "partition" and member in e["roles"] for e in events(run_dir)):
+            assert time.monotonic() < deadline, "the joined ranks never got a role"
+            time.sleep(0.2)
         os.kill(int(pid), 9)
         killed.update(member=member, at=time.monotonic())
 
@@ -314,8 +319,14 @@ def test_a_killed_master_takes_its_jobs_down(
     tag = run_dir.name
     try:
         base = wait_event(run_dir, "base")
-        wait_event(run_dir, "admitted")
-        wait_event(run_dir, "joined")
+        joined = wait_event(run_dir, "joined")
+        deadline = time.monotonic() + 60
+        while not any(
+            e["what"] == "partition" and set(joined["members"]) <= set(e["roles"])
+            for e in events(run_dir)
+        ):
+            assert time.monotonic() < deadline, "the joined ranks never got a role"
+            time.sleep(0.2)
         os.kill(int(base["master_pid"]), 9)
         deadline = time.monotonic() + 60
         while squeue_tagged(tag):

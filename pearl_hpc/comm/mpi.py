@@ -25,12 +25,14 @@ from the universe (``Create_group`` needs no call from the dead).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
+import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,6 +81,30 @@ class Timings:
     admit_s: list[float] = field(default_factory=list)
     shrink_s: list[float] = field(default_factory=list)
     partition_s: list[float] = field(default_factory=list)
+
+
+COLLECTIVE_TIMEOUT_S = 120.0
+
+
+@contextlib.contextmanager
+def hang_guard(what: str, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> Iterator[None]:
+    """MPI has no fault tolerance inside a collective: a member that dies in the middle
+    of one hangs the others for good. Past ``timeout_s`` the master exits hard, so that
+    ``srun --kill-on-bad-exit`` ends the base job and the elastic jobs end with it
+    (nothing is left running to its time limit; the journal stays for a restart)."""
+
+    def expire() -> None:
+        log.critical("%s did not finish in %g s: a member died inside it; exiting", what, timeout_s)
+        logging.shutdown()
+        os._exit(3)
+
+    timer = threading.Timer(timeout_s, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 class MasterPlane:
@@ -209,6 +235,20 @@ class MasterPlane:
                     self._left(group, report.member_id)
         return reports
 
+    def all_fresh(self, joining: str | None = None) -> bool:
+        """Was every universe member heard within a quarter of the heartbeat timeout?
+        Collective calls wait for this: a member that died since its last heartbeat
+        would hang them (it is declared failed and shrunk away first)."""
+        now = self.clock()
+        window = self.membership.heartbeat_timeout_s / 4
+        members = [self.membership.members[i] for i in self.membership.universe[1:]]
+        if joining is not None:
+            members += self.membership.group(joining)
+        return not any(
+            m.state in (MemberState.MEMBER, MemberState.LINKED) and now - m.last_seen_s > window
+            for m in members
+        )
+
     def overdue(self) -> list[Member]:
         """Members silent past the timeout, judged only while the master itself is
         listening (a master blocked in sbatch or squeue has not heard anyone)."""
@@ -228,8 +268,9 @@ class MasterPlane:
         ]
         for member_id in old + joining:
             self.send(member_id, Op.ADMIT, group=group)
-        intercomm = self.universe.Create_intercomm(0, self.links[group], 1, TAG_INTERCOMM)
-        universe = intercomm.Merge(high=False)
+        with hang_guard(f"admitting {group}"):
+            intercomm = self.universe.Create_intercomm(0, self.links[group], 1, TAG_INTERCOMM)
+            universe = intercomm.Merge(high=False)
         intercomm.Free()
         self.universe.Free()
         self.universe = universe
@@ -251,7 +292,8 @@ class MasterPlane:
         for member_id in survivors[1:]:
             self.send(member_id, Op.SHRINK, keep=keep)
         group = self.universe.Get_group().Incl(keep)
-        universe = self.universe.Create_group(group, TAG_SHRINK)
+        with hang_guard("shrinking the universe"):
+            universe = self.universe.Create_group(group, TAG_SHRINK)
         group.Free()
         self.universe = universe  # the old one may hold dead ranks: never freed collectively
         elapsed = time.perf_counter() - t0
@@ -271,8 +313,9 @@ class MasterPlane:
             )
         if self.role_comm is not None:
             self.role_comm.Free()
-        self.role_comm = self.universe.Split(by_rank[0], 0)
-        self.role_comm.allreduce(1)  # every group counts its members (the workers' check)
+        with hang_guard(f"re-partition {self.epoch}"):
+            self.role_comm = self.universe.Split(by_rank[0], 0)
+            self.role_comm.allreduce(1)  # every group counts its members (workers check)
         elapsed = time.perf_counter() - t0
         self.timings.partition_s.append(elapsed)
         return elapsed
