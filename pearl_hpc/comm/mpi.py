@@ -14,9 +14,11 @@ Joining. MPICH holds a global lock inside a blocking ``Accept``, so a master thr
 waiting in ``Accept`` stalls every other MPI call of the process (verified with MPICH
 5.0.2 under ``srun --mpi=pmi2``, whatever the async-progress settings). The master
 therefore never waits in ``Accept`` on spec: a joining component's rank 0 first writes
-an announcement file ``joins/<group>.json`` in the run directory, then its ranks
-``Connect``; the master's loop sees the file and ``Accept``s a connection that is
-already being made. The port name is in ``mpi-port`` (mode 0600) in the run directory.
+an announcement file ``joins/<group>.json`` in the run directory and waits for the
+master's go (``joins/<group>.go``); the master writes one go at a time and ``Accept``s
+that component's ``Connect``. Two components connecting to one port at the same moment
+crashed MPICH's ``Accept`` now and then (seen under load), hence one at a time. The port
+name is in ``mpi-port`` (mode 0600) in the run directory.
 
 Failure detection: every member sends a heartbeat every ``heartbeat_interval_s``;
 the master marks a member silent for ``heartbeat_timeout_s`` as failed and drops it
@@ -160,6 +162,7 @@ class MasterPlane:
                 continue  # being written
             path.rename(path.with_suffix(".accepted"))
             t0 = time.perf_counter()
+            write_private(path.with_suffix(".go"), "")  # this announcer, and only it, connects
             intercomm = self.MPI.COMM_SELF.Accept(self.port)
             link = intercomm.Merge(high=False)
             intercomm.Free()
@@ -430,6 +433,12 @@ class WorkerPlane:
         if local.rank == 0:
             note = {"group": group, "size": local.size, "pid": os.getpid()}
             write_private(run_dir / JOINS_DIR / f"{group}.json", json.dumps(note))
+            go = run_dir / JOINS_DIR / f"{group}.go"
+            while not go.exists():  # one component connects at a time (see module doc)
+                if time.monotonic() > deadline:
+                    raise PlaneError(f"{group}: the master never accepted (no {go})")
+                time.sleep(0.01)
+            go.unlink()
         intercomm = local.Connect(port, root=0)
         link = intercomm.Merge(high=True)
         intercomm.Free()
