@@ -21,4 +21,21 @@ def slurm_cluster() -> str:
     ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=20)
     if "is UP" not in ping.stdout:
         pytest.skip(f"the Slurm controller at {conf} is not up; {how}")
+    resume_drained_nodes()
     return conf
+
+
+def resume_drained_nodes() -> None:
+    """A step that outlived its kill signals (e.g. a test that stopped slurmctld while a
+    job ended) drains its node ("Kill task failed"); a test cluster takes it back."""
+    out = subprocess.run(
+        ["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=20
+    ).stdout
+    for line in sorted(set(out.splitlines())):
+        node, _, state = line.partition(" ")
+        if "drain" in state or state.startswith("down"):
+            subprocess.run(
+                ["scontrol", "update", f"nodename={node}", "state=resume"],
+                capture_output=True,
+                timeout=20,
+            )

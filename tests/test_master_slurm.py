@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.conftest import resume_drained_nodes
+
 pytestmark = [pytest.mark.slurm, pytest.mark.mpi]
 
 REPO = Path(__file__).resolve().parent.parent
@@ -295,6 +297,7 @@ def test_slurmctld_unreachable_for_a_while_is_survived(
                                             text=True).stdout:  # fmt: skip
             assert time.monotonic() < deadline, "slurmctld did not come back"
             time.sleep(0.5)
+        resume_drained_nodes()
 
     summary, _, log = launch(config, during=outage)
     assert summary["steps"] == 4
