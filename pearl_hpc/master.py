@@ -151,6 +151,7 @@ class Master:
         self.releasing: dict[str, tuple[ElasticSource, float]] = {}  # group -> (src, by)
         self.retry_submit: dict[int, float] = {}  # request index -> when to try again
         self.to_admit: list[str] = []  # joined groups waiting to enter the universe
+        self.submitted: dict[int, str] = {}  # request index -> job id
         self.latency: dict[str, dict[str, Any]] = {}
         self.need_partition = False
         self.partitions: list[dict[str, Any]] = []
@@ -317,14 +318,13 @@ class Master:
                 self.errors.append(str(exc))
                 log.error("elastic request %d not submitted: %s", index, exc)
             return
-        self.submitted = getattr(self, "submitted", {})
         self.submitted[index] = job_id
         for k in range(len(request.components)):
             self.latency[f"{job_id}+{k}"] = {"submitted": self.now()}
         self._log("submitted", request=index, job_id=job_id)
 
     def _give_back(self, index: int, component: int) -> None:
-        job_id = getattr(self, "submitted", {}).get(index)
+        job_id = self.submitted.get(index)
         if job_id is None:
             return
         source = ElasticSource(job_id, component)
