@@ -177,25 +177,16 @@ if __name__ == "__main__":  # the plain-sbatch entry: every rank runs this
 
 
 # ------------------------------------------------------------------ waiting, reports
-def run_jobs(run_dir: Path) -> list[str]:
-    """This run's jobs (``JOB`` / ``JOB+N``) still in squeue, by the tag in --comment."""
-    from pearl_hpc.slurm.client import run_command
-
-    result = run_command(["squeue", "-h", "-o", "%i|%k"])
-    if result.returncode != 0:
-        return []
-    tag = f"pearl:{run_dir.name}"
-    return [line.split("|")[0] for line in result.stdout.splitlines() if line.endswith(tag)]
-
-
 def wait_for_run(run_dir: Path, *, timeout_s: float = 3600.0, poll_s: float = 1.0) -> None:
-    """Block until no job of the run is left in squeue, showing its last event."""
+    """Block until no job of the run (found by its tag) is left in squeue, showing its
+    last event. A failed squeue keeps the last known jobs: it never ends the wait."""
     from rich.console import Console
 
     console = Console(stderr=True)
+    client = SlurmClient(min_backoff_s=poll_s)
     deadline = time.monotonic() + timeout_s
     with console.status(f"run {run_dir.name}: waiting for the base job") as status:
-        while run_jobs(run_dir):
+        while client.poll(run_dir.name):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"run {run_dir.name} still in squeue after {timeout_s:g} s")
             status.update(f"run {run_dir.name}: {_last_event(run_dir)}")

@@ -26,6 +26,7 @@ from typing import Any
 
 from pearl_hpc.comm.messages import COLLECTIVE, Command, Kind, Op
 from pearl_hpc.comm.mpi import WorkerPlane, member_info
+from pearl_hpc.slurm.client import run_command
 
 
 def gpu_ids_of(group: str, node: str, local_id: int, gpus_per_worker: int) -> list[str]:
@@ -195,9 +196,7 @@ BASE_CHECK_S = 5.0
 
 def _job_alive(job_id: str) -> bool:
     """Is the job still in squeue? (True when squeue itself fails: never guess dead.)"""
-    result = subprocess.run(
-        ["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, check=False
-    )
+    result = run_command(["squeue", "-h", "-j", job_id, "-o", "%T"])
     if result.returncode != 0:
         return "Invalid job id" not in result.stderr
     return bool(result.stdout.strip())

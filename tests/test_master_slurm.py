@@ -88,25 +88,47 @@ def launch(
     from pearl_hpc.launch import submit
 
     job, run_dir = submit(config)
-    tag = run_dir.name
     try:
         if during is not None:
             during(run_dir)
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while squeue_tagged(tag):
-            assert time.monotonic() < deadline, f"run {tag} still in squeue: {squeue_tagged(tag)}"
-            time.sleep(1)
+        wait_gone_from_squeue(run_dir.name, RUN_TIMEOUT_S)
     finally:
-        for line in squeue_tagged(tag):
-            subprocess.run(["scancel", line.split("|")[0].split("+")[0]], check=False)
+        cancel_tagged(run_dir.name)
     summary_path = run_dir / "summary.json"
     assert summary_path.exists(), (
         f"no summary; master log:\n{_tail(run_dir / 'submitit' / f'{job.job_id}_0_log.err')}"
     )
-    time.sleep(1)
+    assert_no_process_left(run_dir, settle_s=1)
+    return json.loads(summary_path.read_text()), run_dir, events(run_dir)
+
+
+def wait_gone_from_squeue(tag: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while squeue_tagged(tag):
+        assert time.monotonic() < deadline, f"run {tag} still in squeue: {squeue_tagged(tag)}"
+        time.sleep(1)
+
+
+def cancel_tagged(tag: str) -> None:
+    """Never leak: cancel whatever of the run is still in squeue."""
+    for line in squeue_tagged(tag):
+        subprocess.run(["scancel", line.split("|")[0].split("+")[0]], check=False)
+
+
+def assert_no_process_left(run_dir: Path, settle_s: float) -> None:
+    time.sleep(settle_s)
     stray = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout
     assert not stray.strip(), f"processes of the run left behind: {stray}"
-    return json.loads(summary_path.read_text()), run_dir, events(run_dir)
+
+
+def wait_for_roles(run_dir: Path, members: set[str], timeout_s: float = 60) -> None:
+    """Until a re-partition gave every one of ``members`` a role (killing a rank in the
+    middle of a collective call would hang the others: MPI has no fault tolerance
+    there)."""
+    deadline = time.monotonic() + timeout_s
+    while not any(e["what"] == "partition" and members <= set(e["roles"]) for e in events(run_dir)):
+        assert time.monotonic() < deadline, f"{sorted(members)} never got a role"
+        time.sleep(0.2)
 
 
 def wait_event(run_dir: Path, what: str, timeout_s: float = 90) -> dict[str, Any]:
@@ -258,12 +280,7 @@ def test_a_killed_worker_is_declared_failed_and_dropped_from_the_universe(
     def kill_one(run_dir: Path) -> None:
         joined = wait_event(run_dir, "joined")
         member, pid = sorted(joined["members"].items())[-1]
-        # only once it is in the universe and has a role (killing a rank in the middle of
-        # a collective call would hang the others: MPI has no fault tolerance there)
-        deadline = time.monotonic() + 60
-        while not any(e["what"] == "partition" and member in e["roles"] for e in events(run_dir)):
-            assert time.monotonic() < deadline, "the joined ranks never got a role"
-            time.sleep(0.2)
+        wait_for_roles(run_dir, {member})
         os.kill(int(pid), 9)
         killed.update(member=member, at=time.monotonic())
 
@@ -319,25 +336,12 @@ def test_a_killed_master_takes_its_jobs_down(
         tmp_path, elastic={"requests": [request]}, run={"steps": 50, "rollout_s": 5}
     )
     _, run_dir = submit(config)
-    tag = run_dir.name
     try:
         base = wait_event(run_dir, "base")
         joined = wait_event(run_dir, "joined")
-        deadline = time.monotonic() + 60
-        while not any(
-            e["what"] == "partition" and set(joined["members"]) <= set(e["roles"])
-            for e in events(run_dir)
-        ):
-            assert time.monotonic() < deadline, "the joined ranks never got a role"
-            time.sleep(0.2)
+        wait_for_roles(run_dir, set(joined["members"]))
         os.kill(int(base["master_pid"]), 9)
-        deadline = time.monotonic() + 60
-        while squeue_tagged(tag):
-            assert time.monotonic() < deadline, f"left behind: {squeue_tagged(tag)}"
-            time.sleep(1)
+        wait_gone_from_squeue(run_dir.name, 60)
     finally:
-        for line in squeue_tagged(tag):
-            subprocess.run(["scancel", line.split("|")[0].split("+")[0]], check=False)
-    time.sleep(2)
-    stray = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout
-    assert not stray.strip(), f"processes of the run left behind: {stray}"
+        cancel_tagged(run_dir.name)
+    assert_no_process_left(run_dir, settle_s=2)
