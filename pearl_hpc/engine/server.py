@@ -1,0 +1,315 @@
+"""The engine worker process: one vLLM engine, served over :mod:`pearl_hpc.engine.rpc`.
+
+``python -m pearl_hpc.engine.server --model DIR --worker-id ID --ready-file F [--role R]``
+
+Lifecycle (the process stays alive across all of it)::
+
+    released --restore(role)--> serving(role) --set_role(r)--> serving(r)
+        ^                           |   ^
+        |                       drain() admit()
+        +------- release() ---------+   (drain returns partial outputs)
+
+- ``drain``: stop admitting, abort running requests and RETURN their partial outputs
+  (each aborted ``generate`` call also returns its partial with ``finish_reason="abort"``);
+  new ``generate`` calls fail with :class:`Draining` so the router sends them elsewhere.
+- ``set_role``: drain, shut the engine down, start it with the other KV transfer config.
+- ``release`` / ``restore``: give the device back while borrowed GPUs are needed for
+  training. GPU: vLLM ``sleep(level=1)`` / ``wake_up()``; CPU has no sleep mode, so the
+  engine is shut down and rebuilt inside this process (memory returns to the OS).
+- ``activate`` / ``deactivate``: the borrowing hand-off of an overlap worker
+  (restore + latest weights + admit; drain + release), each timed.
+- ``load_weights``: version-tagged weights without a restart (safetensors bytes or file,
+  or a torch.distributed broadcast from the trainer); they survive later restarts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pearl_hpc.core.types import Role
+from pearl_hpc.engine.rpc import KEY_ENV, serve
+from pearl_hpc.engine.types import (
+    ENGINE_ROLES,
+    Draining,
+    EngineError,
+    Timing,
+    TurnRequest,
+    TurnResult,
+    WorkerStats,
+)
+from pearl_hpc.engine.vllm_engine import EngineRunner, EngineSpec, configure_process_env, rss_bytes
+
+log = logging.getLogger("pearl_hpc.engine.server")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _role(value: Role | str) -> Role:
+    role = Role(value)
+    if role not in ENGINE_ROLES:
+        raise EngineError(f"role {role} is not an engine role; use one of {list(ENGINE_ROLES)}")
+    return role
+
+
+class EngineWorker:
+    """The RPC handlers; all engine work goes through the runner's engine thread."""
+
+    def __init__(self, runner: EngineRunner) -> None:
+        self.runner = runner
+        self.admitting = False
+        self.timings: list[Timing] = []
+        self._sleeping_role: Role | None = None  # GPU: engine asleep, not shut down
+        self._ops = asyncio.Lock()  # one lifecycle operation at a time
+
+    async def _wait(self, fut: Any) -> Any:
+        return await asyncio.wrap_future(fut)
+
+    def _timed(self, op: str, t0: float, **detail: Any) -> Timing:
+        timing = Timing(op, time.perf_counter() - t0, detail)
+        self.timings.append(timing)
+        return timing
+
+    # ------------------------------------------------------------------ turns
+
+    async def generate(self, request: TurnRequest) -> TurnResult:
+        if not self.admitting or self.runner.role is None:
+            raise Draining(f"{self.runner.worker_id} is not admitting work")
+        if request.prefill_only and self.runner.role is not Role.PREFILL:
+            raise EngineError(f"{self.runner.worker_id}: prefill_only sent to a {self.runner.role}")
+        result: TurnResult = await self._wait(self.runner.submit(request))
+        return result
+
+    async def drain(self) -> list[TurnResult]:
+        """Stop admitting; abort running requests; return their partial outputs."""
+        self.admitting = False
+        t0 = time.perf_counter()
+        partial: list[TurnResult] = await self._wait(self.runner.abort_all())
+        self._timed("drain", t0, aborted=len(partial))
+        return partial
+
+    async def admit(self) -> None:
+        if self.runner.role is None:
+            raise EngineError(f"{self.runner.worker_id}: cannot admit, no engine (restore first)")
+        self.admitting = True
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def set_role(self, role: Role | str) -> Timing:
+        role = _role(role)
+        async with self._ops:
+            t0 = time.perf_counter()
+            old = self.runner.role
+            await self.drain()
+            stop_s = await self._wait(self.runner.stop())
+            start_s = await self._wait(self.runner.start(role))
+            self.admitting = True
+            return self._timed("role", t0, old=str(old), new=str(role), stop_s=stop_s,
+                               start_s=start_s)
+
+    async def release(self) -> Timing:
+        async with self._ops:
+            return await self._release()
+
+    async def _release(self) -> Timing:
+        t0 = time.perf_counter()
+        role = self.runner.role
+        await self.drain()
+        if role is not None and self.runner.spec.device == "cuda":
+            await self._wait(self.runner.call(lambda e: e.sleep(level=1)))
+            self._sleeping_role = role
+        else:
+            await self._wait(self.runner.stop())
+        return self._timed("release", t0, role=str(role))
+
+    async def restore(self, role: Role | str) -> Timing:
+        async with self._ops:
+            return await self._restore(_role(role))
+
+    async def _restore(self, role: Role) -> Timing:
+        t0 = time.perf_counter()
+        if self._sleeping_role is not None and self._sleeping_role is role:
+            await self._wait(self.runner.call(lambda e: e.wake_up()))
+            self._sleeping_role = None
+        else:
+            if self.runner.role is not None or self._sleeping_role is not None:
+                await self._wait(self.runner.stop())
+                self._sleeping_role = None
+            await self._wait(self.runner.start(role))
+        return self._timed("restore", t0, role=str(role))
+
+    async def activate(
+        self, role: Role | str, weights: bytes | None = None, version: int | None = None
+    ) -> Timing:
+        """Overlap worker joins rollout: restore, load the latest weights, admit."""
+        async with self._ops:
+            t0 = time.perf_counter()
+            restore = await self._restore(_role(role))
+            load_s = 0.0
+            if weights is not None and version is not None:
+                load_s = (await self._load_bytes(weights, version)).wall_s
+            self.admitting = True
+            return self._timed("activate", t0, restore_s=restore.wall_s, weights_s=load_s)
+
+    async def deactivate(self) -> tuple[Timing, list[TurnResult]]:
+        """Overlap worker leaves rollout: drain (partials returned) and release the device."""
+        async with self._ops:
+            t0 = time.perf_counter()
+            self.admitting = False
+            partial: list[TurnResult] = await self._wait(self.runner.abort_all())
+            release = await self._release()
+            timing = self._timed("deactivate", t0, release_s=release.wall_s, aborted=len(partial))
+            return timing, partial
+
+    # ------------------------------------------------------------------ weights
+
+    async def load_weights(
+        self, version: int, data: bytes | None = None, path: str | None = None
+    ) -> Timing:
+        if (data is None) == (path is None):
+            raise EngineError("load_weights: pass exactly one of data (safetensors bytes) or path")
+        blob = data if data is not None else Path(path or "").read_bytes()
+        return await self._load_bytes(blob, version)
+
+    async def _load_bytes(self, blob: bytes, version: int) -> Timing:
+        from safetensors.torch import load as load_safetensors
+
+        t0 = time.perf_counter()
+        named = list(load_safetensors(blob).items())
+        reload_s = await self._wait(self.runner.load_weights(named, version))
+        return self._timed("weights", t0, version=version, reload_s=reload_s, source="bytes")
+
+    async def join_weights_group(
+        self, init_method: str, rank: int, world_size: int, backend: str = "gloo"
+    ) -> None:
+        """Join the trainer's torch.distributed weight broadcast group."""
+        import torch.distributed as dist
+
+        def init() -> None:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            dist.init_process_group(backend, init_method=init_method, rank=rank,
+                                    world_size=world_size)
+
+        await asyncio.to_thread(init)
+
+    async def receive_weights(self, src: int = 0) -> Timing:
+        """Take part in the trainer's broadcast; load what arrives."""
+        from pearl_hpc.train.weights import broadcast_weights
+
+        t0 = time.perf_counter()
+        version, named = await asyncio.to_thread(broadcast_weights, None, None, src=src)
+        recv_s = time.perf_counter() - t0
+        reload_s = await self._wait(self.runner.load_weights(named, version))
+        return self._timed("weights", t0, version=version, recv_s=recv_s, reload_s=reload_s,
+                           source="broadcast")
+
+    # ------------------------------------------------------------------ observability
+
+    async def stats(self) -> WorkerStats:
+        r = self.runner
+        return WorkerStats(
+            worker_id=r.worker_id,
+            role=r.role,
+            admitting=self.admitting,
+            weight_version=r.weight_version,
+            num_running=r.num_running,
+            rss_bytes=rss_bytes(),
+            kv_bytes_received=r.kv_bytes_received,
+            kv_tokens_injected=r.kv_tokens_injected,
+            generated_tokens=r.generated_tokens,
+            timings=tuple(self.timings),
+        )
+
+    async def telemetry(self) -> list[Any]:
+        """Iteration records since the last call (for the runtime tracker)."""
+        records, self.runner.iterations = self.runner.iterations, []
+        return records
+
+    def handlers(self) -> dict[str, Any]:
+        ops = ("generate drain admit set_role release restore activate deactivate load_weights "
+               "join_weights_group receive_weights stats telemetry").split()
+        return {op: getattr(self, op) for op in ops}
+
+
+async def _main(args: argparse.Namespace) -> int:
+    key = os.environ.get(KEY_ENV)
+    if not key:
+        print(f"engine worker: {KEY_ENV} is not set (the launcher passes the run's key)",
+              file=sys.stderr)
+        return 2
+    spec = EngineSpec(
+        model_dir=args.model,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        kv_cache_gb=args.kv_cache_gb,
+        kv_side_channel_port=args.kv_port or free_port(),
+        seed=args.seed,
+    )
+    configure_process_env(spec)
+    runner = EngineRunner(spec, worker_id=args.worker_id, slot_id=args.slot_id)
+    worker = EngineWorker(runner)
+    stopped = asyncio.Event()
+
+    async def shutdown() -> None:
+        stopped.set()
+
+    handlers = worker.handlers()
+    handlers["shutdown"] = shutdown
+    server = await serve(handlers, key, host=args.host, port=args.port)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopped.set)
+    start = None
+    if args.role != "none":
+        start = await worker.restore(args.role)
+        worker.admitting = True
+    host, port = server.sockets[0].getsockname()[:2]
+    ready = {"host": host, "port": port, "pid": os.getpid(), "kv_port": spec.kv_side_channel_port,
+             "start_s": start.wall_s if start else None}
+    tmp = Path(args.ready_file + ".tmp")
+    tmp.write_text(json.dumps(ready))
+    tmp.rename(args.ready_file)
+    await stopped.wait()
+    server.close()
+    with contextlib.suppress(Exception):
+        await worker.drain()
+    await asyncio.to_thread(runner.close)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pearl_hpc.engine.server")
+    p.add_argument("--model", required=True)
+    p.add_argument("--worker-id", required=True)
+    p.add_argument("--slot-id", type=int, default=0)
+    p.add_argument("--role", default="colocated", choices=[*map(str, ENGINE_ROLES), "none"])
+    p.add_argument("--ready-file", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--kv-port", type=int, default=0)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--kv-cache-gb", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("PEARL_LOG_LEVEL", "WARNING"))
+    return asyncio.run(_main(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

