@@ -39,3 +39,20 @@ def resume_drained_nodes() -> None:
                 capture_output=True,
                 timeout=20,
             )
+
+
+def vllm_skip_reason() -> str | None:
+    """Why real-vLLM tests cannot run here, or None when they can."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return "vllm is not installed: pip install -e '.[engine]' (tests/run-all.sh does)"
+    return None
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny Qwen3 model, built once per session (a few seconds, no hub access)."""
+    from pearl_hpc.engine.tinymodel import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-model")))

@@ -1,0 +1,195 @@
+"""The asynchronous multi-turn agent loop.
+
+Every trajectory is its own task; a batch has many in flight at once::
+
+    reset(seed) -> prompt tokens
+    loop:  router.generate(context)  -> response tokens   (resumed elsewhere if drained)
+           env.step(decoded response) -> observation tokens, reward, done
+
+Context is kept as token ids (never re-tokenised text), so the trainer scores exactly
+the tokens the engines saw and produced. The chat format is ChatML: a turn's response
+ends with ``<|im_end|>`` (added as an environment token when the model hit its budget),
+then ``\\n<|im_start|>user\\n{observation}<|im_end|>\\n<|im_start|>assistant\\n``.
+
+**Interrupted turns** (a worker drained mid-generation returns the partial output) keep
+the generated prefix: the turn is resent with ``context + partial`` and the remaining
+budget, to whatever worker the router picks, so under greedy decoding the trajectory is
+token-for-token the uninterrupted one. Environment progress lives in the trajectory's
+:class:`Environment` object, which survives the move.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pearl_hpc.engine.types import TurnRequest
+from pearl_hpc.errors import ConfigError
+from pearl_hpc.rollout.router import Router
+from pearl_hpc.rollout.types import Segment, Trajectory, TurnStats
+
+
+class Tokenizer(Protocol):
+    eos_token_id: int
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class Env(Protocol):
+    max_turns: int
+
+    async def reset(self, seed: int) -> str: ...
+    async def step(self, action: str) -> Any: ...
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """One rollout batch: ``num_groups`` prompts x ``group_size`` samples each."""
+
+    num_groups: int = 4
+    group_size: int = 4  # GRPO group: samples of the same prompt
+    max_tokens_per_turn: int = 32
+    max_context_tokens: int = 768  # a trajectory stops before its context passes this
+    temperature: float = 1.0  # 0 = greedy
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_groups", "group_size", "max_tokens_per_turn", "max_context_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.temperature >= 0:
+            raise ConfigError(f"rollout.temperature must be >= 0, got {self.temperature}")
+
+
+@dataclass
+class ChatFormat:
+    """Token pieces of the ChatML format, encoded once."""
+
+    tokenizer: Tokenizer
+    _cache: dict[str, list[int]] = field(default_factory=dict)
+
+    def encode(self, text: str) -> list[int]:
+        if text not in self._cache:
+            self._cache[text] = list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self._cache[text]
+
+    def prompt(self, user_text: str) -> list[int]:
+        return [
+            *self.encode("<|im_start|>user\n"),
+            *self.tokenizer.encode(user_text, add_special_tokens=False),
+            *self.encode("<|im_end|>\n<|im_start|>assistant\n"),
+        ]
+
+    def observation(self, text: str, response_closed: bool) -> list[int]:
+        close = [] if response_closed else [self.tokenizer.eos_token_id]
+        return [
+            *close,
+            *self.encode("\n<|im_start|>user\n"),
+            *self.tokenizer.encode(text, add_special_tokens=False),
+            *self.encode("<|im_end|>\n<|im_start|>assistant\n"),
+        ]
+
+
+def trajectory_seed(base_seed: int, group: int) -> int:
+    """The environment seed of a group (all samples of a group share their task)."""
+    return base_seed * 1_000_003 + group
+
+
+async def run_trajectory(
+    router: Router,
+    env: Env,
+    chat: ChatFormat,
+    *,
+    trajectory_id: str,
+    group_id: str,
+    env_seed: int,
+    sample_seed: int,
+    config: RolloutConfig,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Trajectory:
+    """Run one trajectory to the end (``done`` from the environment or a limit)."""
+    traj = Trajectory(trajectory_id=trajectory_id, group_id=group_id)
+    first = chat.prompt(await env.reset(env_seed))
+    traj.segments.append(Segment(tuple(first), generated=False))
+    context = list(first)
+    new_input = len(first)
+    total_reward = 0.0
+    eos = chat.tokenizer.eos_token_id
+    for turn in range(env.max_turns):
+        budget = min(config.max_tokens_per_turn, config.max_context_tokens - len(context))
+        if budget < 1:
+            traj.info["stopped"] = "max_context_tokens"
+            break
+        generated: list[int] = []
+        workers: list[str] = []
+        interruptions = 0
+        while len(generated) < budget:
+            request = TurnRequest(
+                request_id=f"{trajectory_id}-t{turn}-a{interruptions}",
+                prompt_token_ids=tuple(context + generated),
+                max_tokens=budget - len(generated),
+                temperature=config.temperature,
+                seed=None if config.temperature == 0 else sample_seed * 7919 + turn * 131
+                + interruptions,
+                stop_token_ids=(eos,),
+            )
+            routed = await router.generate(trajectory_id, request)
+            result = routed.result
+            generated.extend(result.token_ids)
+            workers.append(result.worker_id)
+            traj.weight_versions.add(result.weight_version)
+            if not result.aborted:
+                break
+            interruptions += 1
+        traj.segments.append(Segment(tuple(generated), generated=True))
+        context.extend(generated)
+        closed = bool(generated) and generated[-1] == eos
+        t0 = clock()
+        step = await env.step(chat.tokenizer.decode(generated, skip_special_tokens=True))
+        env_s = clock() - t0
+        total_reward += float(step.reward)
+        traj.turns.append(TurnStats(turn, new_input, len(generated), len(context), env_s,
+                                    tuple(workers), interruptions))
+        if step.done or step.observation is None:
+            traj.done = True
+            break
+        obs = chat.observation(step.observation, closed)
+        traj.segments.append(Segment(tuple(obs), generated=False))
+        context.extend(obs)
+        new_input = len(obs)
+    traj.done = True  # the environment ended it, or a turn / context limit did
+    traj.reward = total_reward
+    router.table.forget(trajectory_id)
+    return traj
+
+
+async def rollout_batch(
+    router: Router,
+    make_env: Callable[[], Env],
+    chat: ChatFormat,
+    config: RolloutConfig,
+    *,
+    step: int = 0,
+    on_done: Callable[[Trajectory], None] | None = None,
+) -> list[Trajectory]:
+    """All trajectories of one step, concurrently; ``on_done`` sees each as it finishes."""
+
+    async def one(group: int, sample: int) -> Trajectory:
+        traj = await run_trajectory(
+            router, make_env(), chat,
+            trajectory_id=f"s{step}-g{group}-k{sample}",
+            group_id=f"s{step}-g{group}",
+            env_seed=trajectory_seed(config.seed + step, group),
+            sample_seed=(config.seed + step) * 10_007 + group * 101 + sample,
+            config=config,
+        )
+        if on_done is not None:
+            on_done(traj)
+        return traj
+
+    tasks = [one(g, k) for g in range(config.num_groups) for k in range(config.group_size)]
+    return list(await asyncio.gather(*tasks))

@@ -1,0 +1,255 @@
+"""Route each turn to engine workers according to the current role configuration.
+
+Pure choice (:class:`RoutingTable`) and asynchronous dispatch (:class:`Router`).
+
+Rules (``RoutingTable``):
+- **Colocated mode**: a turn goes to a colocated worker. It sticks to the worker that
+  served the trajectory's previous turn (that worker holds its prefix cache) unless that
+  worker is gone, not admitting, or carries more than ``sticky_slack`` requests above the
+  least-loaded colocated worker; otherwise the least-loaded one.
+- **Disaggregated mode**: the prefill worker runs the turn's prompt with ``max_tokens=1``
+  and ``do_remote_decode``; the least-loaded decode worker then generates with the
+  returned ``kv_transfer_params`` (it pulls the KV over NIXL).
+- **Least-loaded** means fewest requests in flight; ties go to the worker that has been
+  routed the fewest turns in total, then to the smallest worker id (deterministic).
+- The mode follows the table's ``mode`` when both kinds of worker exist; otherwise the
+  router uses what exists (during a transition a colocated set and a P/D set can coexist).
+- **Admission** can be paused (atomic finalisation of a plan: no new turn starts while
+  the role table changes; running turns go on) and a worker can be removed from routing
+  at once (``remove``): no new turn reaches it, even before its drain completes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from pearl_hpc.core.types import Mode, Role
+from pearl_hpc.engine.client import EngineClient
+from pearl_hpc.engine.types import Draining, EngineError, TurnRequest, TurnResult
+from pearl_hpc.errors import PearlError
+
+log = logging.getLogger(__name__)
+
+
+class NoWorkers(PearlError):
+    """No admitting worker can serve a turn within the wait limit."""
+
+
+@dataclass
+class _Entry:
+    role: Role
+    in_flight: int = 0
+    routed: int = 0
+    admitting: bool = True
+
+
+@dataclass
+class RoutingTable:
+    """Which workers serve which role, their load and the stickiness map (pure)."""
+
+    sticky_slack: int = 2  # tolerate this many more in-flight turns to keep prefix-cache locality
+    mode: Mode = Mode.COLOCATED
+    workers: dict[str, _Entry] = field(default_factory=dict)
+    last_worker: dict[str, str] = field(default_factory=dict)  # trajectory -> worker
+
+    def set_roles(self, roles: Mapping[str, Role]) -> None:
+        """Install a role configuration; loads of surviving workers are kept."""
+        for wid in list(self.workers):
+            if wid not in roles:
+                del self.workers[wid]
+        for wid, role in roles.items():
+            entry = self.workers.get(wid)
+            if entry is None:
+                self.workers[wid] = _Entry(role)
+            else:
+                entry.role = role
+                entry.admitting = True
+
+    def remove(self, worker_id: str) -> None:
+        self.workers.pop(worker_id, None)
+
+    def set_admitting(self, worker_id: str, admitting: bool) -> None:
+        if worker_id in self.workers:
+            self.workers[worker_id].admitting = admitting
+
+    def _candidates(self, role: Role) -> list[str]:
+        return [w for w, e in self.workers.items() if e.role is role and e.admitting]
+
+    def _least_loaded(self, candidates: list[str]) -> str:
+        return min(candidates, key=lambda w: (self.workers[w].in_flight, self.workers[w].routed, w))
+
+    def route_mode(self) -> Mode | None:
+        """How the next turn is served, or None when no admitting worker can serve it."""
+        has_pd = bool(self._candidates(Role.PREFILL)) and bool(self._candidates(Role.DECODE))
+        has_col = bool(self._candidates(Role.COLOCATED))
+        if self.mode is Mode.DISAGGREGATED and has_pd:
+            return Mode.DISAGGREGATED
+        if has_col:
+            return Mode.COLOCATED
+        return Mode.DISAGGREGATED if has_pd else None
+
+    def choose(self, role: Role, trajectory_id: str | None = None) -> str | None:
+        candidates = self._candidates(role)
+        if not candidates:
+            return None
+        best = self._least_loaded(candidates)
+        if role is Role.COLOCATED and trajectory_id is not None:
+            last = self.last_worker.get(trajectory_id)
+            if last in candidates:
+                slack = self.workers[last].in_flight - self.workers[best].in_flight
+                if slack <= self.sticky_slack:
+                    return last
+        return best
+
+    def started(self, worker_id: str, trajectory_id: str | None = None) -> None:
+        entry = self.workers.get(worker_id)
+        if entry is not None:
+            entry.in_flight += 1
+            entry.routed += 1
+        if trajectory_id is not None:
+            self.last_worker[trajectory_id] = worker_id
+
+    def finished(self, worker_id: str) -> None:
+        entry = self.workers.get(worker_id)
+        if entry is not None and entry.in_flight > 0:
+            entry.in_flight -= 1
+
+    def forget(self, trajectory_id: str) -> None:
+        self.last_worker.pop(trajectory_id, None)
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedTurn:
+    """A turn's result and where it ran."""
+
+    result: TurnResult  # the decode / colocated result (partial when aborted)
+    mode: Mode
+    prefill_worker: str | None = None
+
+
+class Router:
+    """Dispatches turns to engine clients following a :class:`RoutingTable`."""
+
+    def __init__(self, table: RoutingTable | None = None, wait_for_workers_s: float = 120.0) -> None:
+        self.table = table or RoutingTable()
+        self.clients: dict[str, EngineClient] = {}
+        self.wait_for_workers_s = wait_for_workers_s
+        self._open = asyncio.Event()
+        self._open.set()
+        self._changed = asyncio.Event()
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # ------------------------------------------------------------------ configuration
+
+    def set_workers(self, clients: Mapping[str, EngineClient], roles: Mapping[str, Role],
+                    mode: Mode | None = None) -> None:
+        self.clients = dict(clients)
+        self.table.set_roles({w: roles[w] for w in clients})
+        if mode is not None:
+            self.table.mode = mode
+        self._changed.set()
+
+    def remove(self, worker_id: str) -> None:
+        """Take a worker out of routing at once (its running turns finish or get drained)."""
+        self.table.remove(worker_id)
+        self.clients.pop(worker_id, None)
+
+    def admit(self, worker_id: str) -> None:
+        """Route to a worker again (after it was drained and re-admitted)."""
+        self.table.set_admitting(worker_id, True)
+        self._changed.set()
+
+    def pause(self) -> None:
+        """No new turn starts until :meth:`resume` (turns already running go on)."""
+        self._open.clear()
+
+    def resume(self) -> None:
+        self._open.set()
+
+    async def wait_idle(self) -> None:
+        """Wait until no turn is in flight."""
+        await self._idle.wait()
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    # ------------------------------------------------------------------ dispatch
+
+    async def _wait_for(self, what: str) -> None:
+        self._changed.clear()
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout=self.wait_for_workers_s)
+        except TimeoutError:
+            raise NoWorkers(f"no admitting {what} worker for {self.wait_for_workers_s:.0f} s; "
+                            f"workers: {dict((w, str(e.role)) for w, e in self.table.workers.items())}"
+                            ) from None
+
+    async def generate(self, trajectory_id: str, request: TurnRequest) -> RoutedTurn:
+        """Run one turn (or the rest of one) somewhere; retries on draining/dead workers."""
+        while True:
+            await self._open.wait()
+            mode = self.table.route_mode()
+            if mode is None:
+                await self._wait_for("rollout")
+                continue
+            self._in_flight += 1
+            self._idle.clear()
+            try:
+                if mode is Mode.COLOCATED:
+                    wid = self.table.choose(Role.COLOCATED, trajectory_id)
+                    assert wid is not None
+                    return RoutedTurn(await self._call(wid, request, trajectory_id), mode)
+                return await self._disaggregated(trajectory_id, request)
+            except _Retry:
+                continue
+            finally:
+                self._in_flight -= 1
+                if self._in_flight == 0:
+                    self._idle.set()
+
+    async def _disaggregated(self, trajectory_id: str, request: TurnRequest) -> RoutedTurn:
+        pid = self.table.choose(Role.PREFILL)
+        assert pid is not None
+        pre = await self._call(pid, _replace(request, prefill_only=True), None)
+        if pre.aborted or pre.kv_transfer_params is None:
+            raise _Retry  # drained during prefill: nothing generated yet, start over
+        did = self.table.choose(Role.DECODE)
+        if did is None:
+            raise _Retry
+        decode_request = _replace(request, kv_transfer_params=pre.kv_transfer_params,
+                                  request_id=request.request_id + "-d")
+        result = await self._call(did, decode_request, trajectory_id)
+        return RoutedTurn(result, Mode.DISAGGREGATED, prefill_worker=pid)
+
+    async def _call(self, wid: str, request: TurnRequest, trajectory_id: str | None) -> TurnResult:
+        client = self.clients.get(wid)
+        if client is None:
+            raise _Retry
+        self.table.started(wid, trajectory_id)
+        try:
+            return await client.generate(request)
+        except Draining:
+            self.table.set_admitting(wid, False)
+            raise _Retry from None
+        except EngineError as exc:
+            log.warning("worker %s failed a turn (%s); removed from routing", wid, exc)
+            self.remove(wid)
+            raise _Retry from None
+        finally:
+            self.table.finished(wid)
+
+
+class _Retry(Exception):
+    """Internal: route the turn again."""
+
+
+def _replace(request: TurnRequest, **changes: object) -> TurnRequest:
+    from dataclasses import replace
+
+    return replace(request, **changes)  # type: ignore[arg-type]

