@@ -1,0 +1,355 @@
+"""GRPO: the pure parts (advantages, loss, log-probabilities) against hand-computed values,
+and the trainer on the tiny Qwen3 model: learning from rewards, versions, snapshots and
+the batches it must refuse."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from pearl_hpc.engine.tinymodel import build_tiny_model  # noqa: E402
+from pearl_hpc.errors import ConfigError  # noqa: E402
+from pearl_hpc.rollout.types import Segment, Trajectory  # noqa: E402
+from pearl_hpc.train.grpo import (  # noqa: E402
+    GRPOConfig,
+    GRPOTrainer,
+    TrainError,
+    group_advantages,
+    grpo_loss,
+    latest_snapshot,
+    token_logprobs,
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Built once per session; test_weights.py's fixture reuses the same directory."""
+    return build_tiny_model(tmp_path_factory.getbasetemp() / "tiny-qwen3")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+# Two prompts, each with a rewarded and an unrewarded completion.
+EXAMPLES = [
+    ("g-add", "What is 2 + 3?", " answer: 5", 1.0),
+    ("g-add", "What is 2 + 3?", " error timeout", 0.0),
+    ("g-sum", "compute the sum of 4 and 9", " result 13 done", 1.0),
+    ("g-sum", "compute the sum of 4 and 9", " please think step", 0.0),
+]
+
+
+def make_batch(
+    tokenizer: Any, version: int = 0, examples: Sequence[tuple[str, str, str, float]] = EXAMPLES
+) -> list[Trajectory]:
+    """Prompt segment + generated completion segment + a short environment segment."""
+    out = []
+    for i, (group, prompt, completion, reward) in enumerate(examples):
+        segments = [
+            Segment(tuple(tokenizer.encode(prompt)), generated=False),
+            Segment(tuple(tokenizer.encode(completion)), generated=True),
+            Segment(tuple(tokenizer.encode(" observation: ok")), generated=False),
+        ]
+        out.append(Trajectory(f"t{i}", group, segments, reward, True, {version}))
+    return out
+
+
+def policy_logprob(trainer: GRPOTrainer, trajectory: Trajectory) -> float:
+    """Summed log-probability of the trajectory's generated tokens under the trainer."""
+    ids = torch.tensor([trajectory.token_ids()])
+    mask = torch.tensor(trajectory.loss_mask()[1:], dtype=torch.float32)
+    with torch.no_grad():
+        return float((token_logprobs(trainer.model, ids, torch.ones_like(ids))[0] * mask).sum())
+
+
+# --------------------------------------------------------------------------- advantages
+
+
+def test_advantages_normalise_within_each_group() -> None:
+    adv = group_advantages([1.0, 0.0, 3.0, 1.0, 2.0], ["a", "a", "b", "b", "b"], eps=0.0)
+    assert adv[:2] == pytest.approx([1.0, -1.0])
+    std_b = math.sqrt(2 / 3)
+    assert adv[2:] == pytest.approx([1 / std_b, -1 / std_b, 0.0])
+
+
+def test_singleton_and_zero_variance_groups_get_zero() -> None:
+    adv = group_advantages([5.0, 1.0, 1.0, 0.0, 1.0], ["solo", "same", "same", "x", "x"])
+    assert adv[:3] == [0.0, 0.0, 0.0]
+    assert adv[3] < 0 < adv[4]
+    assert group_advantages([], []) == []
+
+
+def test_advantages_reject_bad_input() -> None:
+    with pytest.raises(TrainError, match="2 rewards but 1 group ids"):
+        group_advantages([1.0, 2.0], ["a"])
+    with pytest.raises(TrainError, match=r"positions \[1\] are not finite"):
+        group_advantages([1.0, math.nan], ["a", "a"])
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from("abcd"), st.floats(-100, 100, allow_nan=False)),
+        min_size=1,
+        max_size=24,
+    )
+)
+def test_advantages_have_zero_mean_and_unit_std_per_group(
+    items: list[tuple[str, float]],
+) -> None:
+    groups = [g for g, _ in items]
+    rewards = [r for _, r in items]
+    adv = group_advantages(rewards, groups)
+    for group in set(groups):
+        values = [a for a, g in zip(adv, groups, strict=True) if g == group]
+        raw = [r for r, g in zip(rewards, groups, strict=True) if g == group]
+        assert abs(sum(values) / len(values)) < 1e-6
+        spread = max(raw) - min(raw)
+        if spread > 1e-3:
+            mean = sum(values) / len(values)
+            std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+            assert std == pytest.approx(1.0, rel=1e-3)
+        elif spread == 0:
+            assert values == [0.0] * len(values)
+
+
+# --------------------------------------------------------------------------- loss
+
+
+def test_loss_at_ratio_one_is_minus_the_token_mean_advantage() -> None:
+    logprobs = torch.log(torch.rand(2, 4) * 0.9 + 0.05)
+    mask = torch.tensor([[0, 1, 1, 1], [0, 0, 1, 0]], dtype=torch.float32)
+    adv = torch.tensor([0.5, -2.0])
+    loss, metrics = grpo_loss(logprobs, logprobs.clone(), adv, mask, clip_eps=0.2)
+    assert float(loss) == pytest.approx(-(3 * 0.5 + 1 * -2.0) / 4)
+    assert metrics["clip_frac"] == 0.0 and metrics["ratio_mean"] == pytest.approx(1.0)
+    assert metrics["num_tokens"] == 4 and metrics["kl"] == 0.0
+
+
+def test_clipping_stops_the_gradient_beyond_clip_eps() -> None:
+    old = torch.zeros(1, 3)
+    mask = torch.ones(1, 3)
+    # ratio 1.5 > 1.2 with a positive advantage: the clipped branch, no gradient
+    new = torch.full((1, 3), math.log(1.5), requires_grad=True)
+    loss, metrics = grpo_loss(new, old, torch.tensor([1.0]), mask, clip_eps=0.2)
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.2)
+    assert metrics["clip_frac"] == 1.0
+    assert new.grad is not None and float(new.grad.abs().sum()) == 0.0
+    # the same ratio with a negative advantage is not clipped (pessimistic bound)
+    new.grad = None
+    loss, metrics = grpo_loss(new, old, torch.tensor([-1.0]), mask, clip_eps=0.2)
+    loss.backward()
+    assert loss.item() == pytest.approx(1.5)
+    assert metrics["clip_frac"] == 0.0 and float(new.grad.abs().sum()) > 0
+    # within the trust region the ratio passes through
+    inside = torch.full((1, 3), math.log(1.1))
+    loss, _ = grpo_loss(inside, old, torch.tensor([1.0]), mask, clip_eps=0.2)
+    assert float(loss) == pytest.approx(-1.1)
+
+
+def test_masked_tokens_get_no_gradient() -> None:
+    logprobs = torch.randn(2, 5).clamp(max=-0.1).requires_grad_(True)
+    mask = torch.tensor([[0, 1, 1, 0, 0], [1, 0, 0, 0, 1]], dtype=torch.float32)
+    loss, _ = grpo_loss(logprobs, logprobs.detach(), torch.tensor([1.0, -1.0]), mask, clip_eps=0.2)
+    loss.backward()
+    assert logprobs.grad is not None
+    assert torch.all(logprobs.grad[mask == 0] == 0)
+    assert torch.all(logprobs.grad[mask == 1] != 0)
+
+
+def test_kl_term_and_degenerate_batches() -> None:
+    logprobs = torch.log(torch.tensor([[0.5, 0.25]]))
+    mask = torch.ones(1, 2)
+    adv = torch.tensor([0.0])
+    loss, metrics = grpo_loss(
+        logprobs, logprobs, adv, mask, clip_eps=0.2, kl_coef=0.1, ref_logprobs=logprobs
+    )
+    assert float(loss) == 0.0 and metrics["kl"] == 0.0
+    ref = torch.log(torch.tensor([[0.25, 0.5]]))
+    loss, metrics = grpo_loss(
+        logprobs, logprobs, adv, mask, clip_eps=0.2, kl_coef=0.1, ref_logprobs=ref
+    )
+    k3 = [(0.5 - math.log(0.5) - 1), (2.0 - math.log(2.0) - 1)]  # exp(d) - d - 1, d = ref - lp
+    assert metrics["kl"] == pytest.approx(sum(k3) / 2)
+    assert float(loss) == pytest.approx(0.1 * sum(k3) / 2)
+    with pytest.raises(TrainError, match="kl_coef > 0 needs ref_logprobs"):
+        grpo_loss(logprobs, logprobs, adv, mask, clip_eps=0.2, kl_coef=0.1)
+    with pytest.raises(TrainError, match="must have one shape"):
+        grpo_loss(logprobs, logprobs[:, :1], adv, mask, clip_eps=0.2)
+    loss, metrics = grpo_loss(logprobs, logprobs, adv, torch.zeros(1, 2), clip_eps=0.2)
+    assert float(loss) == 0.0 and metrics["num_tokens"] == 0.0  # all masked: 0, not NaN
+
+
+# --------------------------------------------------------------------------- model
+
+
+def test_token_logprobs_match_a_manual_log_softmax(tiny_model_dir: Path, tokenizer: Any) -> None:
+    trainer = GRPOTrainer(tiny_model_dir)
+    ids = torch.tensor([tokenizer.encode("What is 12 + 7? answer: 19")])
+    attention = torch.ones_like(ids)
+    got = token_logprobs(trainer.model, ids, attention)
+    with torch.no_grad():
+        logits = trainer.model(input_ids=ids, attention_mask=attention).logits
+    manual = torch.log_softmax(logits.float(), -1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
+    assert got.shape == (1, ids.shape[1] - 1)
+    assert torch.allclose(got[0], manual, atol=1e-5)
+
+
+def test_training_raises_the_rewarded_completions(tiny_model_dir: Path, tokenizer: Any) -> None:
+    trainer = GRPOTrainer(tiny_model_dir, GRPOConfig(lr=1e-2, minibatch_size=2, epochs=2))
+    assert trainer.version == 0
+    before = [policy_logprob(trainer, t) for t in make_batch(tokenizer)]
+    for step in range(4):
+        stats = trainer.train_step(make_batch(tokenizer, version=trainer.version))
+        assert stats.version == trainer.version == step + 1
+    after = [policy_logprob(trainer, t) for t in make_batch(tokenizer)]
+    for (_, _, _, reward), b, a in zip(EXAMPLES, before, after, strict=True):
+        assert (a > b) if reward else (a < b), (reward, b, a)
+    assert stats.num_trajectories == 4 and stats.mean_reward == 0.5
+    assert stats.num_tokens == sum(t.num_generated() for t in make_batch(tokenizer))
+    assert stats.grad_norm > 0 and stats.wall_s > 0 and stats.max_staleness == 0
+    assert 0.0 <= stats.clip_frac <= 1.0
+
+
+def test_kl_to_the_initial_model_is_reported(tiny_model_dir: Path, tokenizer: Any) -> None:
+    trainer = GRPOTrainer(tiny_model_dir, GRPOConfig(lr=1e-2, kl_coef=0.1))
+    first = trainer.train_step(make_batch(tokenizer))
+    second = trainer.train_step(make_batch(tokenizer, version=1))
+    assert first.kl == pytest.approx(0.0, abs=1e-6)  # the policy is still the reference
+    assert second.kl > 0
+
+
+def test_stale_unfinished_and_foreign_trajectories_are_refused(
+    tiny_model_dir: Path, tokenizer: Any
+) -> None:
+    trainer = GRPOTrainer(tiny_model_dir, GRPOConfig(max_staleness=1))
+    unrewarded = make_batch(tokenizer)
+    unrewarded[1].reward = None
+    unrewarded[3].done = False
+    with pytest.raises(TrainError, match=r"not done or reward None: t1, t3"):
+        trainer.train_step(unrewarded)
+    with pytest.raises(TrainError, match="no trajectories"):
+        trainer.train_step([])
+    with pytest.raises(TrainError, match="newer than the trainer's 0"):
+        trainer.train_step(make_batch(tokenizer, version=1))
+    trainer.train_step(make_batch(tokenizer, version=0))
+    stats = trainer.train_step(make_batch(tokenizer, version=0))  # one behind: accepted
+    assert stats.max_staleness == 1 and trainer.version == 2
+    mixed = make_batch(tokenizer, version=2)
+    mixed[2].weight_versions = {0, 2}  # a turn generated by version 0: too old now
+    with pytest.raises(TrainError, match=r"oldest accepted: v1\): t2 \(v0\).*max_staleness"):
+        trainer.train_step(mixed)
+    foreign = make_batch(tokenizer, version=2)
+    foreign[0].segments.append(Segment((10**6,), generated=True))
+    with pytest.raises(TrainError, match="t0 hold token ids outside the model's vocabulary"):
+        trainer.train_step(foreign)
+    assert trainer.version == 2  # refused batches change nothing
+
+
+def test_state_dict_is_full_detached_fp32_cpu(tiny_model_dir: Path) -> None:
+    trainer = GRPOTrainer(tiny_model_dir)
+    state = trainer.state_dict()
+    assert "lm_head.weight" in state and "model.embed_tokens.weight" in state
+    assert set(state) == set(trainer.model.state_dict())
+    for tensor in state.values():
+        assert tensor.dtype == torch.float32 and tensor.device.type == "cpu"
+        assert not tensor.requires_grad
+    before = state["lm_head.weight"].clone()
+    with torch.no_grad():
+        trainer.model.get_parameter("lm_head.weight").add_(1.0)
+    assert torch.equal(state["lm_head.weight"], before)  # a copy, not a view of the params
+
+
+def test_snapshot_round_trip_resumes_weights_version_and_optimizer(
+    tiny_model_dir: Path, tokenizer: Any, tmp_path: Path
+) -> None:
+    config = GRPOConfig(lr=1e-2)
+    trainer = GRPOTrainer(tiny_model_dir, config)
+    assert latest_snapshot(tmp_path / "snaps") is None
+    trainer.save_snapshot(tmp_path / "snaps")  # v0 (the initial weights)
+    for _ in range(2):
+        trainer.train_step(make_batch(tokenizer, version=trainer.version))
+    path = trainer.save_snapshot(tmp_path / "snaps")
+    assert path == tmp_path / "snaps" / "v000002"
+    assert {p.name for p in path.iterdir()} == {"model.safetensors", "meta.json", "optimizer.pt"}
+    (tmp_path / "snaps" / ".tmp-v000009-1").mkdir()  # an unfinished write is ignored
+    assert latest_snapshot(tmp_path / "snaps") == path
+    with pytest.raises(TrainError, match="already exists; snapshots are immutable"):
+        trainer.save_snapshot(tmp_path / "snaps")
+
+    resumed = GRPOTrainer.from_snapshot(tiny_model_dir, path, config)
+    assert resumed.version == 2
+    original, restored = trainer.state_dict(), resumed.state_dict()
+    assert original.keys() == restored.keys()
+    assert all(torch.equal(original[k], restored[k]) for k in original)
+    # the optimizer state came back too: the next step is identical on both
+    batch = make_batch(tokenizer, version=2)
+    trainer.train_step(batch)
+    resumed.train_step(batch)
+    after, resumed_after = trainer.state_dict(), resumed.state_dict()
+    assert all(torch.equal(after[k], resumed_after[k]) for k in after)
+    assert resumed.version == trainer.version == 3
+
+    with pytest.raises(TrainError, match=r"not a snapshot.*pass latest_snapshot"):
+        GRPOTrainer.from_snapshot(tiny_model_dir, tmp_path / "snaps", config)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("lr", 0.0),
+        ("lr", math.inf),
+        ("clip_eps", -0.1),
+        ("kl_coef", -1.0),
+        ("epochs", 0),
+        ("minibatch_size", 1.5),
+        ("max_grad_norm", 0.0),
+        ("seed", -1),
+        ("max_staleness", True),
+        ("device", "tpu"),
+        ("fsdp", "yes"),
+        ("weight_decay", math.nan),
+    ],
+)
+def test_config_rejects_bad_values_naming_the_field(field: str, value: Any) -> None:
+    with pytest.raises(ConfigError, match=rf"GRPOConfig\.{field} must"):
+        GRPOConfig(**{field: value})
+
+
+def test_config_from_dict_is_strict_and_the_trainer_checks_its_inputs(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    assert GRPOConfig.from_dict({"lr": 1e-4, "epochs": 2}) == GRPOConfig(lr=1e-4, epochs=2)
+    with pytest.raises(ConfigError, match=r"unknown GRPO setting\(s\) learning_rate; valid: lr"):
+        GRPOConfig.from_dict({"learning_rate": 1e-4})
+    with pytest.raises(ConfigError, match=r"has no config\.json"):
+        GRPOTrainer(tmp_path)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="CUDA is not available"):
+            GRPOTrainer(tiny_model_dir, GRPOConfig(device="cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_training_on_cuda_matches_the_cpu_contract(tiny_model_dir: Path, tokenizer: Any) -> None:
+    trainer = GRPOTrainer(tiny_model_dir, GRPOConfig(lr=1e-2, device="cuda"))
+    stats = trainer.train_step(make_batch(tokenizer))
+    assert stats.version == 1 and math.isfinite(stats.loss)
+    state = trainer.state_dict()
+    assert all(t.device.type == "cpu" and t.dtype == torch.float32 for t in state.values())
