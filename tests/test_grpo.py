@@ -353,3 +353,93 @@ def test_training_on_cuda_matches_the_cpu_contract(tiny_model_dir: Path, tokeniz
     assert stats.version == 1 and math.isfinite(stats.loss)
     state = trainer.state_dict()
     assert all(t.device.type == "cpu" and t.dtype == torch.float32 for t in state.values())
+
+
+# --------------------------------------------------------------------------- FSDP2 on gloo
+
+
+def _id_batch(rank: int) -> list[Trajectory]:
+    """One whole group per rank, from raw token ids: every trajectory has 6 prompt and 4
+    generated tokens, so each rank's token-mean loss weighs tokens like the global one."""
+    out = []
+    for i, reward in enumerate((1.0, 0.0)):
+        prompt = tuple(range(50 + 10 * rank, 56 + 10 * rank))
+        completion = tuple(300 + 40 * rank + 7 * i + k for k in range(4))
+        segments = [Segment(prompt, False), Segment(completion, True)]
+        out.append(Trajectory(f"r{rank}-{i}", f"g{rank}", segments, reward, True, {0}))
+    return out
+
+
+def _fsdp_member(rank: int, store_file: str, model_dir: str, snaps: str, out: Any) -> None:
+    """One of two FSDP2 ranks: shard, train a step on its own group, gather the full
+    weights, snapshot, resume; report the gathered weights' bytes."""
+    import traceback
+
+    try:
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        dist.init_process_group(
+            "gloo", store=dist.FileStore(store_file, 2), rank=rank, world_size=2
+        )
+        config = GRPOConfig(lr=1e-2, fsdp=True, minibatch_size=2)
+        trainer = GRPOTrainer(model_dir, config)
+        assert trainer.sharded
+        assert all(isinstance(p, DTensor) for p in trainer.model.parameters())
+        stats = trainer.train_step(_id_batch(rank))
+        state = trainer.state_dict()
+        trainer.save_snapshot(Path(snaps))
+        dist.barrier()
+        resumed = GRPOTrainer.from_snapshot(model_dir, Path(snaps) / "v000001", config)
+        again = resumed.state_dict()
+        same = all(torch.equal(state[k], again[k]) for k in state)
+        shapes = {k: tuple(v.shape) for k, v in state.items()}
+        digest = {k: v.numpy().tobytes() for k, v in state.items()}
+        dist.destroy_process_group()
+        out.put((rank, (stats.grad_norm, shapes, digest, same, resumed.version)))
+    except BaseException:
+        out.put((rank, traceback.format_exc()))
+
+
+def test_fsdp2_on_gloo_gathers_full_weights_and_averages_gradients(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    import multiprocessing as mp
+    import queue
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    args = (str(tmp_path / "store"), str(tiny_model_dir), str(tmp_path / "snaps"), out)
+    procs = [ctx.Process(target=_fsdp_member, args=(r, *args), daemon=True) for r in (0, 1)]
+    results: dict[int, Any] = {}
+    try:
+        for proc in procs:
+            proc.start()
+        while len(results) < 2:
+            try:
+                rank, report = out.get(timeout=120)
+            except queue.Empty:
+                pytest.fail(f"FSDP ranks { ({0, 1} - set(results)) } did not report in time")
+            results[rank] = report
+        for proc in procs:
+            proc.join(timeout=15)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+    failed = {r: v for r, v in results.items() if isinstance(v, str)}
+    assert not failed, "\n".join(f"--- rank {r}\n{v}" for r, v in failed.items())
+
+    reference = GRPOTrainer(tiny_model_dir, GRPOConfig(lr=1e-2, minibatch_size=4))
+    expected_shapes = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
+    single = reference.train_step(_id_batch(0) + _id_batch(1))
+    (norm0, shapes0, digest0, same0, version0), (norm1, _, digest1, same1, _) = (
+        results[0],
+        results[1],
+    )
+    assert shapes0 == expected_shapes  # full (gathered) tensors, lm_head included
+    assert digest0 == digest1  # every rank holds the same full weights
+    assert same0 and same1 and version0 == 1  # the snapshot resumes into the shards
+    # two ranks averaging their token means = one process over the union batch
+    assert norm0 == pytest.approx(norm1) == pytest.approx(single.grad_norm, rel=1e-4)

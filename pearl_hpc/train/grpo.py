@@ -35,10 +35,13 @@ Decisions (and why):
   only; the trainer is the one place that owns a model, an optimizer and the disk.
 - **FSDP2** (``fsdp=True``): on GPU clusters with a process group over the training ranks,
   every decoder layer and then the whole model are sharded with
-  ``torch.distributed.fsdp.fully_shard``; each rank passes its own share of the
-  trajectories. :meth:`GRPOTrainer.state_dict` then gathers the full weights (every rank
-  calls it; the result is complete on all of them). Without a process group the flag is
-  ignored with a warning, so the same config runs on one CPU.
+  ``torch.distributed.fsdp.fully_shard``; each rank passes its own share of the batch,
+  made of *whole groups* (advantages are computed per rank) and the same number of
+  trajectories on every rank (each minibatch is a collective). Gradients are averaged over
+  ranks, which equals the single-process token mean when the ranks hold equally many
+  policy tokens. :meth:`GRPOTrainer.state_dict` gathers the full weights (every rank calls
+  it; the result is complete on all of them). The KL reference is not sharded. Without a
+  process group the flag is ignored with a warning, so the same config runs on one CPU.
 """
 
 from __future__ import annotations
@@ -560,9 +563,21 @@ class GRPOTrainer:
         snapshot = Path(snapshot_dir)
         meta = read_snapshot_meta(snapshot)
         trainer = cls(model_dir, config)
-        weights = load_file(str(snapshot / WEIGHTS_FILE), device=str(trainer.device))
+        weights: dict[str, Any] = load_file(
+            str(snapshot / WEIGHTS_FILE), device=str(trainer.device)
+        )
         try:
-            trainer.model.load_state_dict(weights, strict=True)
+            if trainer.sharded:  # full tensors into DTensor shards: every rank read the file
+                from torch.distributed.checkpoint.state_dict import (
+                    StateDictOptions,
+                    set_model_state_dict,
+                )
+
+                set_model_state_dict(
+                    trainer.model, weights, options=StateDictOptions(full_state_dict=True)
+                )
+            else:
+                trainer.model.load_state_dict(weights, strict=True)
         except RuntimeError as exc:
             raise TrainError(
                 f"snapshot {snapshot} does not fit the model in {model_dir}: {exc}"
