@@ -342,9 +342,21 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_tiny_model(args: argparse.Namespace) -> int:
+    from pearl_hpc.engine.tinymodel import build_tiny_model, default_model_dir
+
+    print(build_tiny_model(args.out or default_model_dir()))
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from pearl_hpc.bench import decision_speed, sim_speed
 
+    if args.engines:
+        from pearl_hpc.bench import engines
+
+        extra = ["--model", args.model] if args.model else []
+        return engines.main(extra + (["--json"] if args.json else []))
     if args.slurm:
         from pearl_hpc.bench import slurm_latency
 
@@ -522,6 +534,12 @@ def build_parser() -> argparse.ArgumentParser:
     launch_p.add_argument("--timeout-s", type=float, default=3600.0, help="with --wait")
     launch_p.set_defaults(func=_cmd_launch)
 
+    tiny = sub.add_parser(
+        "tiny-model", help="build the tiny Qwen3 model + tokenizer locally (no hub access)"
+    )
+    tiny.add_argument("out", nargs="?", help="directory (default: $PEARL_HPC_CACHE/tiny-qwen3)")
+    tiny.set_defaults(func=_cmd_tiny_model)
+
     bench = sub.add_parser(
         "bench", help="benchmarks: decision + plan speed (64 .. 4096 workers), or --sim"
     )
@@ -531,6 +549,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Slurm + MPI latencies on a running cluster (submit, join, Split, release)",
     )
+    bench.add_argument(
+        "--engines",
+        action="store_true",
+        help="real vLLM engines: start, role change, weight load, (de)activation, memory, "
+        "tokens/s colocated vs disaggregated",
+    )
+    bench.add_argument("--model", help="with --engines: model directory (default: tiny model)")
     bench.add_argument("--config", help="with --slurm: cluster YAML (default: local.yaml)")
     bench.add_argument("--runs", type=int, default=2, help="with --slurm: runs to merge")
     bench.add_argument("--json", action="store_true")

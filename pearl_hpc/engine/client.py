@@ -78,13 +78,16 @@ class EngineClient:
                                               path=path)
         return timing
 
-    async def join_weights_group(self, init_method: str, rank: int, world_size: int,
-                                 backend: str = "gloo") -> None:
-        await self._rpc.call("join_weights_group", init_method=init_method, rank=rank,
-                             world_size=world_size, backend=backend)
+    async def join_weights_group(self, name: str, host: str, port: int, prefix: str,
+                                 rank: int, size: int, backend: str = "gloo") -> None:
+        await self._rpc.call("join_weights_group", name=name, host=host, port=port,
+                             prefix=prefix, rank=rank, size=size, backend=backend)
 
-    async def receive_weights(self, src: int = 0) -> Timing:
-        timing: Timing = await self._rpc.call("receive_weights", src=src)
+    async def leave_weights_group(self, name: str) -> None:
+        await self._rpc.call("leave_weights_group", name=name)
+
+    async def receive_weights(self, group: str, p2p: bool = False) -> Timing:
+        timing: Timing = await self._rpc.call("receive_weights", group=group, p2p=p2p)
         return timing
 
     async def stats(self) -> WorkerStats:

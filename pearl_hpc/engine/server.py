@@ -75,6 +75,7 @@ class EngineWorker:
         self.timings: list[Timing] = []
         self._sleeping_role: Role | None = None  # GPU: engine asleep, not shut down
         self._ops = asyncio.Lock()  # one lifecycle operation at a time
+        self._weight_groups: dict[str, Any] = {}  # name -> WeightGroup
 
     async def _wait(self, fut: Any) -> Any:
         return await asyncio.wrap_future(fut)
@@ -194,29 +195,39 @@ class EngineWorker:
         return self._timed("weights", t0, version=version, reload_s=reload_s, source="bytes")
 
     async def join_weights_group(
-        self, init_method: str, rank: int, world_size: int, backend: str = "gloo"
+        self, name: str, host: str, port: int, prefix: str, rank: int, size: int,
+        backend: str = "gloo",
     ) -> None:
-        """Join the trainer's torch.distributed weight broadcast group."""
-        import torch.distributed as dist
+        """Join a weight group of the trainer (rank 0) under the name ``name``.
 
-        def init() -> None:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            dist.init_process_group(backend, init_method=init_method, rank=rank,
-                                    world_size=world_size)
+        The group lives outside torch.distributed's default world, which the in-process
+        engine owns (:mod:`pearl_hpc.train.wgroup`)."""
+        from pearl_hpc.train.wgroup import WeightGroup
 
-        await asyncio.to_thread(init)
+        self._weight_groups[name] = await asyncio.to_thread(
+            WeightGroup, host, port, prefix, rank, size, backend)
 
-    async def receive_weights(self, src: int = 0) -> Timing:
-        """Take part in the trainer's broadcast; load what arrives."""
-        from pearl_hpc.train.weights import broadcast_weights
+    async def leave_weights_group(self, name: str) -> None:
+        self._weight_groups.pop(name, None)
 
+    async def receive_weights(self, group: str, p2p: bool = False) -> Timing:
+        """Take part in the trainer's broadcast in ``group`` (or receive a point-to-point
+        copy, for a worker that missed broadcasts); load what arrives."""
+        from pearl_hpc.train.wgroup import group_broadcast_weights, group_recv_weights
+
+        wg = self._weight_groups.get(group)
+        if wg is None:
+            raise EngineError(f"{self.runner.worker_id}: not in weight group {group!r} "
+                              f"(joined: {sorted(self._weight_groups)})")
         t0 = time.perf_counter()
-        version, named = await asyncio.to_thread(broadcast_weights, None, None, src=src)
+        if p2p:
+            version, named = await asyncio.to_thread(group_recv_weights, wg, 0)
+        else:
+            version, named = await asyncio.to_thread(group_broadcast_weights, wg, None, None, 0)
         recv_s = time.perf_counter() - t0
         reload_s = await self._wait(self.runner.load_weights(named, version))
         return self._timed("weights", t0, version=version, recv_s=recv_s, reload_s=reload_s,
-                           source="broadcast")
+                           source="p2p" if p2p else "broadcast")
 
     # ------------------------------------------------------------------ observability
 
@@ -242,7 +253,7 @@ class EngineWorker:
 
     def handlers(self) -> dict[str, Any]:
         ops = ("generate drain admit set_role release restore activate deactivate load_weights "
-               "join_weights_group receive_weights stats telemetry").split()
+               "join_weights_group leave_weights_group receive_weights stats telemetry").split()
         return {op: getattr(self, op) for op in ops}
 
 
