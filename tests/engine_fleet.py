@@ -35,11 +35,16 @@ class Fleet:
 
     def start(self, roles: dict[str, Role | None]) -> None:
         async def spawn_all() -> list[WorkerProcess]:
-            return list(await asyncio.gather(*[
-                spawn_worker(self.spec, wid, run_dir=self.run_dir, key=self.key, role=role,
-                             slot_id=i)
-                for i, (wid, role) in enumerate(roles.items())
-            ]))
+            return list(
+                await asyncio.gather(
+                    *[
+                        spawn_worker(
+                            self.spec, wid, run_dir=self.run_dir, key=self.key, role=role, slot_id=i
+                        )
+                        for i, (wid, role) in enumerate(roles.items())
+                    ]
+                )
+            )
 
         for proc in self.run(spawn_all()):
             self.workers[proc.worker_id] = proc
@@ -49,8 +54,7 @@ class Fleet:
 
     def close(self) -> None:
         async def stop_all() -> None:
-            await asyncio.gather(*[w.stop() for w in self.workers.values()],
-                                 return_exceptions=True)
+            await asyncio.gather(*[w.stop() for w in self.workers.values()], return_exceptions=True)
 
         try:
             self.run(stop_all(), timeout_s=120)

@@ -76,24 +76,39 @@ def _router(fleet: Fleet, roles: dict[str, Role], mode: Mode) -> Router:
 
 def _trajectories(fleet: Fleet, router: Router, chat: ChatFormat, seeds: list[int]) -> list:
     async def all_of() -> list:
-        return list(await asyncio.gather(*[
-            run_trajectory(router, ScriptedEnv(), chat, trajectory_id=f"t{s}", group_id="g",
-                           env_seed=s, sample_seed=s, config=GREEDY)
-            for s in seeds
-        ]))
+        return list(
+            await asyncio.gather(
+                *[
+                    run_trajectory(
+                        router,
+                        ScriptedEnv(),
+                        chat,
+                        trajectory_id=f"t{s}",
+                        group_id="g",
+                        env_seed=s,
+                        sample_seed=s,
+                        config=GREEDY,
+                    )
+                    for s in seeds
+                ]
+            )
+        )
 
     return fleet.run(all_of())
 
 
 def test_disaggregated_tokens_equal_colocated_with_real_kv_transfer(fleet: Fleet, chat: ChatFormat):
     seeds = [1, 2, 3]
-    colocated = _trajectories(fleet, _router(fleet, {"col": Role.COLOCATED}, Mode.COLOCATED),
-                              chat, seeds)
+    colocated = _trajectories(
+        fleet, _router(fleet, {"col": Role.COLOCATED}, Mode.COLOCATED), chat, seeds
+    )
     before = fleet.run(fleet.client("dec").stats())
     fleet.run(fleet.client("dec").telemetry())  # drop earlier records
     pd = _trajectories(
-        fleet, _router(fleet, {"pre": Role.PREFILL, "dec": Role.DECODE}, Mode.DISAGGREGATED),
-        chat, seeds,
+        fleet,
+        _router(fleet, {"pre": Role.PREFILL, "dec": Role.DECODE}, Mode.DISAGGREGATED),
+        chat,
+        seeds,
     )
     after = fleet.run(fleet.client("dec").stats())
     records = fleet.run(fleet.client("dec").telemetry())
@@ -110,8 +125,10 @@ def test_disaggregated_tokens_equal_colocated_with_real_kv_transfer(fleet: Fleet
     assert after.kv_tokens_injected - before.kv_tokens_injected >= prompt_tokens - turns
     decode_prefill = sum(r.prefill_tokens for r in records)
     assert decode_prefill <= 2 * turns < prompt_tokens
-    print(f"\nPD: {after.kv_bytes_received - before.kv_bytes_received} KV bytes for {turns} turns,"
-          f" {decode_prefill} tokens prefilled on the decode worker (of {prompt_tokens})")
+    print(
+        f"\nPD: {after.kv_bytes_received - before.kv_bytes_received} KV bytes for {turns} turns,"
+        f" {decode_prefill} tokens prefilled on the decode worker (of {prompt_tokens})"
+    )
 
 
 def test_role_change_inside_one_live_process(fleet: Fleet, chat: ChatFormat):
@@ -163,8 +180,11 @@ def test_drain_returns_partial_and_resume_elsewhere_matches(fleet: Fleet, chat: 
     with pytest.raises(Draining):
         fleet.run(col.generate(TurnRequest("refused", prompt, 4)))
 
-    rest = fleet.run(other.generate(TurnRequest(
-        "resume", prompt + partial.token_ids, 400 - len(partial.token_ids))))
+    rest = fleet.run(
+        other.generate(
+            TurnRequest("resume", prompt + partial.token_ids, 400 - len(partial.token_ids))
+        )
+    )
     assert partial.token_ids + rest.token_ids == reference.token_ids
     fleet.run(col.admit())
     fleet.run(other.set_role(Role.PREFILL))
@@ -176,8 +196,16 @@ def test_trajectory_interrupted_by_drain_resumes_on_another_worker(fleet: Fleet,
     config = RolloutConfig(num_groups=1, group_size=1, max_tokens_per_turn=200, temperature=0.0)
 
     def trajectory(router: Router):
-        return run_trajectory(router, ScriptedEnv(), chat, trajectory_id="long", group_id="g",
-                              env_seed=5, sample_seed=5, config=config)
+        return run_trajectory(
+            router,
+            ScriptedEnv(),
+            chat,
+            trajectory_id="long",
+            group_id="g",
+            env_seed=5,
+            sample_seed=5,
+            config=config,
+        )
 
     reference = fleet.run(trajectory(_router(fleet, {"col": Role.COLOCATED}, Mode.COLOCATED)))
     router = _router(fleet, {"col": Role.COLOCATED, "pre": Role.COLOCATED}, Mode.COLOCATED)
@@ -207,6 +235,63 @@ def test_release_and_restore_return_memory_and_keep_weights_version(fleet: Fleet
     activate = fleet.run(dec.activate(Role.DECODE))
     stats = fleet.run(dec.stats())
     assert stats.role is Role.DECODE and stats.admitting
-    print(f"\nrelease {release.wall_s:.2f} s, activate {activate.wall_s:.2f} s, "
-          f"RSS serving {rss_serving / 2**30:.2f} GiB -> released {released.rss_bytes / 2**30:.2f}")
+    print(
+        f"\nrelease {release.wall_s:.2f} s, activate {activate.wall_s:.2f} s, "
+        f"RSS serving {rss_serving / 2**30:.2f} GiB -> released {released.rss_bytes / 2**30:.2f}"
+    )
     assert os.getpid() != fleet.workers["dec"].proc.pid
+
+
+def test_borrowed_worker_hand_off_loses_no_trajectory(fleet: Fleet, chat: ChatFormat):
+    """An overlap worker activates (restore + weights + admit), serves trajectories, is
+    deactivated mid-flight when training needs its GPU (drain, partials kept, release):
+    every trajectory finishes on the dedicated worker with the uninterrupted tokens."""
+    from pathlib import Path
+
+    col, overlap = fleet.client("col"), fleet.client("dec")
+    seeds = [11, 12, 13, 14]
+    config = RolloutConfig(num_groups=1, group_size=1, max_tokens_per_turn=120, temperature=0.0)
+
+    async def batch(router: Router) -> list:
+        return await asyncio.gather(
+            *[
+                run_trajectory(
+                    router,
+                    ScriptedEnv(),
+                    chat,
+                    trajectory_id=f"b{s}",
+                    group_id="g",
+                    env_seed=s,
+                    sample_seed=s,
+                    config=config,
+                )
+                for s in seeds
+            ]
+        )
+
+    reference = fleet.run(batch(_router(fleet, {"col": Role.COLOCATED}, Mode.COLOCATED)))
+    fleet.run(overlap.release())
+    weights = (Path(fleet.spec.model_dir) / "model.safetensors").read_bytes()
+    activate = fleet.run(overlap.activate(Role.COLOCATED, weights, 0))
+    assert {"restore_s", "weights_s"} <= set(activate.detail)
+
+    router = _router(fleet, {"col": Role.COLOCATED, "dec": Role.COLOCATED}, Mode.COLOCATED)
+    running = asyncio.run_coroutine_threadsafe(batch(router), fleet.loop)
+    _wait_generating(fleet, "dec", 5)
+    router.remove("dec")  # training starts: no new turn goes to the borrowed worker
+    deactivate, partial = fleet.run(overlap.deactivate())
+    finished = running.result(timeout=180)
+
+    assert partial, "the borrowed worker had turns in flight"
+    assert all(p.finish_reason == "abort" for p in partial)
+    assert [t.token_ids() for t in finished] == [t.token_ids() for t in reference]
+    moved = [t for t in finished if any(turn.interruptions for turn in t.turns)]
+    assert len(moved) == len(partial)
+    stats = fleet.run(overlap.stats())
+    assert stats.role is None and not stats.admitting
+    print(
+        f"\nhand-off: activate {activate.wall_s:.2f} s ({activate.detail}), "
+        f"deactivate {deactivate.wall_s:.2f} s, {len(partial)} turns moved"
+    )
+    fleet.run(overlap.restore(Role.DECODE))
+    fleet.run(overlap.admit())

@@ -4,9 +4,8 @@ environment. Two engine processes at most."""
 
 from __future__ import annotations
 
-import asyncio
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -55,9 +54,10 @@ def _hf_greedy(model, prompt: tuple[int, ...], max_tokens: int) -> tuple[int, ..
 
     with torch.no_grad():
         ids = torch.tensor([prompt])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                             do_sample=False)
-    return tuple(int(t) for t in out[0, len(prompt):])
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False
+        )
+    return tuple(int(t) for t in out[0, len(prompt) :])
 
 
 def test_trained_weights_reach_engines_and_match_the_trainer(setup, chat, tiny_model_dir):
@@ -73,8 +73,11 @@ def test_trained_weights_reach_engines_and_match_the_trainer(setup, chat, tiny_m
     router = Router()
     router.set_workers({"w0": w0}, {"w0": Role.COLOCATED}, Mode.COLOCATED)
     rollout = RolloutConfig(num_groups=2, group_size=4, max_tokens_per_turn=16, seed=3)
-    records = fleet.run(grpo_steps(router, chat, lambda: make_env("calc"), trainer, rollout,
-                                   steps=1, publish=sync.publish))
+    records = fleet.run(
+        grpo_steps(
+            router, chat, lambda: make_env("calc"), trainer, rollout, steps=1, publish=sync.publish
+        )
+    )
     assert records[0].version == trainer.version == 1
 
     stats = fleet.run(w0.stats())
@@ -113,14 +116,24 @@ def test_grpo_on_the_calculator_environment_reports_a_reward_curve(setup, chat, 
     router.set_workers({"w0": w0}, {"w0": Role.COLOCATED}, Mode.COLOCATED)
     rollout = RolloutConfig(num_groups=4, group_size=4, max_tokens_per_turn=16, seed=11)
     curve: list[float] = []
-    records = fleet.run(grpo_steps(router, chat, lambda: make_env("calc", max_turns=2), trainer,
-                                   rollout, steps=6, publish=sync.publish,
-                                   on_step=lambda r: curve.append(r.mean_reward)),
-                        timeout_s=900)
-    print("\nGRPO mean reward per step (calc env, seed 11): "
-          + " ".join(f"{r:.3f}" for r in curve))
-    print("per step rollout/train/sync s: " + "; ".join(
-        f"{r.rollout_s:.1f}/{r.train_s:.1f}/{r.sync_s:.2f}" for r in records))
+    records = fleet.run(
+        grpo_steps(
+            router,
+            chat,
+            lambda: make_env("calc", max_turns=2),
+            trainer,
+            rollout,
+            steps=6,
+            publish=sync.publish,
+            on_step=lambda r: curve.append(r.mean_reward),
+        ),
+        timeout_s=900,
+    )
+    print("\nGRPO mean reward per step (calc env, seed 11): " + " ".join(f"{r:.3f}" for r in curve))
+    print(
+        "per step rollout/train/sync s: "
+        + "; ".join(f"{r.rollout_s:.1f}/{r.train_s:.1f}/{r.sync_s:.2f}" for r in records)
+    )
     assert [r.version for r in records] == [1, 2, 3, 4, 5, 6]
     assert all(0.0 <= r <= 1.5 for r in curve)
     # the curve is reported, not pinned; it must at least not be flat

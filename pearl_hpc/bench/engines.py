@@ -37,8 +37,9 @@ from pearl_hpc.rollout.router import Router
 def _requests(num: int, prompt_tokens: int, max_tokens: int, seed: int) -> list[TurnRequest]:
     rng = random.Random(seed)
     return [
-        TurnRequest(f"r{i}", tuple(rng.randrange(10, 1000) for _ in range(prompt_tokens)),
-                    max_tokens)
+        TurnRequest(
+            f"r{i}", tuple(rng.randrange(10, 1000) for _ in range(prompt_tokens)), max_tokens
+        )
         for i in range(num)
     ]
 
@@ -73,21 +74,30 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
             runs: dict[str, list[dict[str, float]]] = {"colocated": [], "disaggregated": []}
             for rep in range(args.repeats):
                 colocated = Router()
-                colocated.set_workers({"a": a.client, "b": b.client},
-                                      {"a": Role.COLOCATED, "b": Role.COLOCATED}, Mode.COLOCATED)
-                runs["colocated"].append(await _throughput(
-                    colocated, [_renamed(r, f"c{rep}") for r in requests]))
+                colocated.set_workers(
+                    {"a": a.client, "b": b.client},
+                    {"a": Role.COLOCATED, "b": Role.COLOCATED},
+                    Mode.COLOCATED,
+                )
+                runs["colocated"].append(
+                    await _throughput(colocated, [_renamed(r, f"c{rep}") for r in requests])
+                )
                 role_a = await a.client.set_role(Role.PREFILL)
                 role_b = await b.client.set_role(Role.DECODE)
                 out.setdefault("role_change_s", []).extend([role_a.wall_s, role_b.wall_s])
                 disagg = Router()
-                disagg.set_workers({"a": a.client, "b": b.client},
-                                   {"a": Role.PREFILL, "b": Role.DECODE}, Mode.DISAGGREGATED)
+                disagg.set_workers(
+                    {"a": a.client, "b": b.client},
+                    {"a": Role.PREFILL, "b": Role.DECODE},
+                    Mode.DISAGGREGATED,
+                )
                 kv_before = (await b.client.stats()).kv_bytes_received
-                runs["disaggregated"].append(await _throughput(
-                    disagg, [_renamed(r, f"d{rep}") for r in requests]))
+                runs["disaggregated"].append(
+                    await _throughput(disagg, [_renamed(r, f"d{rep}") for r in requests])
+                )
                 runs["disaggregated"][-1]["kv_bytes"] = (
-                    (await b.client.stats()).kv_bytes_received - kv_before)
+                    await b.client.stats()
+                ).kv_bytes_received - kv_before
                 await a.client.set_role(Role.COLOCATED)
                 await b.client.set_role(Role.COLOCATED)
             out["throughput"] = runs
@@ -127,12 +137,17 @@ def format_table(out: dict[str, Any]) -> str:
     rows = [
         ("engine start (in-process vLLM, 2 at once)", f"{_median(out['engine_start_s']):.2f} s"),
         ("role change (drain + stop + start)", f"{_median(out['role_change_s']):.2f} s"),
-        ("weight load (reload_weights + prefix reset)",
-         f"{_median(out['weight_load_s']) * 1000:.0f} ms for {out['weights_bytes'] / 1e6:.1f} MB"),
+        (
+            "weight load (reload_weights + prefix reset)",
+            f"{_median(out['weight_load_s']) * 1000:.0f} ms"
+            f" for {out['weights_bytes'] / 1e6:.1f} MB",
+        ),
         ("deactivate (drain + release)", f"{_median(out['deactivate_s']):.2f} s"),
         ("activate (restore + weights + admit)", f"{_median(out['activate_s']):.2f} s"),
-        ("RSS per engine process serving / released",
-         f"{out['rss_serving_bytes'] / 2**30:.2f} / {out['rss_released_bytes'] / 2**30:.2f} GiB"),
+        (
+            "RSS per engine process serving / released",
+            f"{out['rss_serving_bytes'] / 2**30:.2f} / {out['rss_released_bytes'] / 2**30:.2f} GiB",
+        ),
         ("tokens/s colocated (2 C)", f"{col:.0f}"),
         ("tokens/s disaggregated (1 P + 1 D)", f"{dis:.0f}  (x{dis / col:.2f} of colocated)"),
         ("KV pulled over NIXL per batch", f"{kv / 1e6:.1f} MB"),

@@ -1,8 +1,8 @@
 """Start engine worker processes and talk to them.
 
-    proc = await spawn_worker(spec, "w0", role=Role.COLOCATED, run_dir=tmp, key=key)
-    result = await proc.client.generate(TurnRequest(...))
-    await proc.stop()
+proc = await spawn_worker(spec, "w0", role=Role.COLOCATED, run_dir=tmp, key=key)
+result = await proc.client.generate(TurnRequest(...))
+await proc.stop()
 """
 
 from __future__ import annotations
@@ -72,16 +72,32 @@ class EngineClient:
         out: tuple[Timing, list[TurnResult]] = await self._rpc.call("deactivate")
         return out
 
-    async def load_weights(self, version: int, data: bytes | None = None,
-                           path: str | None = None) -> Timing:
-        timing: Timing = await self._rpc.call("load_weights", version=version, data=data,
-                                              path=path)
+    async def load_weights(
+        self, version: int, data: bytes | None = None, path: str | None = None
+    ) -> Timing:
+        timing: Timing = await self._rpc.call("load_weights", version=version, data=data, path=path)
         return timing
 
-    async def join_weights_group(self, name: str, host: str, port: int, prefix: str,
-                                 rank: int, size: int, backend: str = "gloo") -> None:
-        await self._rpc.call("join_weights_group", name=name, host=host, port=port,
-                             prefix=prefix, rank=rank, size=size, backend=backend)
+    async def join_weights_group(
+        self,
+        name: str,
+        host: str,
+        port: int,
+        prefix: str,
+        rank: int,
+        size: int,
+        backend: str = "gloo",
+    ) -> None:
+        await self._rpc.call(
+            "join_weights_group",
+            name=name,
+            host=host,
+            port=port,
+            prefix=prefix,
+            rank=rank,
+            size=size,
+            backend=backend,
+        )
 
     async def leave_weights_group(self, name: str) -> None:
         await self._rpc.call("leave_weights_group", name=name)
@@ -155,12 +171,29 @@ async def spawn_worker(
     ready_file.unlink(missing_ok=True)
     log_path = run_dir / f"{worker_id}.log"
     cmd = [
-        sys.executable, "-m", "pearl_hpc.engine.server",
-        "--model", spec.model_dir, "--worker-id", worker_id, "--slot-id", str(slot_id),
-        "--role", str(role) if role is not None else "none", "--ready-file", str(ready_file),
-        "--device", spec.device, "--max-model-len", str(spec.max_model_len),
-        "--kv-cache-gb", str(spec.kv_cache_gb), "--seed", str(spec.seed),
-        "--kv-port", str(kv_port),
+        sys.executable,
+        "-m",
+        "pearl_hpc.engine.server",
+        "--model",
+        spec.model_dir,
+        "--worker-id",
+        worker_id,
+        "--slot-id",
+        str(slot_id),
+        "--role",
+        str(role) if role is not None else "none",
+        "--ready-file",
+        str(ready_file),
+        "--device",
+        spec.device,
+        "--max-model-len",
+        str(spec.max_model_len),
+        "--kv-cache-gb",
+        str(spec.kv_cache_gb),
+        "--seed",
+        str(spec.seed),
+        "--kv-port",
+        str(kv_port),
     ]
     child_env = {**os.environ, **(env or {}), KEY_ENV: key}
     with open(log_path, "ab") as log:
@@ -169,12 +202,15 @@ async def spawn_worker(
     while not ready_file.exists():
         if proc.poll() is not None:
             tail = log_path.read_text(errors="replace")[-2000:]
-            raise EngineError(f"engine worker {worker_id} exited with {proc.returncode} "
-                              f"before it was ready; log {log_path}:\n{tail}")
+            raise EngineError(
+                f"engine worker {worker_id} exited with {proc.returncode} "
+                f"before it was ready; log {log_path}:\n{tail}"
+            )
         if time.monotonic() > deadline:
             proc.kill()
-            raise EngineError(f"engine worker {worker_id} not ready after {START_TIMEOUT_S:.0f} s;"
-                              f" see {log_path}")
+            raise EngineError(
+                f"engine worker {worker_id} not ready after {START_TIMEOUT_S:.0f} s; see {log_path}"
+            )
         await asyncio.sleep(0.1)
     ready = json.loads(ready_file.read_text())
     client = EngineClient(worker_id)

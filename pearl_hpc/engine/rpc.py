@@ -133,7 +133,9 @@ class RpcClient:
                 else:
                     kind, message = value
                     cls = Draining if kind == "Draining" else EngineError
-                    fut.set_exception(cls(f"{self.name}: {message}" if kind != "Draining" else message))
+                    fut.set_exception(
+                        cls(f"{self.name}: {message}" if kind != "Draining" else message)
+                    )
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             error = EngineError(f"{self.name}: connection lost ({exc.__class__.__name__})")
         finally:

@@ -119,8 +119,9 @@ class EngineWorker:
             stop_s = await self._wait(self.runner.stop())
             start_s = await self._wait(self.runner.start(role))
             self.admitting = True
-            return self._timed("role", t0, old=str(old), new=str(role), stop_s=stop_s,
-                               start_s=start_s)
+            return self._timed(
+                "role", t0, old=str(old), new=str(role), stop_s=stop_s, start_s=start_s
+            )
 
     async def release(self) -> Timing:
         async with self._ops:
@@ -195,7 +196,13 @@ class EngineWorker:
         return self._timed("weights", t0, version=version, reload_s=reload_s, source="bytes")
 
     async def join_weights_group(
-        self, name: str, host: str, port: int, prefix: str, rank: int, size: int,
+        self,
+        name: str,
+        host: str,
+        port: int,
+        prefix: str,
+        rank: int,
+        size: int,
         backend: str = "gloo",
     ) -> None:
         """Join a weight group of the trainer (rank 0) under the name ``name``.
@@ -205,7 +212,8 @@ class EngineWorker:
         from pearl_hpc.train.wgroup import WeightGroup
 
         self._weight_groups[name] = await asyncio.to_thread(
-            WeightGroup, host, port, prefix, rank, size, backend)
+            WeightGroup, host, port, prefix, rank, size, backend
+        )
 
     async def leave_weights_group(self, name: str) -> None:
         self._weight_groups.pop(name, None)
@@ -217,8 +225,10 @@ class EngineWorker:
 
         wg = self._weight_groups.get(group)
         if wg is None:
-            raise EngineError(f"{self.runner.worker_id}: not in weight group {group!r} "
-                              f"(joined: {sorted(self._weight_groups)})")
+            raise EngineError(
+                f"{self.runner.worker_id}: not in weight group {group!r} "
+                f"(joined: {sorted(self._weight_groups)})"
+            )
         t0 = time.perf_counter()
         if p2p:
             version, named = await asyncio.to_thread(group_recv_weights, wg, 0)
@@ -226,8 +236,14 @@ class EngineWorker:
             version, named = await asyncio.to_thread(group_broadcast_weights, wg, None, None, 0)
         recv_s = time.perf_counter() - t0
         reload_s = await self._wait(self.runner.load_weights(named, version))
-        return self._timed("weights", t0, version=version, recv_s=recv_s, reload_s=reload_s,
-                           source="p2p" if p2p else "broadcast")
+        return self._timed(
+            "weights",
+            t0,
+            version=version,
+            recv_s=recv_s,
+            reload_s=reload_s,
+            source="p2p" if p2p else "broadcast",
+        )
 
     # ------------------------------------------------------------------ observability
 
@@ -252,16 +268,32 @@ class EngineWorker:
         return records
 
     def handlers(self) -> dict[str, Any]:
-        ops = ("generate drain admit set_role release restore activate deactivate load_weights "
-               "join_weights_group leave_weights_group receive_weights stats telemetry").split()
+        ops = [
+            "generate",
+            "drain",
+            "admit",
+            "set_role",
+            "release",
+            "restore",
+            "activate",
+            "deactivate",
+            "load_weights",
+            "join_weights_group",
+            "leave_weights_group",
+            "receive_weights",
+            "stats",
+            "telemetry",
+        ]
         return {op: getattr(self, op) for op in ops}
 
 
 async def _main(args: argparse.Namespace) -> int:
     key = os.environ.get(KEY_ENV)
     if not key:
-        print(f"engine worker: {KEY_ENV} is not set (the launcher passes the run's key)",
-              file=sys.stderr)
+        print(
+            f"engine worker: {KEY_ENV} is not set (the launcher passes the run's key)",
+            file=sys.stderr,
+        )
         return 2
     spec = EngineSpec(
         model_dir=args.model,
@@ -290,8 +322,13 @@ async def _main(args: argparse.Namespace) -> int:
         start = await worker.restore(args.role)
         worker.admitting = True
     host, port = server.sockets[0].getsockname()[:2]
-    ready = {"host": host, "port": port, "pid": os.getpid(), "kv_port": spec.kv_side_channel_port,
-             "start_s": start.wall_s if start else None}
+    ready = {
+        "host": host,
+        "port": port,
+        "pid": os.getpid(),
+        "kv_port": spec.kv_side_channel_port,
+        "start_s": start.wall_s if start else None,
+    }
     tmp = Path(args.ready_file + ".tmp")
     tmp.write_text(json.dumps(ready))
     tmp.rename(args.ready_file)

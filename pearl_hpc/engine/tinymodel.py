@@ -21,6 +21,7 @@ import os
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 MARKER = "pearl-tiny-model.json"  # written last: a directory without it is incomplete
 
@@ -58,11 +59,38 @@ def default_model_dir() -> Path:
 def corpus(num_lines: int = 4000, seed: int = 0) -> list[str]:
     """Generated training text for the tokenizer: the words the environments use."""
     rng = random.Random(seed)
-    words = (
-        "the a of to is what compute answer result tool call python calculator print "
-        "observation user assistant system please value sum product step think number "
-        "error timeout ok done reward"
-    ).split()
+    words = [
+        "the",
+        "a",
+        "of",
+        "to",
+        "is",
+        "what",
+        "compute",
+        "answer",
+        "result",
+        "tool",
+        "call",
+        "python",
+        "calculator",
+        "print",
+        "observation",
+        "user",
+        "assistant",
+        "system",
+        "please",
+        "value",
+        "sum",
+        "product",
+        "step",
+        "think",
+        "number",
+        "error",
+        "timeout",
+        "ok",
+        "done",
+        "reward",
+    ]
     lines = []
     for _ in range(num_lines):
         a, b, c = rng.randint(0, 999), rng.randint(0, 99), rng.randint(1, 9)
@@ -79,7 +107,7 @@ def corpus(num_lines: int = 4000, seed: int = 0) -> list[str]:
     return lines
 
 
-def build_tokenizer(spec: TinyModelSpec):  # -> PreTrainedTokenizerFast
+def build_tokenizer(spec: TinyModelSpec) -> Any:  # a PreTrainedTokenizerFast
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -136,10 +164,9 @@ def build_tiny_model(out_dir: Path | str, spec: TinyModelSpec | None = None) -> 
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
     )
     torch.manual_seed(spec.seed)
-    model = Qwen3ForCausalLM(config).to(torch.float32)
+    model = Qwen3ForCausalLM(config).float()
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out, safe_serialization=True)

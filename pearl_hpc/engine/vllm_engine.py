@@ -274,7 +274,9 @@ class EngineRunner:
             EngineArgs(**args), stat_loggers=[self._telemetry.factory()]
         )
         if self.weight_version and self._pending_weights is not None:
-            engine.collective_rpc("reload_weights", kwargs={"weights_iterator": self._pending_weights})
+            engine.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": self._pending_weights}
+            )
             engine.reset_prefix_cache()
         self._engine = engine
         self.role = role
@@ -364,7 +366,9 @@ class EngineRunner:
     def _step(self) -> None:
         assert self._engine is not None and self.role is not None
         num_decoding = len(self._live)
-        context = sum(len(x.request.prompt_token_ids) + len(x.token_ids) for x in self._live.values())
+        context = sum(
+            len(x.request.prompt_token_ids) + len(x.token_ids) for x in self._live.values()
+        )
         t0 = time.perf_counter()
         outputs = self._engine.step()
         wall_s = time.perf_counter() - t0

@@ -133,8 +133,9 @@ async def run_trajectory(
                 prompt_token_ids=tuple(context + generated),
                 max_tokens=budget - len(generated),
                 temperature=config.temperature,
-                seed=None if config.temperature == 0 else sample_seed * 7919 + turn * 131
-                + interruptions,
+                seed=None
+                if config.temperature == 0
+                else sample_seed * 7919 + turn * 131 + interruptions,
                 stop_token_ids=(eos,),
             )
             routed = await router.generate(trajectory_id, request)
@@ -152,8 +153,11 @@ async def run_trajectory(
         step = await env.step(chat.tokenizer.decode(generated, skip_special_tokens=True))
         env_s = clock() - t0
         total_reward += float(step.reward)
-        traj.turns.append(TurnStats(turn, new_input, len(generated), len(context), env_s,
-                                    tuple(workers), interruptions))
+        traj.turns.append(
+            TurnStats(
+                turn, new_input, len(generated), len(context), env_s, tuple(workers), interruptions
+            )
+        )
         if step.done or step.observation is None:
             traj.done = True
             break
@@ -180,7 +184,9 @@ async def rollout_batch(
 
     async def one(group: int, sample: int) -> Trajectory:
         traj = await run_trajectory(
-            router, make_env(), chat,
+            router,
+            make_env(),
+            chat,
             trajectory_id=f"s{step}-g{group}-k{sample}",
             group_id=f"s{step}-g{group}",
             env_seed=trajectory_seed(config.seed + step, group),

@@ -133,7 +133,9 @@ class RoutedTurn:
 class Router:
     """Dispatches turns to engine clients following a :class:`RoutingTable`."""
 
-    def __init__(self, table: RoutingTable | None = None, wait_for_workers_s: float = 120.0) -> None:
+    def __init__(
+        self, table: RoutingTable | None = None, wait_for_workers_s: float = 120.0
+    ) -> None:
         self.table = table or RoutingTable()
         self.clients: dict[str, EngineClient] = {}
         self.wait_for_workers_s = wait_for_workers_s
@@ -146,8 +148,12 @@ class Router:
 
     # ------------------------------------------------------------------ configuration
 
-    def set_workers(self, clients: Mapping[str, EngineClient], roles: Mapping[str, Role],
-                    mode: Mode | None = None) -> None:
+    def set_workers(
+        self,
+        clients: Mapping[str, EngineClient],
+        roles: Mapping[str, Role],
+        mode: Mode | None = None,
+    ) -> None:
         self.clients = dict(clients)
         self.table.set_roles({w: roles[w] for w in clients})
         if mode is not None:
@@ -186,9 +192,10 @@ class Router:
         try:
             await asyncio.wait_for(self._changed.wait(), timeout=self.wait_for_workers_s)
         except TimeoutError:
-            raise NoWorkers(f"no admitting {what} worker for {self.wait_for_workers_s:.0f} s; "
-                            f"workers: {dict((w, str(e.role)) for w, e in self.table.workers.items())}"
-                            ) from None
+            raise NoWorkers(
+                f"no admitting {what} worker for {self.wait_for_workers_s:.0f} s; "
+                f"workers: {dict((w, str(e.role)) for w, e in self.table.workers.items())}"
+            ) from None
 
     async def generate(self, trajectory_id: str, request: TurnRequest) -> RoutedTurn:
         """Run one turn (or the rest of one) somewhere; retries on draining/dead workers."""
@@ -222,8 +229,9 @@ class Router:
         did = self.table.choose(Role.DECODE)
         if did is None:
             raise _Retry
-        decode_request = _replace(request, kv_transfer_params=pre.kv_transfer_params,
-                                  request_id=request.request_id + "-d")
+        decode_request = _replace(
+            request, kv_transfer_params=pre.kv_transfer_params, request_id=request.request_id + "-d"
+        )
         result = await self._call(did, decode_request, trajectory_id)
         return RoutedTurn(result, Mode.DISAGGREGATED, prefill_worker=pid)
 

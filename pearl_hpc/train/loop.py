@@ -19,7 +19,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import cast
 
 import torch
 
@@ -45,8 +45,9 @@ class WeightSync:
     version point to point in a two-member group, and the next :meth:`form` includes it.
     """
 
-    def __init__(self, host: str = "127.0.0.1", backend: str = "gloo",
-                 max_staleness: int = 1) -> None:
+    def __init__(
+        self, host: str = "127.0.0.1", backend: str = "gloo", max_staleness: int = 1
+    ) -> None:
         self.store = WeightStore(host)
         self.backend = backend
         self.versions = WeightVersions(max_staleness=max_staleness)
@@ -57,18 +58,22 @@ class WeightSync:
         self._epoch = 0
         self._p2p = 0
 
-    async def _group_of(self, name: str, prefix: str,
-                        members: Mapping[str, EngineClient]) -> WeightGroup:
+    async def _group_of(
+        self, name: str, prefix: str, members: Mapping[str, EngineClient]
+    ) -> WeightGroup:
         size = 1 + len(members)
         host, port = self.store.host, self.store.port
-        trainer_side = asyncio.to_thread(WeightGroup, host, port, prefix, 0, size, self.backend,
-                                         store=self.store.store)
-        joined = await asyncio.gather(trainer_side, *[
-            client.join_weights_group(name, host, port, prefix, rank, size, self.backend)
-            for rank, client in enumerate(members.values(), start=1)
-        ])
-        group: WeightGroup = joined[0]
-        return group
+        trainer_side = asyncio.to_thread(
+            WeightGroup, host, port, prefix, 0, size, self.backend, store=self.store.store
+        )
+        joined = await asyncio.gather(
+            trainer_side,
+            *[
+                client.join_weights_group(name, host, port, prefix, rank, size, self.backend)
+                for rank, client in enumerate(members.values(), start=1)
+            ],
+        )
+        return cast(WeightGroup, joined[0])
 
     async def form(self, members: Mapping[str, EngineClient]) -> None:
         """New broadcast group over ``members`` (the serving workers)."""

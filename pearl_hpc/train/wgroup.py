@@ -34,29 +34,48 @@ class WeightStore:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 120.0) -> None:
         self.host = host
-        self.store = dist.TCPStore(host, port, None, is_master=True,
-                                   timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        self.store = dist.TCPStore(
+            host,
+            port,
+            None,
+            is_master=True,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
         self.port = int(self.store.port)
 
 
 class WeightGroup:
     """One group of ranks ``0..size-1`` under ``prefix`` of the store at ``host:port``."""
 
-    def __init__(self, host: str, port: int, prefix: str, rank: int, size: int,
-                 backend: str = "gloo", timeout_s: float = 120.0,
-                 store: Any = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        prefix: str,
+        rank: int,
+        size: int,
+        backend: str = "gloo",
+        timeout_s: float = 120.0,
+        store: Any = None,
+    ) -> None:
         if backend not in BACKENDS:
             raise WeightSyncError(f"weight group backend {backend!r}: use one of {BACKENDS}")
         if not 0 <= rank < size:
             raise WeightSyncError(f"weight group {prefix}: rank {rank} not in 0..{size - 1}")
         timeout = timedelta(seconds=timeout_s)
-        base = store if store is not None else dist.TCPStore(
-            host, port, None, is_master=False, timeout=timeout)
+        base = (
+            store
+            if store is not None
+            else dist.TCPStore(host, port, None, is_master=False, timeout=timeout)
+        )
         prefixed = dist.PrefixStore(prefix, base)
         self.rank, self.size, self.prefix, self.backend = rank, size, prefix, backend
         if backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
-            self.pg: Any = dist.ProcessGroupNCCL(prefixed, rank, size)
+            self.pg: Any = dist.ProcessGroupNCCL(
+                prefixed, rank, size, dist.ProcessGroupNCCL.Options()
+            )
         else:
             self.device = torch.device("cpu")
             self.pg = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
@@ -105,7 +124,9 @@ class WeightGroup:
 
 
 def group_broadcast_weights(
-    group: WeightGroup, state: Mapping[str, torch.Tensor] | None, version: int | None,
+    group: WeightGroup,
+    state: Mapping[str, torch.Tensor] | None,
+    version: int | None,
     src: int = 0,
 ) -> tuple[int, list[tuple[str, torch.Tensor]]]:
     """Collective over ``group``: the header, then one flat buffer, from ``src``."""
@@ -125,21 +146,28 @@ def group_broadcast_weights(
     return header.version, unpack(header, flat)
 
 
-def group_send_weights(group: WeightGroup, state: Mapping[str, torch.Tensor], version: int,
-                       dst: int) -> None:
+def group_send_weights(
+    group: WeightGroup, state: Mapping[str, torch.Tensor], version: int, dst: int
+) -> None:
     header, flat = pack(state, version=version, device=group.device)
     try:
         group.send_object(header.to_dict(), dst)
         group.send(flat, dst)
     except RuntimeError as exc:
-        raise WeightSyncError(f"weights send in {group.prefix} to rank {dst} failed: {exc}") from exc
+        raise WeightSyncError(
+            f"weights send in {group.prefix} to rank {dst} failed: {exc}"
+        ) from exc
 
 
-def group_recv_weights(group: WeightGroup, src: int = 0) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+def group_recv_weights(
+    group: WeightGroup, src: int = 0
+) -> tuple[int, list[tuple[str, torch.Tensor]]]:
     try:
         header = WeightsHeader.from_dict(group.recv_object(src))
         flat = torch.empty(header.num_bytes, dtype=torch.uint8, device=group.device)
         group.recv(flat, src)
     except RuntimeError as exc:
-        raise WeightSyncError(f"weights recv in {group.prefix} from rank {src} failed: {exc}") from exc
+        raise WeightSyncError(
+            f"weights recv in {group.prefix} from rank {src} failed: {exc}"
+        ) from exc
     return header.version, unpack(header, flat)
