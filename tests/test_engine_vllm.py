@@ -248,7 +248,7 @@ def test_borrowed_worker_hand_off_loses_no_trajectory(fleet: Fleet, chat: ChatFo
     every trajectory finishes on the dedicated worker with the uninterrupted tokens."""
     from pathlib import Path
 
-    col, overlap = fleet.client("col"), fleet.client("dec")
+    overlap = fleet.client("dec")
     seeds = [11, 12, 13, 14]
     config = RolloutConfig(num_groups=1, group_size=1, max_tokens_per_turn=120, temperature=0.0)
 
