@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 import pytest
 
+from pearl_hpc.core.tracker import fit_step
 from pearl_hpc.core.types import Mode, Role
 from pearl_hpc.engine.types import Draining, TurnRequest
-from pearl_hpc.rollout.agent import ChatFormat, RolloutConfig, run_trajectory
+from pearl_hpc.rollout.agent import ChatFormat, RolloutConfig, run_trajectory, tracker_turns
 from pearl_hpc.rollout.router import Router
 from tests.conftest import vllm_skip_reason
 from tests.engine_fleet import Fleet
@@ -124,6 +125,17 @@ def test_disaggregated_tokens_equal_colocated_with_real_kv_transfer(fleet: Fleet
     assert after.kv_bytes_received > before.kv_bytes_received
     assert after.kv_tokens_injected - before.kv_tokens_injected >= prompt_tokens - turns
     decode_prefill = sum(r.prefill_tokens for r in records)
+    # the engines' telemetry feeds the runtime tracker: decode cost fitted from real steps
+    fit = fit_step(
+        tracker_turns(pd, {"dec": 2}, {"dec": Role.DECODE}),
+        records,
+        batch_size=len(seeds),
+        rollout_s=None,
+        prior_decode_fixed_s=0.01,
+    )
+    assert fit.values["turns"] == 3
+    assert fit.values["gen_tokens_per_turn"] and fit.values["gen_tokens_per_turn"] > 0
+    assert fit.values["decode_fixed_s"] is not None and fit.values["decode_fixed_s"] >= 0
     assert decode_prefill <= 2 * turns < prompt_tokens
     print(
         f"\nPD: {after.kv_bytes_received - before.kv_bytes_received} KV bytes for {turns} turns,"

@@ -307,3 +307,20 @@ def test_rpc_calls_errors_and_refuses_a_wrong_key():
         server.close()
 
     asyncio.run(main())
+
+
+def test_tracker_turns_credit_the_worker_that_finished_each_turn():
+    from pearl_hpc.rollout.agent import tracker_turns
+    from pearl_hpc.rollout.types import Trajectory, TurnStats
+
+    traj = Trajectory("t", "g")
+    traj.turns = [
+        TurnStats(0, 10, 5, 15, 0.5, ("a",)),
+        TurnStats(1, 4, 6, 25, 0.0, ("a", "b"), interruptions=1),
+    ]
+    records = tracker_turns([traj], {"a": 3, "b": 7}, {"a": Role.COLOCATED, "b": Role.DECODE})
+    assert [(r.slot_id, r.role, r.generated_tokens) for r in records] == [
+        (3, Role.COLOCATED, 5),
+        (7, Role.DECODE, 6),
+    ]
+    assert records[0].env_s == 0.5 and records[1].context_tokens == 25

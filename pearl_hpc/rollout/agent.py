@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pearl_hpc.core.tracker import TurnRecord
+from pearl_hpc.core.types import Role
 from pearl_hpc.engine.types import TurnRequest
 from pearl_hpc.errors import ConfigError
 from pearl_hpc.rollout.router import Router
@@ -92,6 +94,30 @@ class ChatFormat:
             *self.tokenizer.encode(text, add_special_tokens=False),
             *self.encode("<|im_end|>\n<|im_start|>assistant\n"),
         ]
+
+
+def tracker_turns(
+    trajectories: Sequence[Trajectory], slot_of: Mapping[str, int], role_of: Mapping[str, Role]
+) -> list[TurnRecord]:
+    """Per-turn telemetry for the runtime tracker: one record per finished turn, credited
+    to the worker that finished it (the last one when the turn was resumed elsewhere)."""
+    records = []
+    for traj in trajectories:
+        for turn in traj.turns:
+            worker = turn.worker_ids[-1] if turn.worker_ids else ""
+            records.append(
+                TurnRecord(
+                    trajectory_id=traj.trajectory_id,
+                    turn_index=turn.turn_index,
+                    new_input_tokens=turn.new_input_tokens,
+                    generated_tokens=turn.generated_tokens,
+                    context_tokens=turn.context_tokens,
+                    env_s=turn.env_s,
+                    slot_id=slot_of.get(worker, -1),
+                    role=role_of.get(worker, Role.COLOCATED),
+                )
+            )
+    return records
 
 
 def trajectory_seed(base_seed: int, group: int) -> int:
