@@ -190,6 +190,8 @@ async def spawn_worker(
         str(spec.max_model_len),
         "--kv-cache-gb",
         str(spec.kv_cache_gb),
+        "--gpu-memory-utilization",
+        str(spec.gpu_memory_utilization),
         "--seed",
         str(spec.seed),
         "--kv-port",

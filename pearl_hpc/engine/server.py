@@ -251,7 +251,7 @@ class EngineWorker:
         r = self.runner
         return WorkerStats(
             worker_id=r.worker_id,
-            role=r.role,
+            role=None if self._sleeping_role is not None else r.role,
             admitting=self.admitting,
             weight_version=r.weight_version,
             num_running=r.num_running,
@@ -300,6 +300,7 @@ async def _main(args: argparse.Namespace) -> int:
         device=args.device,
         max_model_len=args.max_model_len,
         kv_cache_gb=args.kv_cache_gb,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         kv_side_channel_port=args.kv_port or free_port(),
         seed=args.seed,
     )
@@ -353,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--kv-cache-gb", type=int, default=1)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     logging.basicConfig(level=os.environ.get("PEARL_LOG_LEVEL", "WARNING"))

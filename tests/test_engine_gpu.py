@@ -1,0 +1,88 @@
+"""GPU-only engine and weight-sync paths: CUDA vLLM sleep/wake for borrowing, NCCL weight
+groups. They skip with the reason on machines without the hardware (CI, laptops)."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+from pathlib import Path
+
+import pytest
+
+from pearl_hpc.core.types import Role
+
+
+def _cuda_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        return 0
+
+
+def _cuda_vllm() -> bool:
+    try:
+        import vllm  # noqa: F401
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cuda())
+    except Exception:
+        return False
+
+
+pytestmark = pytest.mark.gpu
+
+
+def _nccl_member(rank: int, port: int, queue: mp.Queue) -> None:
+    import torch
+
+    from pearl_hpc.train.wgroup import WeightGroup, WeightStore, group_broadcast_weights
+
+    torch.cuda.set_device(rank)
+    store = WeightStore(port=port).store if rank == 0 else None
+    group = WeightGroup("127.0.0.1", port, "nccl-test/", rank, 2, "nccl", store=store)
+    state = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4)} if rank == 0 else None
+    version, named = group_broadcast_weights(group, state, 3 if rank == 0 else None)
+    queue.put((rank, version, named[0][1].cpu().tolist()))
+
+
+@pytest.mark.skipif(_cuda_count() < 2, reason="NCCL weight groups need 2 CUDA GPUs")
+def test_nccl_weight_group_broadcasts_from_the_trainer():
+    from pearl_hpc.engine.server import free_port
+
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    queue: mp.Queue = ctx.Queue()
+    procs = [ctx.Process(target=_nccl_member, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = sorted(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert [r[1] for r in results] == [3, 3]
+    assert results[0][2] == results[1][2]
+
+
+@pytest.mark.skipif(not _cuda_vllm(), reason="needs vLLM for CUDA (pip install vllm) and a GPU")
+def test_cuda_engine_sleeps_and_wakes_for_borrowing(tiny_model_dir: str, tmp_path: Path):
+    from pearl_hpc.engine.client import spawn_worker
+    from pearl_hpc.engine.rpc import new_key
+    from pearl_hpc.engine.types import TurnRequest
+    from pearl_hpc.engine.vllm_engine import EngineSpec
+
+    async def main() -> None:
+        spec = EngineSpec(model_dir=tiny_model_dir, device="cuda", gpu_memory_utilization=0.3)
+        worker = await spawn_worker(spec, "g0", run_dir=tmp_path, key=new_key())
+        try:
+            before = await worker.client.generate(TurnRequest("a", (5, 6, 7, 8), 8))
+            release = await worker.client.release()
+            assert (await worker.client.stats()).role is None
+            activate = await worker.client.activate(Role.COLOCATED)
+            after = await worker.client.generate(TurnRequest("b", (5, 6, 7, 8), 8))
+            assert after.token_ids == before.token_ids
+            print(f"sleep {release.wall_s:.2f} s, wake {activate.wall_s:.2f} s")
+        finally:
+            await worker.stop()
+
+    asyncio.run(main())
