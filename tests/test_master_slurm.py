@@ -131,6 +131,23 @@ def wait_for_roles(run_dir: Path, members: set[str], timeout_s: float = 60) -> N
         time.sleep(0.2)
 
 
+def wait_settled(run_dir: Path, members: set[str], timeout_s: float = 60) -> None:
+    """Until ``members`` were admitted and the re-partition that follows admission
+    finished with them. Only then is killing one safe: a member that dies within the
+    master's freshness window (heartbeat_timeout_s / 4) before a collective would hang
+    it, and admission is always followed by one."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        log = events(run_dir)
+        admitted = [i for i, e in enumerate(log) if e["what"] == "admitted"]
+        if admitted and any(
+            e["what"] == "partition" and members <= set(e["roles"]) for e in log[admitted[-1] + 1 :]
+        ):
+            return
+        assert time.monotonic() < deadline, f"{sorted(members)} never settled: {log[-5:]}"
+        time.sleep(0.1)
+
+
 def wait_event(run_dir: Path, what: str, timeout_s: float = 90) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -280,7 +297,7 @@ def test_a_killed_worker_is_declared_failed_and_dropped_from_the_universe(
     def kill_one(run_dir: Path) -> None:
         joined = wait_event(run_dir, "joined")
         member, pid = sorted(joined["members"].items())[-1]
-        wait_for_roles(run_dir, {member})
+        wait_settled(run_dir, set(joined["members"]))
         os.kill(int(pid), 9)
         killed.update(member=member, at=time.monotonic())
 
