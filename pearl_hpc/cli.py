@@ -342,6 +342,31 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from pearl_hpc.local import format_summary, load_local, run_local
+
+    cfg = load_local(args.config)
+    run_dir = Path(cfg.runs_dir) / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    print(f"pearl-hpc run: {run_dir}", flush=True)
+
+    def progress(m: Any) -> None:
+        roles = " ".join(f"{k}={v[0].upper()}" for k, v in m.roles.items())
+        print(
+            f"step {m.step}: {m.tokens_per_s:.0f} tok/s, reward {m.mean_reward:.3f}, "
+            f"rollout {m.rollout_s:.1f} s, train {m.train_s:.1f} s, return "
+            f"{m.return_latency_s:.2f} s, elastic {m.elastic_workers}, "
+            f"borrowed {'yes' if m.borrowed else 'no'}, moved turns {m.moved_turns}, "
+            f"roles {roles}",
+            flush=True,
+        )
+
+    summary = asyncio.run(run_local(cfg, run_dir, on_step=progress))
+    print(format_summary(summary))
+    return 0
+
+
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
     from pearl_hpc.engine.tinymodel import build_tiny_model, default_model_dir
 
@@ -533,6 +558,17 @@ def build_parser() -> argparse.ArgumentParser:
     launch_p.add_argument("--wait", action="store_true", help="wait and print the summary")
     launch_p.add_argument("--timeout-s", type=float, default=3600.0, help="with --wait")
     launch_p.set_defaults(func=_cmd_launch)
+
+    run_p = sub.add_parser(
+        "run", help="a training run: controller + vLLM engines + GRPO (local backend)"
+    )
+    run_p.add_argument(
+        "config",
+        nargs="?",
+        default=str(REPO_CONFIGS / "runs" / "local.yaml"),
+        help="run YAML (default: configs/runs/local.yaml, the embedded local default)",
+    )
+    run_p.set_defaults(func=_cmd_run)
 
     tiny = sub.add_parser(
         "tiny-model", help="build the tiny Qwen3 model + tokenizer locally (no hub access)"

