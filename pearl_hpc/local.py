@@ -542,10 +542,9 @@ async def run_local(cfg: LocalConfig, run_dir: Path, on_step: Any = None) -> dic
                 for w in executor.workers.values()
                 if w.slot_id is not None and w.role is not None
             }
-            borrowed = (
-                len(executor.counters.activation_s) > len(borrowed_before)
-                or executor.activating_overlap()
-            )
+            activated = executor.counters.activation_s[len(borrowed_before) :]
+            # an activation may still be in progress (it lands in a later step's record)
+            borrowed = bool(activated) or executor.activating_overlap()
             await queue.put(
                 StepTelemetry(
                     step,
@@ -554,7 +553,7 @@ async def run_local(cfg: LocalConfig, run_dir: Path, on_step: Any = None) -> dic
                     rollout_s=rollout_s,
                     batch_size=len(trajectories),
                     borrowed=borrowed,
-                    activation_s=(executor.counters.activation_s[-1] if borrowed else 0.0),
+                    activation_s=activated[-1] if activated else 0.0,
                     deactivation_s=(
                         executor.counters.deactivation_s[-1]
                         if executor.counters.deactivation_s
