@@ -347,9 +347,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     from pearl_hpc.local import format_summary, load_local, run_local
 
-    cfg = load_local(args.config)
-    run_dir = Path(cfg.runs_dir) / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    print(f"pearl-hpc run: {run_dir}", flush=True)
+    if args.resume:
+        run_dir = Path(args.resume)
+        cfg = load_local(run_dir / "config.yaml")
+        print(f"pearl-hpc run: resuming {run_dir}", flush=True)
+    else:
+        cfg = load_local(args.config)
+        run_dir = Path(cfg.runs_dir) / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(Path(args.config).read_text())
+        print(f"pearl-hpc run: {run_dir}", flush=True)
 
     def progress(m: Any) -> None:
         roles = " ".join(f"{k}={v[0].upper()}" for k, v in m.roles.items())
@@ -358,12 +365,29 @@ def _cmd_run(args: argparse.Namespace) -> int:
             f"rollout {m.rollout_s:.1f} s, train {m.train_s:.1f} s, return "
             f"{m.return_latency_s:.2f} s, elastic {m.elastic_workers}, "
             f"borrowed {'yes' if m.borrowed else 'no'}, moved turns {m.moved_turns}, "
-            f"roles {roles}",
+            f"roles {roles}" + (f", resumed {m.resumed} trajectories" if m.resumed else ""),
             flush=True,
         )
 
-    summary = asyncio.run(run_local(cfg, run_dir, on_step=progress))
+    summary = asyncio.run(run_local(cfg, run_dir, on_step=progress, resume=bool(args.resume)))
     print(format_summary(summary))
+    print(f"status: pearl-hpc status {run_dir}; plots: pearl-hpc report {run_dir}")
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from pearl_hpc.runview import format_status, run_status
+
+    doc = run_status(Path(args.run_dir))
+    print(json.dumps(doc, indent=1) if args.json else format_status(doc))
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from pearl_hpc.runview import write_run_report
+
+    for path in write_run_report(Path(args.run_dir), Path(args.out) if args.out else None):
+        print(path)
     return 0
 
 
@@ -568,7 +592,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=str(REPO_CONFIGS / "runs" / "local.yaml"),
         help="run YAML (default: configs/runs/local.yaml, the embedded local default)",
     )
+    run_p.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR after its master died (config from RUN_DIR)",
+    )
     run_p.set_defaults(func=_cmd_run)
+
+    status_p = sub.add_parser("status", help="state of a running or finished run")
+    status_p.add_argument("run_dir", help="the directory `pearl-hpc run` printed")
+    status_p.add_argument("--json", action="store_true", help="one JSON object")
+    status_p.set_defaults(func=_cmd_status)
+
+    report_p = sub.add_parser(
+        "report", help="plots of a run: throughput with the worker budget, roles, prediction"
+    )
+    report_p.add_argument("run_dir", help="the directory `pearl-hpc run` printed")
+    report_p.add_argument("--out", help="output directory (default: RUN_DIR/report)")
+    report_p.set_defaults(func=_cmd_report)
 
     tiny = sub.add_parser(
         "tiny-model", help="build the tiny Qwen3 model + tokenizer locally (no hub access)"

@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import logging
+import os
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -50,15 +53,18 @@ from pearl_hpc.core.controller import (
 )
 from pearl_hpc.core.orchestrator import WorkerAdd
 from pearl_hpc.core.policies import PolicyConfig
+from pearl_hpc.core.predictor import predict
 from pearl_hpc.core.schema import from_mapping, spec_field
-from pearl_hpc.core.table import ElasticSource
+from pearl_hpc.core.table import IN_SERVICE, ElasticSource
 from pearl_hpc.core.types import Mode, Role, Status, Zone
 from pearl_hpc.engine.client import WorkerProcess, spawn_worker
 from pearl_hpc.engine.rpc import new_key
 from pearl_hpc.engine.vllm_engine import EngineSpec
 from pearl_hpc.errors import ConfigError
+from pearl_hpc.journal import read_journal, write_journal
 from pearl_hpc.rollout.envs import ENV_NAMES
 from pearl_hpc.rollout.router import Router
+from pearl_hpc.rollout.types import Trajectory
 from pearl_hpc.train.loop import WeightSync
 
 log = logging.getLogger(__name__)
@@ -119,6 +125,8 @@ class LocalExecutor:
         self.weights_lock = asyncio.Lock()
         self.counters = Counters()
         self.events_path = run_dir / "events.jsonl"
+        self.last_table: list[list[Any]] = []
+        self.start_timeout_s = 300.0  # an engine (re)start taking longer has failed
         router.on_failure = self._on_router_failure
 
     def _on_router_failure(self, worker_id: str, reason: str) -> None:
@@ -202,13 +210,21 @@ class LocalExecutor:
                 worker = _Worker(proc, add.gpu_ids, slot_id=add.slot_id)
                 self.workers[add.gpu_ids] = worker
             else:
-                await worker.proc.client.activate(add.role)
+                # a hung engine start (seen: NIXL's listener dying on a taken port) must
+                # fail the slot, not stall admission of its whole group
+                await asyncio.wait_for(
+                    worker.proc.client.activate(add.role), timeout=self.start_timeout_s
+                )
             async with self.weights_lock:
                 await self.sync.catch_up(f"g{'-'.join(add.gpu_ids)}", worker.proc.client)
                 worker.slot_id, worker.role = add.slot_id, add.role
         except Exception as exc:
             log.exception("slot %s failed to start", add.slot_id)
-            await self.queue.put(WorkerFailed(add.slot_id, str(exc)))
+            failed = self.workers.get(add.gpu_ids)
+            if failed is not None and isinstance(exc, TimeoutError):
+                failed.proc.kill()
+                self.workers.pop(add.gpu_ids, None)
+            await self.queue.put(WorkerFailed(add.slot_id, f"{type(exc).__name__}: {exc}"))
             return
         took = time.perf_counter() - t0
         if add.reactivate:
@@ -350,6 +366,13 @@ async def drain_queue(
                 expansion_gate=result.expansion_gate.reason if result.expansion_gate else None,
             )
     executor.sync_router()
+    table = [
+        [s.slot_id, str(s.role), str(s.status), str(s.zone)]
+        for s in controller.table.rollout_slots()
+    ]
+    if table != executor.last_table:  # the role timeline of `pearl-hpc report`
+        executor.last_table = table
+        executor.log_event("table", slots=table)
 
 
 def _fields(event: Event) -> dict[str, Any]:
@@ -429,6 +452,59 @@ def load_local(path: str | Path) -> LocalConfig:
 # ============================================================================ the run
 
 
+class TrajectoryLog:
+    """Every trajectory of a step after each of its turns, one JSON line per record
+    (``trajectories/step-NNNNN.jsonl``): a restarted master keeps the finished ones and
+    resumes the unfinished ones from their last turn. Lines are flushed as written, so a
+    killed master loses at most the turn in flight."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.dir = run_dir / "trajectories"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._file: Any = None
+        self._step = -1
+
+    def path(self, step: int) -> Path:
+        return self.dir / f"step-{step:05d}.jsonl"
+
+    def record(self, step: int, traj: Trajectory) -> None:
+        if step != self._step:
+            self.close()
+            self._file, self._step = self.path(step).open("a"), step
+        self._file.write(json.dumps(traj.to_dict()) + "\n")
+        self._file.flush()
+
+    def load(self, step: int) -> dict[str, Trajectory]:
+        """The last record of each trajectory of ``step`` (a torn last line is skipped)."""
+        out: dict[str, Trajectory] = {}
+        path = self.path(step)
+        if not path.exists():
+            return out
+        for line in path.read_text().splitlines():
+            try:
+                traj = Trajectory.from_dict(json.loads(line))
+            except (ValueError, KeyError, TypeError):
+                continue
+            out[traj.trajectory_id] = traj
+        return out
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_run_state(run_dir: Path) -> dict[str, Any]:
+    """The run's journal (``journal.json``), or a clear error naming what is missing."""
+    path = Path(run_dir) / "journal.json"
+    if not path.exists():
+        raise ConfigError(
+            f"{run_dir}: no journal.json; pass the run directory that `pearl-hpc run` "
+            "printed (runs/NAME-DATE)"
+        )
+    return read_journal(path)
+
+
 @dataclass
 class StepMetrics:
     step: int
@@ -446,23 +522,39 @@ class StepMetrics:
     borrowed: bool
     moved_turns: int
     trajectories: int  # finished (done, rewarded) trajectories trained on
+    resumed: int  # trajectories of the step recovered from a previous master's journal
+    predicted_s: float  # the tracker's prediction of this rollout (before it ran)
+    config: str  # the serving configuration at rollout start, e.g. 2C or 1P1D
 
 
-async def run_local(cfg: LocalConfig, run_dir: Path, on_step: Any = None) -> dict[str, Any]:
-    """One local training run; returns the summary (also written to ``summary.json``)."""
+async def run_local(
+    cfg: LocalConfig, run_dir: Path, on_step: Any = None, *, resume: bool = False
+) -> dict[str, Any]:
+    """One local training run; returns the summary (also written to ``summary.json``).
+
+    The run directory holds the journal (``journal.json``: controller snapshot, counters,
+    next step), weight snapshots (``snapshots/``, one per step), the trajectory log and
+    the metrics. ``resume=True`` continues a run whose master died: the trainer from its
+    latest snapshot, the tracker's fitted profile and the counters from the journal, the
+    step in progress from the trajectory log (finished trajectories kept, unfinished ones
+    resumed from their last turn). Engine workers of the dead master exit on their own
+    (they watch their parent); elastic workers are granted again from the trace.
+    """
     from transformers import AutoTokenizer
 
     from pearl_hpc.config import REPO_CONFIGS, load_profile
     from pearl_hpc.engine.tinymodel import build_tiny_model, default_model_dir
     from pearl_hpc.rollout.agent import ChatFormat, RolloutConfig, rollout_batch, tracker_turns
     from pearl_hpc.rollout.envs import make_env
-    from pearl_hpc.train.grpo import GRPOConfig, GRPOTrainer
+    from pearl_hpc.train.grpo import GRPOConfig, GRPOTrainer, latest_snapshot
 
     run_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
+    state = read_run_state(run_dir) if resume else None
+    offset_s = float(state["t_s"]) if state else 0.0  # run time continues across masters
 
     def clock() -> float:
-        return time.monotonic() - t_start
+        return offset_s + time.monotonic() - t_start
 
     model_dir = str(build_tiny_model(default_model_dir())) if cfg.model == "tiny" else cfg.model
     profile_path = Path(cfg.profile)
@@ -477,7 +569,25 @@ async def run_local(cfg: LocalConfig, run_dir: Path, on_step: Any = None) -> dic
         profile, executor, policy=cfg.policy, clock=clock, check_invariants=True
     )
     executor.controller = controller
-    trainer = GRPOTrainer(model_dir, GRPOConfig(lr=cfg.run.lr, seed=cfg.run.seed))
+    grpo = GRPOConfig(lr=cfg.run.lr, seed=cfg.run.seed)
+    snapshots = run_dir / "snapshots"
+    snapshot = latest_snapshot(snapshots) if resume else None
+    if snapshot is not None:
+        trainer = GRPOTrainer.from_snapshot(model_dir, snapshot, grpo)
+        sync.seed(trainer.state_dict(), trainer.version)  # new engines catch up to it
+    else:
+        trainer = GRPOTrainer(model_dir, grpo)
+    first_step = 0
+    metrics: list[StepMetrics] = []
+    if state is not None:
+        first_step = int(state["next_step"])
+        controller.tracker.restore(state["controller"]["tracker"])
+        controller.toggle.restore(state["controller"]["toggle"])
+        for key, value in state["counters"].items():
+            setattr(executor.counters, key, value)
+        metrics = [m for m in _read_metrics(run_dir) if m.step < first_step]
+        _write_lines(run_dir / "metrics.jsonl", [json.dumps(asdict(m)) for m in metrics])
+        executor.log_event("resumed", step=first_step, version=trainer.version)
     chat = ChatFormat(cast(Any, AutoTokenizer.from_pretrained(model_dir)))
     rollout = RolloutConfig(
         num_groups=cfg.run.num_groups,
@@ -502,18 +612,41 @@ async def run_local(cfg: LocalConfig, run_dir: Path, on_step: Any = None) -> dic
                 continue
             await queue.put(event)
             await drain_queue(queue, controller, executor)
+            save_state(first_step if not metrics else metrics[-1].step + 1, "running")
 
-    metrics: list[StepMetrics] = []
+    def save_state(next_step: int, status: str) -> None:
+        write_journal(
+            run_dir / "journal.json",
+            {
+                "status": status,
+                "pid": os.getpid(),
+                "next_step": next_step,
+                "steps": cfg.run.steps,
+                "version": trainer.version,
+                "t_s": round(clock(), 3),
+                "elastic_workers": len(granted),
+                "counters": asdict(executor.counters),
+                "controller": controller.snapshot(),
+            },
+            time_s=clock(),
+        )
+
     granted: list[tuple[ElasticSource, tuple[str, ...]]] = []
     job_counter = [0]
     trace = {p.at_step: p.workers for p in cfg.elastic.trace}
+    if first_step > 0:  # the trace's availability at the resumed step, granted afresh
+        before = [at for at in trace if at <= first_step]
+        if before and first_step not in trace:
+            trace[first_step] = trace[max(before)]
+    tlog = TrajectoryLog(run_dir)
     pump_task = asyncio.create_task(pump())
     try:
         await asyncio.gather(*[executor.add_overlap_process(s) for s in overlap_sets])
         controller.register_training(train_gpus, overlap_gpu_sets=overlap_sets)
         controller.grant_reserved([(f"rsv:{i}",) for i in range(cfg.workers.reserved_rollout)])
         executor.sync_router()
-        for step in range(cfg.run.steps):
+        save_state(first_step, "running")
+        for step in range(first_step, cfg.run.steps):
             if step in trace:
                 for ev in trace_events(
                     cfg.elastic.grace_s,
@@ -522,15 +655,27 @@ async def run_local(cfg: LocalConfig, run_dir: Path, on_step: Any = None) -> dic
                     job_counter,
                     trace[step],
                 ):
-                    if isinstance(ev, CapacityGranted):
+                    regrant = step == first_step and resume
+                    if isinstance(ev, CapacityGranted) and not regrant:
                         executor.counters.grows += 1
-                    else:
+                    elif isinstance(ev, CapacityReclaimed):
                         executor.counters.reclaims += 1
                     await queue.put(ev)
+                await drain_queue(queue, controller, executor)  # decided before the rollout
             borrowed_before = executor.counters.activation_s[:]
             moved_before = executor.counters.moved_turns
+            journaled = tlog.load(step) if step == first_step else {}
+            start_config, predicted = _serving_prediction(controller)
             t0 = time.perf_counter()
-            trajectories = await rollout_batch(router, make, chat, rollout, step=step)
+            trajectories = await rollout_batch(
+                router,
+                make,
+                chat,
+                rollout,
+                step=step,
+                on_turn=functools.partial(tlog.record, step),
+                journaled=journaled,
+            )
             rollout_s = time.perf_counter() - t0
             iterations = []
             for client in executor.serving().values():
@@ -580,6 +725,8 @@ async def run_local(cfg: LocalConfig, run_dir: Path, on_step: Any = None) -> dic
             t1 = time.perf_counter()
             stats = await asyncio.to_thread(trainer.train_step, trajectories)
             train_s = time.perf_counter() - t1
+            await asyncio.to_thread(trainer.save_snapshot, snapshots)
+            _prune_snapshots(snapshots, keep=2)
             async with executor.weights_lock:
                 serving = executor.serving()
                 if set(serving) != set(sync.members):
@@ -603,10 +750,14 @@ async def run_local(cfg: LocalConfig, run_dir: Path, on_step: Any = None) -> dic
                 borrowed=borrowed,
                 moved_turns=executor.counters.moved_turns - moved_before,
                 trajectories=sum(1 for t in trajectories if t.done and t.reward is not None),
+                resumed=len(journaled),
+                predicted_s=round(predicted, 3),
+                config=start_config,
             )
             metrics.append(m)
             with (run_dir / "metrics.jsonl").open("a") as f:
                 f.write(json.dumps(asdict(m)) + "\n")
+            save_state(step + 1, "running")
             if on_step is not None:
                 on_step(m)
         # let running starts / stops finish and their reports reach the controller, so a
@@ -614,7 +765,12 @@ async def run_local(cfg: LocalConfig, run_dir: Path, on_step: Any = None) -> dic
         if executor.tasks:
             await asyncio.wait(set(executor.tasks), timeout=120)
         await asyncio.sleep(0.3)  # the pump applies what those tasks queued
+    except BaseException:
+        with contextlib.suppress(Exception):
+            save_state(metrics[-1].step + 1 if metrics else first_step, "failed")
+        raise
     finally:
+        tlog.close()
         pump_stop.set()
         with contextlib.suppress(Exception):
             await pump_task
@@ -623,8 +779,8 @@ async def run_local(cfg: LocalConfig, run_dir: Path, on_step: Any = None) -> dic
     targets = [str(r.plan.target) for r in history]
     modes = [r.plan.target.mode for r in history]
     c = executor.counters
-    c.mode_changes = sum(1 for a, b in itertools.pairwise(modes) if a != b)
-    c.ratio_changes = sum(
+    c.mode_changes += sum(1 for a, b in itertools.pairwise(modes) if a != b)
+    c.ratio_changes += sum(
         1
         for a, b in itertools.pairwise(history)
         if a.plan.target.mode == b.plan.target.mode
@@ -642,9 +798,46 @@ async def run_local(cfg: LocalConfig, run_dir: Path, on_step: Any = None) -> dic
         "targets": targets,
         "counters": asdict(c),
         "wall_s": round(clock(), 1),
+        "toggle_cost_s": round(controller.toggle.estimate_s, 3),
+        "profile": controller.profile.to_dict(),  # as refitted from the run's telemetry
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    save_state(cfg.run.steps, "finished")
     return summary
+
+
+def _serving_prediction(controller: Controller) -> tuple[str, float]:
+    """The configuration the controller has in service now (e.g. ``1P2D``; workers still
+    joining included) and the tracker's predicted makespan for it."""
+    roles = [s.role for s in controller.table.rollout_slots() if s.status in IN_SERVICE]
+    n_p, n_d, n_c = (roles.count(r) for r in (Role.PREFILL, Role.DECODE, Role.COLOCATED))
+    if n_p and n_d:
+        return f"{n_p}P{n_d}D", predict(controller.profile, n_p, n_d, 0)
+    n = max(1, n_c + n_p + n_d)
+    return f"{n}C", predict(controller.profile, 0, 0, n)
+
+
+def _read_metrics(run_dir: Path) -> list[StepMetrics]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError, TypeError):
+            out.append(StepMetrics(**json.loads(line)))
+    return out
+
+
+def _write_lines(path: Path, lines: list[str]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in lines))
+    os.replace(tmp, path)
+
+
+def _prune_snapshots(root: Path, keep: int) -> None:
+    """Weight snapshots are only for resuming: keep the newest ``keep``."""
+    for old in sorted(root.glob("v[0-9]*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def format_summary(summary: dict[str, Any]) -> str:

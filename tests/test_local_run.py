@@ -5,7 +5,12 @@ nothing lost. Three engine processes at most (reserved, elastic, overlap)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +22,7 @@ from tests.conftest import vllm_skip_reason
 
 CONFIG = {
     "name": "t",
+    "profile": "profiles/tiny-cpu-pd-prior.yaml",  # starts disaggregated, telemetry corrects it
     "policy": {
         "borrowing": "ungated",  # the mechanism; the gate itself is tested in the core
         "expansion": "always",
@@ -74,6 +80,10 @@ def test_local_run_grows_reclaims_borrows_and_loses_nothing(tmp_path: Path, monk
     c = summary["counters"]
     assert c["grows"] == 1 and c["reclaims"] == 1
     assert c["borrow_cycles"] >= 1
+    # the prior makes the controller start disaggregated; the refitted profile switches
+    # the engines back to colocated
+    assert c["mode_changes"] >= 1 and c["role_changes"] >= 2
+    assert any("P" in t for t in summary["targets"]) and summary["targets"][-1].endswith("C")
     # borrowed GPUs were back before every training step (the run raises otherwise),
     # and the measured return latency is reported per step
     assert len(c["return_latency_s"]) == 3
@@ -81,3 +91,102 @@ def test_local_run_grows_reclaims_borrows_and_loses_nothing(tmp_path: Path, monk
         json.loads(line)["kind"] for line in (run_dir / "events.jsonl").read_text().splitlines()
     ]
     assert "release_capacity" in kinds and kinds.count("train") == 3
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "zombie" not in _proc_state(pid)
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:
+        return "gone"
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(vllm_skip_reason() is not None, reason=str(vllm_skip_reason()))
+def test_a_master_killed_mid_step_resumes_without_losing_anything(tmp_path: Path):
+    """SIGKILL the master of `pearl-hpc run` in the middle of step 1's rollout: its engine
+    workers exit by themselves, `pearl-hpc run --resume` continues from the journal with
+    the latest weights, keeps step 1's finished trajectories and resumes the unfinished
+    ones from their last turn; every step is trained exactly once."""
+    config = {**CONFIG, "elastic": {"grace_s": 30, "trace": [{"at_step": 0, "workers": 1}]}}
+    path = _write(tmp_path, config)
+    env = {**os.environ, "PEARL_HPC_CACHE": str(tmp_path / "cache")}
+    cmd = [sys.executable, "-m", "pearl_hpc.cli", "run"]
+    with (tmp_path / "first.log").open("w") as log:
+        master = subprocess.Popen([*cmd, str(path)], stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 600
+        run_dir = None
+        while time.monotonic() < deadline and master.poll() is None:
+            found = list((tmp_path / "runs").glob("t-*/trajectories/step-00001.jsonl"))
+            if found and len(found[0].read_text().splitlines()) >= 6:
+                run_dir = found[0].parent.parent
+                break
+            time.sleep(0.05)
+        assert run_dir is not None, (tmp_path / "first.log").read_text()[-3000:]
+        master.kill()
+        master.wait()
+    finally:
+        if master.poll() is None:
+            master.kill()
+    workers = [json.loads(p.read_text())["pid"] for p in run_dir.glob("*.ready.json")]
+    assert workers
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in workers), "engine workers outlived their master"
+
+    journal = json.loads((run_dir / "journal.json").read_text())["state"]
+    assert journal["next_step"] == 1 and journal["version"] == 1
+    before = {}
+    for line in (run_dir / "trajectories" / "step-00001.jsonl").read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            rec = json.loads(line)
+            before[rec["trajectory_id"]] = rec
+    done_before = {k: v for k, v in before.items() if v["done"]}
+
+    status = subprocess.run(
+        [*cmd[:-1], "status", str(run_dir), "--json"], capture_output=True, text=True, env=env
+    )
+    assert json.loads(status.stdout)["status"] == "dead", status.stderr
+
+    resumed = subprocess.run(
+        [*cmd, "--resume", str(run_dir)], capture_output=True, text=True, env=env, timeout=900
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert [m["version"] for m in metrics] == [1, 2, 3]
+    assert [m["trajectories"] for m in metrics] == [16] * 3
+    assert metrics[1]["resumed"] == len(before) > 0
+    after = {}
+    for line in (run_dir / "trajectories" / "step-00001.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        after[rec["trajectory_id"]] = rec
+    assert len(after) == 16
+    for tid, rec in done_before.items():  # finished before the kill: kept as they were
+        assert after[tid] == rec
+    for tid, rec in before.items():  # unfinished: continued from their last turn
+        n = len(rec["segments"])
+        assert after[tid]["segments"][:n] == rec["segments"]
+        assert 1 in after[tid]["weight_versions"]
+
+    doc = json.loads(
+        subprocess.run(
+            [*cmd[:-1], "status", str(run_dir), "--json"], capture_output=True, text=True, env=env
+        ).stdout
+    )
+    assert doc["status"] == "finished" and doc["version"] == 3
+    report = subprocess.run(
+        [*cmd[:-1], "report", str(run_dir)], capture_output=True, text=True, env=env
+    )
+    assert report.returncode == 0, report.stderr
+    for name in ("throughput.png", "roles.png", "prediction.png", "steps.md"):
+        assert (run_dir / "report" / name).stat().st_size > 0

@@ -196,6 +196,8 @@ async def spawn_worker(
         str(spec.seed),
         "--kv-port",
         str(kv_port),
+        "--parent-pid",
+        str(os.getpid()),
     ]
     child_env = {**os.environ, **(env or {}), KEY_ENV: key}
     with open(log_path, "ab") as log:

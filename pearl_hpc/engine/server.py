@@ -33,6 +33,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -297,13 +298,15 @@ async def _main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.parent_pid:
+        _exit_with_parent(args.parent_pid)
     spec = EngineSpec(
         model_dir=args.model,
         device=args.device,
         max_model_len=args.max_model_len,
         kv_cache_gb=args.kv_cache_gb,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_side_channel_port=args.kv_port or free_port(),
+        kv_side_channel_port=args.kv_port,  # 0: a free port at each engine start
         seed=args.seed,
     )
     configure_process_env(spec)
@@ -343,6 +346,20 @@ async def _main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _exit_with_parent(parent_pid: int) -> None:
+    """A worker outlives no master: when the process that started it dies (even by
+    SIGKILL), exit at once -- the engine and its memory go with it, and a restarted
+    master (``pearl-hpc run --resume``) starts from a clean machine."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        print(f"engine worker: parent {parent_pid} is gone; exiting", file=sys.stderr, flush=True)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pearl_hpc.engine.server")
     p.add_argument("--model", required=True)
@@ -358,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-gb", type=int, default=1)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--parent-pid", type=int, default=0, help="exit when this process dies")
     args = p.parse_args(argv)
     logging.basicConfig(level=os.environ.get("PEARL_LOG_LEVEL", "WARNING"))
     return asyncio.run(_main(args))

@@ -26,6 +26,7 @@ import gc
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -80,6 +81,21 @@ def configure_process_env(spec: EngineSpec) -> None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_cache_gb)
     if spec.kv_side_channel_port:
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.kv_side_channel_port)
+
+
+def _fresh_side_channel_port(fixed: int) -> None:
+    """Point NIXL's handshake listener at ``fixed``, or at a port free right now. A port
+    picked when the process started can be taken by the time a released worker restarts
+    its engine minutes later: the listener thread then dies and the start hangs."""
+    import vllm.envs as envs
+
+    port = fixed
+    if not port:
+        with socket.socket() as sock:
+            sock.bind((os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1"), 0))
+            port = int(sock.getsockname()[1])
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
+    envs.disable_envs_cache()  # vLLM caches its env after an engine start: read it again
 
 
 def _sum_transferred_bytes(stats: Any) -> int:
@@ -257,6 +273,8 @@ class EngineRunner:
 
         t0 = time.perf_counter()
         spec = self.spec
+        if role is not Role.COLOCATED:
+            _fresh_side_channel_port(spec.kv_side_channel_port)
         args: dict[str, Any] = {
             "model": spec.model_dir,
             "dtype": "float32" if spec.device == "cpu" else "auto",

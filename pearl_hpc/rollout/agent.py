@@ -136,16 +136,28 @@ async def run_trajectory(
     sample_seed: int,
     config: RolloutConfig,
     clock: Callable[[], float] = time.perf_counter,
+    resume: Trajectory | None = None,
+    on_turn: Callable[[Trajectory], None] | None = None,
 ) -> Trajectory:
-    """Run one trajectory to the end (``done`` from the environment or a limit)."""
-    traj = Trajectory(trajectory_id=trajectory_id, group_id=group_id)
+    """Run one trajectory to the end (``done`` from the environment or a limit).
+
+    ``resume``: the trajectory as journaled after its last finished turn (a restarted
+    master); the environment is brought to the same state by replaying the recorded
+    actions, then the trajectory goes on. ``on_turn`` sees the trajectory after each turn.
+    """
     first = chat.prompt(await env.reset(env_seed))
-    traj.segments.append(Segment(tuple(first), generated=False))
-    context = list(first)
-    new_input = len(first)
     total_reward = 0.0
+    if resume is None:
+        traj = Trajectory(trajectory_id=trajectory_id, group_id=group_id)
+        traj.segments.append(Segment(tuple(first), generated=False))
+        start_turn = 0
+    else:
+        traj, total_reward = resume, await _replay(env, chat, resume, first)
+        start_turn = len(traj.turns)
+    context = traj.token_ids()
+    new_input = len(traj.segments[-1].token_ids)
     eos = chat.tokenizer.eos_token_id
-    for turn in range(env.max_turns):
+    for turn in range(start_turn, env.max_turns):
         budget = min(config.max_tokens_per_turn, config.max_context_tokens - len(context))
         if budget < 1:
             traj.info["stopped"] = "max_context_tokens"
@@ -191,10 +203,36 @@ async def run_trajectory(
         traj.segments.append(Segment(tuple(obs), generated=False))
         context.extend(obs)
         new_input = len(obs)
+        if on_turn is not None:
+            on_turn(traj)
     traj.done = True  # the environment ended it, or a turn / context limit did
     traj.reward = total_reward
+    if on_turn is not None:
+        on_turn(traj)
     router.table.forget(trajectory_id)
     return traj
+
+
+class ReplayError(RuntimeError):
+    """A journaled trajectory does not replay: the environment is not deterministic."""
+
+
+async def _replay(env: Env, chat: ChatFormat, traj: Trajectory, first: list[int]) -> float:
+    """Step ``env`` through ``traj``'s recorded actions; the total reward so far."""
+    segments = traj.segments
+    if list(segments[0].token_ids) != first:
+        raise ReplayError(f"{traj.trajectory_id}: the environment's prompt differs on replay")
+    total = 0.0
+    for i in range(len(traj.turns)):
+        generated = segments[2 * i + 1].token_ids
+        step = await env.step(chat.tokenizer.decode(list(generated), skip_special_tokens=True))
+        total += float(step.reward)
+        closed = bool(generated) and generated[-1] == chat.tokenizer.eos_token_id
+        if step.observation is None or 2 * i + 2 >= len(segments):
+            raise ReplayError(f"{traj.trajectory_id}: the episode ends early on replay")
+        if list(segments[2 * i + 2].token_ids) != chat.observation(step.observation, closed):
+            raise ReplayError(f"{traj.trajectory_id}: turn {i} observes something else on replay")
+    return total
 
 
 async def rollout_batch(
@@ -205,19 +243,30 @@ async def rollout_batch(
     *,
     step: int = 0,
     on_done: Callable[[Trajectory], None] | None = None,
+    on_turn: Callable[[Trajectory], None] | None = None,
+    journaled: Mapping[str, Trajectory] | None = None,
 ) -> list[Trajectory]:
-    """All trajectories of one step, concurrently; ``on_done`` sees each as it finishes."""
+    """All trajectories of one step, concurrently; ``on_done`` sees each as it finishes,
+    ``on_turn`` after each of its turns. ``journaled`` (by trajectory id): what a previous
+    master recorded of this step -- finished ones are kept, unfinished ones resumed."""
+    journaled = journaled or {}
 
     async def one(group: int, sample: int) -> Trajectory:
+        trajectory_id = f"s{step}-g{group}-k{sample}"
+        earlier = journaled.get(trajectory_id)
+        if earlier is not None and earlier.done:
+            return earlier
         traj = await run_trajectory(
             router,
             make_env(),
             chat,
-            trajectory_id=f"s{step}-g{group}-k{sample}",
+            trajectory_id=trajectory_id,
             group_id=f"s{step}-g{group}",
             env_seed=trajectory_seed(config.seed + step, group),
             sample_seed=(config.seed + step) * 10_007 + group * 101 + sample,
             config=config,
+            resume=earlier,
+            on_turn=on_turn,
         )
         if on_done is not None:
             on_done(traj)

@@ -8,7 +8,7 @@ engines produced.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -59,3 +59,29 @@ class Trajectory:
     @property
     def min_weight_version(self) -> int:
         return min(self.weight_versions) if self.weight_versions else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON types, for the run's trajectory journal."""
+        return {
+            "trajectory_id": self.trajectory_id,
+            "group_id": self.group_id,
+            "segments": [[list(s.token_ids), s.generated] for s in self.segments],
+            "reward": self.reward,
+            "done": self.done,
+            "weight_versions": sorted(self.weight_versions),
+            "turns": [asdict(t) for t in self.turns],
+            "info": self.info,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Trajectory:
+        return cls(
+            trajectory_id=str(data["trajectory_id"]),
+            group_id=str(data["group_id"]),
+            segments=[Segment(tuple(ids), bool(gen)) for ids, gen in data["segments"]],
+            reward=data["reward"],
+            done=bool(data["done"]),
+            weight_versions={int(v) for v in data["weight_versions"]},
+            turns=[TurnStats(**{**t, "worker_ids": tuple(t["worker_ids"])}) for t in data["turns"]],
+            info=dict(data["info"]),
+        )

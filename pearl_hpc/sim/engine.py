@@ -603,7 +603,7 @@ class Simulator:
                         w.slot_id,
                         w.role,
                         len(w.decode),
-                        w.decode_ctx,
+                        int(w.decode_ctx),
                         int(chunk),
                         w.iteration_s,
                         count=dt / w.iteration_s,

@@ -101,15 +101,24 @@ def write_report(
     # role timeline of each system with elastic or borrowed workers
     for name, sim in sims.items():
         path = out / f"roles-{name.replace('+', 'plus')}.png"
-        _role_timeline(plt, sim, name, path)
+        plot_role_timeline(plt, sim.timeline, sim.duration_s, name, path)
         written.append(path)
     return written
 
 
-def _role_timeline(plt: Any, sim: Simulator, name: str, path: Path) -> None:
+def plot_role_timeline(
+    plt: Any,
+    timeline: list[tuple[float, int, str, str]],
+    duration_s: float,
+    name: str,
+    path: Path,
+) -> None:
+    """Bars of active workers over time from ``(t, slot, role, state)`` changes; state
+    ``active`` or ``active-borrowed`` opens a bar, anything else closes it. The simulator
+    and a real run (``pearl-hpc report``) draw the same figure."""
     spans: dict[int, list[tuple[float, float, str, bool]]] = {}
     open_: dict[int, tuple[float, str, bool]] = {}
-    for t, slot, role, state in sim.timeline:
+    for t, slot, role, state in timeline:
         borrowed = state.endswith("-borrowed")
         base = state.removesuffix("-borrowed")
         if slot in open_:
@@ -118,7 +127,7 @@ def _role_timeline(plt: Any, sim: Simulator, name: str, path: Path) -> None:
         if base == "active":
             open_[slot] = (t, role, borrowed)
     for slot, (start, r, b) in open_.items():
-        spans.setdefault(slot, []).append((start, sim.duration_s, r, b))
+        spans.setdefault(slot, []).append((start, duration_s, r, b))
     fig, ax = plt.subplots(figsize=(10, 0.3 * max(4, len(spans)) + 1))
     for row, slot in enumerate(sorted(spans)):
         for start, end, role, borrowed in spans[slot]:

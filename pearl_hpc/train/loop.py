@@ -81,6 +81,11 @@ class WeightSync:
         self.members = dict(members)
         self._group = await self._group_of("broadcast", f"bcast/{self._epoch}/", self.members)
 
+    def seed(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Start from ``version`` (a resumed trainer): workers catch up to it as they join."""
+        self.latest = (state, version)
+        self.versions.published(version)
+
     async def publish(self, state: dict[str, torch.Tensor], version: int) -> float:
         """Broadcast ``version`` to every serving member; returns the wall time."""
         if self._group is None:

@@ -1,0 +1,221 @@
+"""Looking at a run directory: ``pearl-hpc status RUN_DIR`` and ``pearl-hpc report RUN_DIR``.
+
+Both only read what the master writes (``journal.json``, ``metrics.jsonl``,
+``events.jsonl``), so they work on a running, finished or dead run, from any shell.
+``report`` draws the same figures as ``pearl-hpc simulate --report`` (step throughput
+over time with the rollout-worker budget behind it, the role timeline), plus the
+tracker's predicted rollout time next to the measured one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from pearl_hpc.errors import PearlError
+from pearl_hpc.local import read_run_state
+
+_ROLE_LETTER = {"prefill": "P", "decode": "D", "colocated": "C"}
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:  # a line being written
+            continue
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def run_status(run_dir: Path) -> dict[str, Any]:
+    """The run's state as one dict (what ``status`` prints)."""
+    state = read_run_state(run_dir)
+    status = state["status"]
+    if status == "running" and not _alive(int(state["pid"])):
+        status = "dead"
+    slots = state["controller"]["table"]["slots"]
+    rollout = [s for s in slots if s["role"] != "training"]
+    metrics = _read_jsonl(run_dir / "metrics.jsonl")
+    return {
+        "run_dir": str(run_dir),
+        "status": status,
+        "pid": state["pid"],
+        "step": state["next_step"],
+        "steps": state["steps"],
+        "version": state["version"],
+        "t_s": state["t_s"],
+        "elastic_workers": state["elastic_workers"],
+        "borrowed": [
+            s["slot_id"] for s in rollout if s["zone"] == "overlap" and s["status"] != "inactive"
+        ],
+        "workers": [
+            {k: s[k] for k in ("slot_id", "role", "status", "zone", "gpu_ids")} for s in rollout
+        ],
+        "counters": {k: v for k, v in state["counters"].items() if not isinstance(v, list)},
+        "last_step": metrics[-1] if metrics else None,
+    }
+
+
+def format_status(doc: dict[str, Any]) -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    hint = ""
+    if doc["status"] in ("dead", "failed"):
+        hint = f"  (continue it: pearl-hpc run --resume {doc['run_dir']})"
+    lines = [
+        f"{doc['run_dir']}: {doc['status']}{hint}",
+        f"step {doc['step']}/{doc['steps']}, weights v{doc['version']}, "
+        f"{doc['t_s']:.0f} s; elastic workers {doc['elastic_workers']}, "
+        f"borrowed slots {doc['borrowed'] or 'none'}",
+        "counters: " + ", ".join(f"{k} {v}" for k, v in doc["counters"].items()),
+    ]
+    last = doc["last_step"]
+    if last:
+        lines.append(
+            f"last step {last['step']}: {last['tokens_per_s']:.0f} tok/s, reward "
+            f"{last['mean_reward']:.3f}, rollout {last['rollout_s']:.1f} s "
+            f"(predicted {last['predicted_s']:.1f} s as {last['config']})"
+        )
+    table = Table(title="workers")
+    for col in ("slot", "role", "status", "zone", "GPUs"):
+        table.add_column(col)
+    for w in doc["workers"]:
+        table.add_row(str(w["slot_id"]), w["role"], w["status"], w["zone"], ",".join(w["gpu_ids"]))
+    console = Console(width=100, record=True, force_terminal=False)
+    with console.capture() as cap:
+        console.print(table)
+    return "\n".join(lines) + "\n" + cap.get()
+
+
+def role_timeline(events: list[dict[str, Any]]) -> list[tuple[float, int, str, str]]:
+    """``(t, slot, role, state)`` changes from the ``table`` events of a run."""
+    out: list[tuple[float, int, str, str]] = []
+    last: dict[int, tuple[str, str]] = {}
+    for ev in events:
+        if ev.get("kind") != "table":
+            continue
+        seen = set()
+        for slot, role, status, zone in ev["slots"]:
+            seen.add(slot)
+            state = "inactive"
+            if status == "active":
+                state = "active-borrowed" if zone == "overlap" else "active"
+            if last.get(slot) != (role, state):
+                last[slot] = (role, state)
+                out.append((ev["t_s"], slot, role, state))
+        for slot in set(last) - seen:  # gone from the table
+            if last[slot][1] != "gone":
+                out.append((ev["t_s"], slot, last[slot][0], "gone"))
+                last[slot] = (last[slot][0], "gone")
+    return out
+
+
+def write_run_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PearlError("report needs matplotlib: pip install -e '.[plots]'") from None
+    from pearl_hpc.sim.report import plot_role_timeline
+
+    run_dir = Path(run_dir)
+    out = Path(out_dir) if out_dir else run_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    metrics = _read_jsonl(run_dir / "metrics.jsonl")
+    events = _read_jsonl(run_dir / "events.jsonl")
+    if not metrics:
+        raise PearlError(f"{run_dir}: no finished step in metrics.jsonl yet; nothing to plot")
+    timeline = role_timeline(events)
+    duration = max([m["t_s"] for m in metrics] + [e["t_s"] for e in events])
+    written = []
+
+    # step throughput over time, active rollout workers (dedicated, borrowed) behind it
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    budget_ax = ax.twinx()
+    ax.step(
+        [m["t_s"] for m in metrics],
+        [m["tokens_per_s"] for m in metrics],
+        where="post",
+        label="pearl (measured)",
+    )
+    active: dict[int, str] = {}
+    times, dedicated, borrowed = [0.0], [0], [0]
+    for t, slot, _role, state in timeline:
+        active[slot] = state
+        times.append(t)
+        dedicated.append(sum(1 for s in active.values() if s == "active"))
+        borrowed.append(sum(1 for s in active.values() if s == "active-borrowed"))
+    times.append(duration)
+    dedicated.append(dedicated[-1])
+    borrowed.append(borrowed[-1])
+    budget_ax.step(times, dedicated, where="post", color="grey", alpha=0.4, label="dedicated")
+    budget_ax.step(
+        times,
+        [d + b for d, b in zip(dedicated, borrowed, strict=True)],
+        where="post",
+        color="green",
+        alpha=0.3,
+        label="+ borrowed",
+    )
+    budget_ax.set_ylabel("active rollout workers (grey; green with borrowed)")
+    ax.set_xlabel("run time (s)")
+    ax.set_ylabel("step throughput (tokens/s)")
+    ax.set_zorder(budget_ax.get_zorder() + 1)
+    ax.patch.set_visible(False)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    path = out / "throughput.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+
+    path = out / "roles.png"
+    plot_role_timeline(plt, timeline, duration, run_dir.name, path)
+    written.append(path)
+
+    # the tracker's prediction of each rollout next to the measured time
+    fig, ax = plt.subplots(figsize=(8, 4))
+    steps = [m["step"] for m in metrics]
+    ax.plot(steps, [m["rollout_s"] for m in metrics], "o-", label="measured rollout")
+    ax.plot(steps, [m["predicted_s"] for m in metrics], "s--", label="predicted (tracker)")
+    for m in metrics:
+        ax.annotate(m["config"], (m["step"], m["rollout_s"]), fontsize=7)
+    ax.set_xlabel("step")
+    ax.set_ylabel("seconds")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "prediction.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+
+    path = out / "steps.md"
+    head = "| step | config | rollout s | predicted s | tokens/s | reward | borrowed | return s |"
+    rows = [head, "|" + "---|" * 8]
+    for m in metrics:
+        rows.append(
+            f"| {m['step']} | {m['config']} | {m['rollout_s']:.2f} | {m['predicted_s']:.2f} | "
+            f"{m['tokens_per_s']:.0f} | {m['mean_reward']:.3f} | "
+            f"{'yes' if m['borrowed'] else 'no'} | {m['return_latency_s']:.2f} |"
+        )
+    path.write_text("\n".join(rows) + "\n")
+    written.append(path)
+    return written
