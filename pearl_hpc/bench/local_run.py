@@ -1,0 +1,144 @@
+"""The local training run, PEARL against a fixed colocated configuration, side by side.
+
+    pearl-hpc bench --local [--config configs/runs/local.yaml]
+
+Runs the same run YAML twice on real engines:
+- **pearl**: the YAML's policies (adaptive PD, gated borrowing, gated expansion);
+- **colocated**: colocated always, no borrowing; the same workers and elastic trace.
+
+Then it prints:
+- tokens/s of both, and their ratio;
+- the reconfiguration latencies PEARL measured, next to what this run measured. These
+  are read from the pearl run's ``events.jsonl``:
+  - inter-scale preparation: a new worker process started, up to weights caught up;
+  - finalisation: last ready of a group up to its admission;
+  - intra-scale activation and deactivation of the overlap worker;
+  - mode switch: the engine restarted in its new role;
+- the controller's predicted rollout time of each step next to the measured one.
+
+On 2 CPU cores every engine shares the same cores. More workers add no compute, and
+disaggregation costs more than it gains (``bench --engines``). The ratio therefore
+measures the mechanisms' overhead on this machine, not PEARL's GPU-scale gain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from pearl_hpc.core.policies import BorrowingName, PDPolicyName
+from pearl_hpc.local import LocalConfig, load_local, run_local
+
+# PEARL.md, "Reconfiguration latency" (Qwen3-8B / Qwen3-30B-A3B on H800), seconds
+PEARL_LATENCIES_S = {
+    "inter-scale preparation": (56.29, 67.06),
+    "inter-scale finalisation": (11.05, 17.89),
+    "intra-scale activation": (6.26, 6.09),
+    "intra-scale deactivation": (3.18, 4.38),
+}
+
+
+def _events(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def measured_latencies(events: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Reconfiguration latencies of one run, from its events (seconds)."""
+    out: dict[str, list[float]] = {
+        "inter-scale preparation": [],
+        "inter-scale finalisation": [],
+        "intra-scale activation": [],
+        "intra-scale deactivation": [],
+        "mode switch (role change)": [],
+    }
+    ready_at: dict[int, float] = {}
+    for ev in events:
+        kind = ev["kind"]
+        if kind == "ready":
+            ready_at[ev["slot"]] = ev["t_s"]
+            key = "intra-scale activation" if ev["reactivate"] else "inter-scale preparation"
+            out[key].append(ev["s"])
+        elif kind == "admit":
+            group = [ready_at[s] for s in ev["slots"] if s in ready_at]
+            if group:
+                out["inter-scale finalisation"].append(max(0.0, ev["t_s"] - max(group)))
+        elif kind == "released" and ev.get("overlap"):
+            out["intra-scale deactivation"].append(ev["s"])
+        elif kind == "rerole":
+            out["mode switch (role change)"].append(ev["s"])
+    return out
+
+
+def _colocated(cfg: LocalConfig) -> LocalConfig:
+    policy = replace(cfg.policy, pd_policy=PDPolicyName.COLOCATED, borrowing=BorrowingName.NONE)
+    return replace(cfg, name=cfg.name + "-colocated", policy=policy)
+
+
+def run(config: str) -> dict[str, Any]:
+    cfg = load_local(config)
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="pearl-bench-local-") as tmp:
+        for name, variant in (("pearl", cfg), ("colocated", _colocated(cfg))):
+            run_dir = Path(tmp) / name
+            print(f"bench --local: running {name} ...", flush=True)
+            summary = asyncio.run(run_local(variant, run_dir))
+            metrics = [
+                json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            ]
+            results[name] = {
+                "summary": summary,
+                "metrics": metrics,
+                "latencies": measured_latencies(_events(run_dir)),
+            }
+    return results
+
+
+def _median(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.2f}" if xs else "-"
+
+
+def format_results(results: dict[str, Any]) -> str:
+    lines = ["| system | rollout tokens/s | wall s | targets | borrow cycles | mode changes |"]
+    lines.append("|---|---|---|---|---|---|")
+    for name, r in results.items():
+        s = r["summary"]
+        c = s["counters"]
+        targets = [t for i, t in enumerate(s["targets"]) if i == 0 or s["targets"][i - 1] != t]
+        lines.append(
+            f"| {name} | {s['tokens_per_s']:.0f} | {s['wall_s']:.0f} | {' -> '.join(targets)} | "
+            f"{c['borrow_cycles']} | {c['mode_changes']} |"
+        )
+    pearl, coloc = results["pearl"]["summary"], results["colocated"]["summary"]
+    ratio = pearl["tokens_per_s"] / coloc["tokens_per_s"]
+    lines.append(
+        f"\npearl / colocated rollout tokens/s: {ratio:.2f}x"
+        " (2 CPU cores shared by every engine: see the module docstring)"
+    )
+    lines.append("\n| reconfiguration | PEARL Qwen3-8B / 30B-A3B (s) | this run, median (n) |")
+    lines.append("|---|---|---|")
+    lat = results["pearl"]["latencies"]
+    for key, values in lat.items():
+        paper = PEARL_LATENCIES_S.get(key)
+        ref = f"{paper[0]} / {paper[1]}" if paper else "-"
+        lines.append(f"| {key} | {ref} | {_median(values)} ({len(values)}) |")
+    lines.append("\n| step | config | predicted rollout s | measured s |")
+    lines.append("|---|---|---|---|")
+    for m in results["pearl"]["metrics"]:
+        lines.append(
+            f"| {m['step']} | {m['config']} | {m['predicted_s']:.2f} | {m['rollout_s']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(config: str, as_json: bool = False) -> int:
+    results = run(config)
+    if as_json:
+        print(json.dumps(results, indent=1))
+    else:
+        print(format_results(results))
+    return 0
