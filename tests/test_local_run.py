@@ -8,8 +8,10 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -190,3 +192,47 @@ def test_a_master_killed_mid_step_resumes_without_losing_anything(tmp_path: Path
     assert report.returncode == 0, report.stderr
     for name in ("throughput.png", "roles.png", "prediction.png", "steps.md"):
         assert (run_dir / "report" / name).stat().st_size > 0
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(vllm_skip_reason() is not None, reason=str(vllm_skip_reason()))
+def test_a_worker_killed_mid_rollout_loses_no_trajectory(tmp_path: Path, monkeypatch):
+    """SIGKILL the elastic engine worker while step 1's turns run on it: the router
+    reports it, the controller drops it, its turns are re-sent to the reserved worker
+    and every trajectory of every step is trained."""
+    monkeypatch.setenv("PEARL_HPC_CACHE", str(tmp_path / "cache"))
+    config = {
+        **CONFIG,
+        "profile": "profiles/tiny-cpu.yaml",
+        "workers": {"training_gpus": 1, "reserved_rollout": 1, "overlap": 0},
+        "elastic": {"grace_s": 30, "trace": [{"at_step": 0, "workers": 1}]},
+    }
+    cfg = load_local(_write(tmp_path, config))
+    run_dir = tmp_path / "runs" / "t"
+    killed: list[int] = []
+
+    def kill_elastic_mid_step_1() -> None:
+        log = run_dir / "trajectories" / "step-00001.jsonl"
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if log.exists() and len(log.read_text().splitlines()) >= 4:
+                ready = next(run_dir.glob("w*-el1:0.ready.json"))
+                pid = json.loads(ready.read_text())["pid"]
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                return
+            time.sleep(0.02)
+
+    killer = threading.Thread(target=kill_elastic_mid_step_1, daemon=True)
+    killer.start()
+    summary = asyncio.run(run_local(cfg, run_dir))
+    killer.join(timeout=5)
+    assert killed, "the elastic worker was never killed"
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["trajectories"] for m in metrics] == [16] * 3  # nothing lost
+    assert summary["steps"] == 3
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    failed = [e for e in events if e.get("event") == "WorkerFailed"]
+    assert failed, "the controller never heard of the dead worker"
+    # after the failure only the reserved worker serves
+    assert len(metrics[-1]["roles"]) == 1
