@@ -369,10 +369,56 @@ def _cmd_run(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    summary = asyncio.run(run_local(cfg, run_dir, on_step=progress, resume=bool(args.resume)))
+    live = _LiveRollout() if sys.stdout.isatty() else None
+    try:
+        summary = asyncio.run(
+            run_local(
+                cfg,
+                run_dir,
+                on_step=progress,  # printed above the live line on a terminal
+                resume=bool(args.resume),
+                on_progress=live.update if live is not None else None,
+            )
+        )
+    finally:
+        if live is not None:
+            live.stop()
     print(format_summary(summary))
     print(f"status: pearl-hpc status {run_dir}; plots: pearl-hpc report {run_dir}")
     return 0
+
+
+class _LiveRollout:
+    """A live line under the step log on a terminal: the rollout in progress, the
+    serving roles, elastic and borrowed workers."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+        from rich.live import Live
+
+        self.console = Console()
+        self.live = Live("", console=self.console, refresh_per_second=4, transient=True)
+        self.live.start()
+        self.finished: set[str] = set()
+
+    def update(self, step: int, traj: Any, batch: int, executor: Any) -> None:
+        if traj.done:
+            self.finished.add(traj.trajectory_id)
+        done = sum(1 for t in self.finished if t.startswith(f"s{step}-"))
+        roles = " ".join(
+            f"s{w.slot_id}={str(w.role)[0].upper()}"
+            for w in executor.workers.values()
+            if w.slot_id is not None and w.role is not None
+        )
+        borrowed = executor.activating_overlap()
+        self.live.update(
+            f"step {step}: rollout {done}/{batch} trajectories, turns moved "
+            f"{executor.counters.moved_turns}, roles {roles or '-'}, "
+            f"borrowed {'yes' if borrowed else 'no'}"
+        )
+
+    def stop(self) -> None:
+        self.live.stop()
 
 
 def _cmd_status(args: argparse.Namespace) -> int:

@@ -402,6 +402,9 @@ class LocalWorkers:
 class TracePoint:
     at_step: int = spec_field("the step whose rollout this point precedes", ge=0)
     workers: int = spec_field("elastic workers available from then on", ge=0)
+    after_s: float = spec_field(
+        "seconds into that step's rollout (0: before it starts)", default=0.0, ge=0
+    )
 
 
 @dataclass(frozen=True)
@@ -528,7 +531,12 @@ class StepMetrics:
 
 
 async def run_local(
-    cfg: LocalConfig, run_dir: Path, on_step: Any = None, *, resume: bool = False
+    cfg: LocalConfig,
+    run_dir: Path,
+    on_step: Any = None,
+    *,
+    resume: bool = False,
+    on_progress: Any = None,
 ) -> dict[str, Any]:
     """One local training run; returns the summary (also written to ``summary.json``).
 
@@ -633,12 +641,35 @@ async def run_local(
 
     granted: list[tuple[ElasticSource, tuple[str, ...]]] = []
     job_counter = [0]
-    trace = {p.at_step: p.workers for p in cfg.elastic.trace}
+    trace = {p.at_step: p for p in cfg.elastic.trace}
     if first_step > 0:  # the trace's availability at the resumed step, granted afresh
         before = [at for at in trace if at <= first_step]
-        if before and first_step not in trace:
-            trace[first_step] = trace[max(before)]
+        if before:
+            trace[first_step] = TracePoint(first_step, trace[max(before)].workers)
+
+    async def apply_trace(step: int, point: TracePoint) -> None:
+        """Grants / reclaims of a trace point, ``after_s`` into the step's rollout (a
+        reclaim notice arriving mid-rollout drains turns in flight)."""
+        if point.after_s:
+            await asyncio.sleep(point.after_s)
+        for ev in trace_events(cfg.elastic.grace_s, clock(), granted, job_counter, point.workers):
+            regrant = step == first_step and resume
+            if isinstance(ev, CapacityGranted) and not regrant:
+                executor.counters.grows += 1
+            elif isinstance(ev, CapacityReclaimed):
+                executor.counters.reclaims += 1
+            await queue.put(ev)
+        if not point.after_s:
+            await drain_queue(queue, controller, executor)  # decided before the rollout
+
     tlog = TrajectoryLog(run_dir)
+    batch = cfg.run.num_groups * cfg.run.group_size
+
+    def record_turn(step: int, traj: Trajectory) -> None:
+        tlog.record(step, traj)
+        if on_progress is not None:
+            on_progress(step, traj, batch, executor)
+
     pump_task = asyncio.create_task(pump())
     try:
         await asyncio.gather(*[executor.add_overlap_process(s) for s in overlap_sets])
@@ -647,21 +678,10 @@ async def run_local(
         executor.sync_router()
         save_state(first_step, "running")
         for step in range(first_step, cfg.run.steps):
-            if step in trace:
-                for ev in trace_events(
-                    cfg.elastic.grace_s,
-                    clock(),
-                    granted,
-                    job_counter,
-                    trace[step],
-                ):
-                    regrant = step == first_step and resume
-                    if isinstance(ev, CapacityGranted) and not regrant:
-                        executor.counters.grows += 1
-                    elif isinstance(ev, CapacityReclaimed):
-                        executor.counters.reclaims += 1
-                    await queue.put(ev)
-                await drain_queue(queue, controller, executor)  # decided before the rollout
+            if step in trace and not trace[step].after_s:
+                await apply_trace(step, trace[step])
+            elif step in trace:
+                executor._spawn(apply_trace(step, trace[step]))
             borrowed_before = executor.counters.activation_s[:]
             moved_before = executor.counters.moved_turns
             journaled = tlog.load(step) if step == first_step else {}
@@ -673,7 +693,7 @@ async def run_local(
                 chat,
                 rollout,
                 step=step,
-                on_turn=functools.partial(tlog.record, step),
+                on_turn=functools.partial(record_turn, step),
                 journaled=journaled,
             )
             rollout_s = time.perf_counter() - t0
