@@ -135,7 +135,11 @@ def test_disaggregated_tokens_equal_colocated_with_real_kv_transfer(fleet: Fleet
     )
     assert fit.values["turns"] == 3
     assert fit.values["gen_tokens_per_turn"] and fit.values["gen_tokens_per_turn"] > 0
-    assert fit.values["decode_fixed_s"] is not None and fit.values["decode_fixed_s"] >= 0
+    decode_batches = {r.num_seqs for r in records if r.prefill_tokens == 0 and r.num_seqs > 0}
+    if len(decode_batches) > 1:  # A and b are identifiable: fitted from the real steps
+        assert fit.values["decode_fixed_s"] is not None and fit.values["decode_fixed_s"] >= 0
+    else:  # every decode step had the same batch (seen in CI): the prior is kept, by design
+        assert fit.values["decode_fixed_s"] is None
     assert decode_prefill <= 2 * turns < prompt_tokens
     print(
         f"\nPD: {after.kv_bytes_received - before.kv_bytes_received} KV bytes for {turns} turns,"
