@@ -139,7 +139,14 @@ def wait_settled(run_dir: Path, members: set[str], timeout_s: float = 60) -> Non
     deadline = time.monotonic() + timeout_s
     while True:
         log = events(run_dir)
-        admitted = [i for i, e in enumerate(log) if e["what"] == "admitted"]
+        # their admission, not the base job's earlier one: after they joined (seen in CI:
+        # a partition between joining and admission already lists them in its roles)
+        joined = [
+            i for i, e in enumerate(log) if e["what"] == "joined" and members <= set(e["members"])
+        ]
+        admitted = [
+            i for i, e in enumerate(log) if e["what"] == "admitted" and joined and i > joined[0]
+        ]
         if admitted and any(
             e["what"] == "partition" and members <= set(e["roles"]) for e in log[admitted[-1] + 1 :]
         ):
