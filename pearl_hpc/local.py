@@ -622,7 +622,25 @@ async def run_local(
             await drain_queue(queue, controller, executor)
             save_state(first_step if not metrics else metrics[-1].step + 1, "running")
 
+    # counters a previous master journaled; this master's history adds to them
+    before_changes = (executor.counters.mode_changes, executor.counters.ratio_changes)
+
+    def update_counters() -> None:
+        history = controller.history
+        modes = [r.plan.target.mode for r in history]
+        c = executor.counters
+        c.mode_changes = before_changes[0] + sum(1 for a, b in itertools.pairwise(modes) if a != b)
+        c.ratio_changes = before_changes[1] + sum(
+            1
+            for a, b in itertools.pairwise(history)
+            if a.plan.target.mode == b.plan.target.mode
+            and a.plan.target.mode is Mode.DISAGGREGATED
+            and a.plan.target != b.plan.target
+        )
+        c.borrow_cycles = min(len(c.activation_s), len(c.deactivation_s))
+
     def save_state(next_step: int, status: str) -> None:
+        update_counters()
         write_journal(
             run_dir / "journal.json",
             {
@@ -795,19 +813,9 @@ async def run_local(
         with contextlib.suppress(Exception):
             await pump_task
         await executor.close()
-    history = controller.history
-    targets = [str(r.plan.target) for r in history]
-    modes = [r.plan.target.mode for r in history]
+    targets = [str(r.plan.target) for r in controller.history]
+    update_counters()
     c = executor.counters
-    c.mode_changes += sum(1 for a, b in itertools.pairwise(modes) if a != b)
-    c.ratio_changes += sum(
-        1
-        for a, b in itertools.pairwise(history)
-        if a.plan.target.mode == b.plan.target.mode
-        and a.plan.target.mode is Mode.DISAGGREGATED
-        and a.plan.target != b.plan.target
-    )
-    c.borrow_cycles = min(len(c.activation_s), len(c.deactivation_s))
     summary = {
         "steps": len(metrics),
         "tokens_per_s": round(
