@@ -150,12 +150,11 @@ def write_run_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     # step throughput over time, active rollout workers (dedicated, borrowed) behind it
     fig, ax = plt.subplots(figsize=(10, 4.5))
     budget_ax = ax.twinx()
-    ax.step(
-        [m["t_s"] for m in metrics],
-        [m["tokens_per_s"] for m in metrics],
-        where="post",
-        label="pearl (measured)",
-    )
+    # a step's throughput holds over the step: from the previous step's end to its own
+    ends = [m["t_s"] for m in metrics]
+    rates = [m["tokens_per_s"] for m in metrics]
+    ax.step([ends[0] - metrics[0]["rollout_s"] - metrics[0]["train_s"], *ends], [rates[0], *rates],
+            where="pre", label="pearl (measured)")  # fmt: skip
     active: dict[int, str] = {}
     times, dedicated, borrowed = [0.0], [0], [0]
     for t, slot, _role, state in timeline:
