@@ -480,13 +480,10 @@ class TrajectoryLog:
     def load(self, step: int) -> dict[str, Trajectory]:
         """The last record of each trajectory of ``step`` (a torn last line is skipped)."""
         out: dict[str, Trajectory] = {}
-        path = self.path(step)
-        if not path.exists():
-            return out
-        for line in path.read_text().splitlines():
+        for record in read_jsonl(self.path(step)):
             try:
-                traj = Trajectory.from_dict(json.loads(line))
-            except (ValueError, KeyError, TypeError):
+                traj = Trajectory.from_dict(record)
+            except (KeyError, TypeError):
                 continue
             out[traj.trajectory_id] = traj
         return out
@@ -495,6 +492,18 @@ class TrajectoryLog:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file the run appends to; a missing file is empty and
+    a torn line (being written, or cut by a kill) is skipped."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
 
 
 def read_run_state(run_dir: Path) -> dict[str, Any]:
@@ -846,13 +855,10 @@ def _serving_prediction(controller: Controller) -> tuple[str, float]:
 
 
 def _read_metrics(run_dir: Path) -> list[StepMetrics]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
     out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(ValueError, TypeError):
-            out.append(StepMetrics(**json.loads(line)))
+    for record in read_jsonl(run_dir / "metrics.jsonl"):
+        with contextlib.suppress(TypeError):
+            out.append(StepMetrics(**record))
     return out
 
 

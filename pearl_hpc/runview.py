@@ -9,27 +9,14 @@ tracker's predicted rollout time next to the measured one.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 from pearl_hpc.errors import PearlError
-from pearl_hpc.local import read_run_state
+from pearl_hpc.local import read_jsonl, read_run_state
 
 _ROLE_LETTER = {"prefill": "P", "decode": "D", "colocated": "C"}
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:  # a line being written
-            continue
-    return out
 
 
 def _alive(pid: int) -> bool:
@@ -50,7 +37,7 @@ def run_status(run_dir: Path) -> dict[str, Any]:
         status = "dead"
     slots = state["controller"]["table"]["slots"]
     rollout = [s for s in slots if s["role"] != "training"]
-    metrics = _read_jsonl(run_dir / "metrics.jsonl")
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
     return {
         "run_dir": str(run_dir),
         "status": status,
@@ -134,13 +121,13 @@ def write_run_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         raise PearlError("report needs matplotlib: pip install -e '.[plots]'") from None
-    from pearl_hpc.sim.report import plot_role_timeline
+    from pearl_hpc.sim.report import finish_throughput_axes, plot_role_timeline, save_figure
 
     run_dir = Path(run_dir)
     out = Path(out_dir) if out_dir else run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
-    metrics = _read_jsonl(run_dir / "metrics.jsonl")
-    events = _read_jsonl(run_dir / "events.jsonl")
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    events = read_jsonl(run_dir / "events.jsonl")
     if not metrics:
         raise PearlError(f"{run_dir}: no finished step in metrics.jsonl yet; nothing to plot")
     timeline = role_timeline(events)
@@ -174,17 +161,10 @@ def write_run_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
         alpha=0.3,
         label="+ borrowed",
     )
-    budget_ax.set_ylabel("active rollout workers (grey; green with borrowed)")
-    ax.set_xlabel("run time (s)")
-    ax.set_ylabel("step throughput (tokens/s)")
-    ax.set_zorder(budget_ax.get_zorder() + 1)
-    ax.patch.set_visible(False)
-    ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    path = out / "throughput.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    finish_throughput_axes(
+        ax, budget_ax, "active rollout workers (grey; green with borrowed)", "run time (s)"
+    )
+    written.append(save_figure(plt, fig, out / "throughput.png"))
 
     path = out / "roles.png"
     plot_role_timeline(plt, timeline, duration, run_dir.name, path)
@@ -200,11 +180,7 @@ def write_run_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     ax.set_xlabel("step")
     ax.set_ylabel("seconds")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "prediction.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    written.append(save_figure(plt, fig, out / "prediction.png"))
 
     path = out / "steps.md"
     head = "| step | config | rollout s | predicted s | tokens/s | reward | borrowed | return s |"

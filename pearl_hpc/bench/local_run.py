@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from pearl_hpc.core.policies import BorrowingName, PDPolicyName
-from pearl_hpc.local import LocalConfig, load_local, run_local
+from pearl_hpc.local import LocalConfig, load_local, read_jsonl, run_local
 
 # PEARL.md, "Reconfiguration latency" (Qwen3-8B / Qwen3-30B-A3B on H800), seconds
 PEARL_LATENCIES_S = {
@@ -41,10 +41,6 @@ PEARL_LATENCIES_S = {
     "intra-scale activation": (6.26, 6.09),
     "intra-scale deactivation": (3.18, 4.38),
 }
-
-
-def _events(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
 
 
 def measured_latencies(events: list[dict[str, Any]]) -> dict[str, list[float]]:
@@ -87,13 +83,11 @@ def run(config: str) -> dict[str, Any]:
             run_dir = Path(tmp) / name
             print(f"bench --local: running {name} ...", flush=True)
             summary = asyncio.run(run_local(variant, run_dir))
-            metrics = [
-                json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-            ]
+            metrics = read_jsonl(run_dir / "metrics.jsonl")
             results[name] = {
                 "summary": summary,
                 "metrics": metrics,
-                "latencies": measured_latencies(_events(run_dir)),
+                "latencies": measured_latencies(read_jsonl(run_dir / "events.jsonl")),
             }
     return results
 

@@ -86,17 +86,8 @@ def write_report(
             times = [t for t, _ in sim.budget] + [sim.duration_s]
             gpus = [g for _, g in sim.budget] + [sim.budget[-1][1]]
             budget_ax.step(times, gpus, where="post", color="grey", alpha=0.25, linewidth=1)
-    budget_ax.set_ylabel("dedicated rollout GPUs (grey)")
-    ax.set_xlabel("time (s)")
-    ax.set_ylabel("step throughput (tokens/s)")
-    ax.set_zorder(budget_ax.get_zorder() + 1)
-    ax.patch.set_visible(False)
-    ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    path = out / "throughput.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    finish_throughput_axes(ax, budget_ax, "dedicated rollout GPUs (grey)", "time (s)")
+    written.append(save_figure(plt, fig, out / "throughput.png"))
 
     # role timeline of each system with elastic or borrowed workers
     for name, sim in sims.items():
@@ -104,6 +95,23 @@ def write_report(
         plot_role_timeline(plt, sim.timeline, sim.duration_s, name, path)
         written.append(path)
     return written
+
+
+def finish_throughput_axes(ax: Any, budget_ax: Any, budget_label: str, xlabel: str) -> None:
+    """Labels and layering of a step-throughput plot drawn over a worker-budget axis."""
+    budget_ax.set_ylabel(budget_label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("step throughput (tokens/s)")
+    ax.set_zorder(budget_ax.get_zorder() + 1)  # the throughput line above the budget
+    ax.patch.set_visible(False)
+    ax.legend(loc="upper left", fontsize=8)
+
+
+def save_figure(plt: Any, fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def plot_role_timeline(
@@ -142,6 +150,4 @@ def plot_role_timeline(
     ax.set_yticklabels([f"slot {s}" for s in sorted(spans)], fontsize=6)
     ax.set_xlabel("time (s)")
     ax.set_title(f"{name}: active workers (blue P, orange D, green C; light = borrowed)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(plt, fig, path)
