@@ -26,6 +26,7 @@ import gc
 import logging
 import os
 import queue
+import random
 import socket
 import threading
 import time
@@ -83,17 +84,33 @@ def configure_process_env(spec: EngineSpec) -> None:
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.kv_side_channel_port)
 
 
+def _listen_port(host: str) -> int:
+    """A port free now and BELOW the kernel's ephemeral range. An ephemeral port (bind to
+    0) is handed to outgoing connections too: between picking it and the listener binding
+    it seconds later (engine init), another process's connection took it (seen in CI)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(10000, max(10001, low))
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        return port
+    raise EngineError(f"no free port in 10000-{low} on {host} for the NIXL side channel")
+
+
 def _fresh_side_channel_port(fixed: int) -> None:
     """Point NIXL's handshake listener at ``fixed``, or at a port free right now. A port
     picked when the process started can be taken by the time a released worker restarts
     its engine minutes later: the listener thread then dies and the start hangs."""
     import vllm.envs as envs
 
-    port = fixed
-    if not port:
-        with socket.socket() as sock:
-            sock.bind((os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1"), 0))
-            port = int(sock.getsockname()[1])
+    port = fixed or _listen_port(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1"))
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
     envs.disable_envs_cache()  # vLLM caches its env after an engine start: read it again
 
