@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -65,6 +66,7 @@ from pearl_hpc.journal import read_journal, write_journal
 from pearl_hpc.rollout.envs import ENV_NAMES
 from pearl_hpc.rollout.router import Router
 from pearl_hpc.rollout.types import Trajectory
+from pearl_hpc.slurmrun import ElasticJobs, RemoteWorker, SlurmSettings, source_of_gpus
 from pearl_hpc.train.loop import WeightSync
 
 log = logging.getLogger(__name__)
@@ -74,7 +76,7 @@ log = logging.getLogger(__name__)
 class _Worker:
     """An engine worker process and the slot it serves (None while idle)."""
 
-    proc: WorkerProcess
+    proc: WorkerProcess | RemoteWorker  # a local child, or a step of an elastic Slurm job
     gpu_ids: tuple[str, ...]
     slot_id: int | None = None
     role: Role | None = None  # None: released (no engine)
@@ -127,6 +129,7 @@ class LocalExecutor:
         self.events_path = run_dir / "events.jsonl"
         self.last_table: list[list[Any]] = []
         self.start_timeout_s = 300.0  # an engine (re)start taking longer has failed
+        self.elastic: ElasticJobs | None = None  # the Slurm backend's elastic jobs
         router.on_failure = self._on_router_failure
 
     def _on_router_failure(self, worker_id: str, reason: str) -> None:
@@ -198,7 +201,15 @@ class LocalExecutor:
             worker = self.workers.get(add.gpu_ids)
             if worker is not None:
                 worker.slot_id = add.slot_id
-            if worker is None:
+            if worker is None and self.elastic is not None and source_of_gpus(add.gpu_ids):
+                # an engine server in an elastic job's step: up with no engine, activate it
+                remote = await self.elastic.attach(add.gpu_ids, self.key, self.start_timeout_s)
+                worker = _Worker(remote, add.gpu_ids, slot_id=add.slot_id)
+                self.workers[add.gpu_ids] = worker
+                await asyncio.wait_for(
+                    remote.client.activate(add.role), timeout=self.start_timeout_s
+                )
+            elif worker is None:
                 proc = await spawn_worker(
                     self.spec,
                     f"w{add.slot_id}-" + "-".join(add.gpu_ids),
@@ -215,13 +226,17 @@ class LocalExecutor:
                 await asyncio.wait_for(
                     worker.proc.client.activate(add.role), timeout=self.start_timeout_s
                 )
+            role = self._table_role(add.slot_id, add.role)
+            if role is not add.role:  # re-planned while starting (change_roles skipped it)
+                await worker.proc.client.set_role(role)
             async with self.weights_lock:
                 await self.sync.catch_up(f"g{'-'.join(add.gpu_ids)}", worker.proc.client)
-                worker.slot_id, worker.role = add.slot_id, add.role
+                worker.slot_id, worker.role = add.slot_id, role
         except Exception as exc:
             log.exception("slot %s failed to start", add.slot_id)
             failed = self.workers.get(add.gpu_ids)
-            if failed is not None and isinstance(exc, TimeoutError):
+            in_job = failed is not None and isinstance(failed.proc, RemoteWorker)
+            if failed is not None and (in_job or isinstance(exc, TimeoutError)):
                 failed.proc.kill()
                 self.workers.pop(add.gpu_ids, None)
             await self.queue.put(WorkerFailed(add.slot_id, f"{type(exc).__name__}: {exc}"))
@@ -238,6 +253,13 @@ class LocalExecutor:
         )
         await self.queue.put(WorkerReady(add.slot_id))
 
+    def _table_role(self, slot_id: int, default: Role) -> Role:
+        assert self.controller is not None
+        slot = next(
+            (s for s in self.controller.table.rollout_slots() if s.slot_id == slot_id), None
+        )
+        return slot.role if slot is not None else default
+
     def admit(self, slot_ids: Sequence[int]) -> None:
         self.log_event("admit", slots=list(slot_ids))
         self.sync_router()
@@ -250,8 +272,9 @@ class LocalExecutor:
 
     async def _rerole(self, slot_id: int, role: Role) -> None:
         worker = self._worker_of(slot_id)
-        if worker is None:  # still starting: _start will use the table's role
-            return
+        starting = self.starting.get(slot_id)
+        if worker is None or (starting is not None and not starting.done()):
+            return  # still starting: _start takes the table's role when its engine is up
         try:
             timing = await worker.proc.client.set_role(role)
             worker.role = role
@@ -303,6 +326,8 @@ class LocalExecutor:
 
     def release_capacity(self, source: ElasticSource) -> None:
         self.log_event("release_capacity", source=source.tag)
+        if self.elastic is not None:
+            self.elastic.release(source)
 
     async def close(self) -> None:
         for task in list(self.tasks):
@@ -431,6 +456,12 @@ class LocalConfig:
     name: str = spec_field("run name (labels the run directory)")
     runs_dir: str = spec_field("where run directories go", default="runs")
     model: str = spec_field("'tiny' (built locally) or a model directory", default="tiny")
+    backend: str = spec_field(
+        "local (elastic workers are local processes) | slurm (elastic workers are "
+        "heterogeneous Slurm jobs, reclaimed by preemption)",
+        default="local",
+    )
+    slurm: SlurmSettings = spec_field("elastic jobs (backend: slurm)", default=SlurmSettings())
     profile: str = spec_field(
         "workload profile YAML (relative: to configs/)", default="profiles/tiny-cpu.yaml"
     )
@@ -446,6 +477,13 @@ def load_local(path: str | Path) -> LocalConfig:
         raise ConfigError(
             f"{path}: workers.overlap ({cfg.workers.overlap}) > "
             f"workers.training_gpus ({cfg.workers.training_gpus}); lower it"
+        )
+    if cfg.backend not in ("local", "slurm"):
+        raise ConfigError(f"{path}: backend {cfg.backend!r}: use local or slurm")
+    if cfg.backend == "slurm" and not shutil.which("sbatch"):
+        raise ConfigError(
+            f"{path}: backend slurm needs the Slurm commands (sbatch not on PATH); run on a "
+            "Slurm cluster (slurm/local-cluster.sh up for a local one) or use backend: local"
         )
     if cfg.run.env not in ENV_NAMES:
         raise ConfigError(f"{path}: run.env {cfg.run.env!r}: use one of {list(ENV_NAMES)}")
@@ -580,8 +618,22 @@ async def run_local(
     )
     queue: asyncio.Queue[Event] = asyncio.Queue()
     router = Router(wait_for_workers_s=600)
-    sync = WeightSync()
-    executor = LocalExecutor(EngineSpec(model_dir=model_dir), run_dir, queue, router, sync, clock)
+    # elastic engines on other nodes reach the trainer's weight store by this host's name
+    sync = WeightSync(host=socket.gethostname() if cfg.backend == "slurm" else "127.0.0.1")
+    spec = EngineSpec(model_dir=model_dir)
+    executor = LocalExecutor(spec, run_dir, queue, router, sync, clock)
+    pool = None
+    if cfg.backend == "slurm":
+        pool = executor.elastic = ElasticJobs(
+            cfg.slurm,
+            spec,
+            run_dir,
+            executor.key,
+            queue,
+            clock,
+            cfg.elastic.grace_s,
+            lambda kind, fields: executor.log_event(kind, **fields),
+        )
     controller = Controller(
         profile, executor, policy=cfg.policy, clock=clock, check_invariants=True
     )
@@ -633,6 +685,7 @@ async def run_local(
 
     # counters a previous master journaled; this master's history adds to them
     before_changes = (executor.counters.mode_changes, executor.counters.ratio_changes)
+    before_capacity = (executor.counters.grows, executor.counters.reclaims)
 
     def update_counters() -> None:
         history = controller.history
@@ -647,6 +700,12 @@ async def run_local(
             and a.plan.target != b.plan.target
         )
         c.borrow_cycles = min(len(c.activation_s), len(c.deactivation_s))
+        if pool is not None:  # grants and reclaims are Slurm's: counted as they arrive
+            c.grows = before_capacity[0] + pool.counts["granted"]
+            c.reclaims = before_capacity[1] + pool.counts["reclaimed"]
+
+    def elastic_workers() -> int:
+        return pool.live_workers() if pool is not None else len(granted)
 
     def save_state(next_step: int, status: str) -> None:
         update_counters()
@@ -659,7 +718,7 @@ async def run_local(
                 "steps": cfg.run.steps,
                 "version": trainer.version,
                 "t_s": round(clock(), 3),
-                "elastic_workers": len(granted),
+                "elastic_workers": elastic_workers(),
                 "counters": asdict(executor.counters),
                 "controller": controller.snapshot(),
             },
@@ -679,6 +738,9 @@ async def run_local(
         reclaim notice arriving mid-rollout drains turns in flight)."""
         if point.after_s:
             await asyncio.sleep(point.after_s)
+        if pool is not None:  # real jobs: grants and reclaims arrive from squeue / signals
+            await pool.scale_to(point.workers)
+            return
         for ev in trace_events(cfg.elastic.grace_s, clock(), granted, job_counter, point.workers):
             regrant = step == first_step and resume
             if isinstance(ev, CapacityGranted) and not regrant:
@@ -698,7 +760,12 @@ async def run_local(
             on_progress(step, traj, batch, executor)
 
     pump_task = asyncio.create_task(pump())
+    watch_task = None
     try:
+        if pool is not None:
+            if resume:  # the dead master's elastic jobs: cancelled, granted afresh
+                await pool.cancel_leftovers()
+            watch_task = asyncio.create_task(pool.watch(pump_stop))
         await asyncio.gather(*[executor.add_overlap_process(s) for s in overlap_sets])
         controller.register_training(train_gpus, overlap_gpu_sets=overlap_sets)
         controller.grant_reserved([(f"rsv:{i}",) for i in range(cfg.workers.reserved_rollout)])
@@ -793,7 +860,7 @@ async def run_local(
                 mean_reward=round(stats.mean_reward, 4),
                 version=stats.version,
                 roles={k: str(v) for k, v in sorted(roles.items())},
-                elastic_workers=len(granted),
+                elastic_workers=elastic_workers(),
                 borrowed=borrowed,
                 moved_turns=executor.counters.moved_turns - moved_before,
                 trajectories=sum(1 for t in trajectories if t.done and t.reward is not None),
@@ -821,7 +888,12 @@ async def run_local(
         pump_stop.set()
         with contextlib.suppress(Exception):
             await pump_task
+        if watch_task is not None:
+            with contextlib.suppress(Exception):
+                await watch_task
         await executor.close()
+        if pool is not None:
+            await pool.close()
     targets = [str(r.plan.target) for r in controller.history]
     update_counters()
     c = executor.counters
@@ -838,6 +910,8 @@ async def run_local(
         "toggle_cost_s": round(controller.toggle.estimate_s, 3),
         "profile": controller.profile.to_dict(),  # as refitted from the run's telemetry
     }
+    if pool is not None:
+        summary["slurm"] = {"jobs": pool.jobs, "preempting_jobs": pool.preemptors}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     save_state(cfg.run.steps, "finished")
     return summary

@@ -60,10 +60,13 @@ class TrainingFinished:
 
 @dataclass(frozen=True, slots=True)
 class CapacityGranted:
-    """An elastic job (component) is running: one GPU set per prospective worker."""
+    """An elastic job (component) is running: one GPU set per prospective worker.
+    ``also``: the job's other components, started with it (a heterogeneous job), decided
+    on together with this one."""
 
     source: ElasticSource
     gpu_sets: tuple[tuple[str, ...], ...]
+    also: tuple[CapacityGranted, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,11 +238,14 @@ class Controller:
                 result = self._on_training_begin(step)
             case TrainingFinished(step, unfinished):
                 result = self._on_training_finished(step, unfinished)
-            case CapacityGranted(source, gpu_sets):
-                self.free_units.extend(
-                    CapacityUnit(tuple(g), Zone.DEDICATED, source) for g in gpu_sets
-                )
-                result = self._reconfigure(f"capacity granted by {source.tag}")
+            case CapacityGranted(also=also):
+                grants = (event, *also)
+                for grant in grants:
+                    self.free_units.extend(
+                        CapacityUnit(tuple(g), Zone.DEDICATED, grant.source) for g in grant.gpu_sets
+                    )
+                tags = ", ".join(g.source.tag for g in grants)
+                result = self._reconfigure(f"capacity granted by {tags}")
             case CapacityReclaimed(source, deadline_s, gpu_ids):
                 result = self._on_reclaim(source, deadline_s, gpu_ids)
             case WorkerReady(slot_id):

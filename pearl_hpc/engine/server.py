@@ -328,6 +328,8 @@ async def _main(args: argparse.Namespace) -> int:
         start = await worker.restore(args.role)
         worker.admitting = True
     host, port = server.sockets[0].getsockname()[:2]
+    if args.advertise_host:  # bound to every interface: peers use the node's name
+        host = socket.gethostname() if args.advertise_host == "auto" else args.advertise_host
     ready = {
         "host": host,
         "port": port,
@@ -369,6 +371,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ready-file", required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
+    p.add_argument(
+        "--advertise-host",
+        default="",
+        help="host name written to the ready file ('auto': this node's)",
+    )
     p.add_argument("--kv-port", type=int, default=0)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--max-model-len", type=int, default=1024)

@@ -1,0 +1,458 @@
+"""The Slurm backend of ``pearl-hpc run``: elastic engine workers in heterogeneous jobs.
+
+    sbatch launch/run.sbatch configs/runs/slurm-local.yaml     # the master as a batch job
+
+The master is the same as the local backend's (:func:`pearl_hpc.local.run_local`: the
+controller, the trainer, the reserved and overlap engines in its own job). Elastic
+capacity differs: a grow submits one heterogeneous job with one component per engine
+worker (``--comment=pearl:<run tag>``, partition ``slurm.partition``); each component
+runs ``python -m pearl_hpc.engine.server`` in its own ``srun --het-group=K`` step, which
+announces its address in ``RUN_DIR/elastic/JOB+K.ready.json``; the master connects to
+it when the controller places a worker on those GPUs. Reclaims are Slurm's:
+
+    squeue (thread) ──RUNNING──> CapacityGranted      the job's --signal (preemption)
+    component gone ──────────> CapacityReclaimed      ──> JOB.signal ──> CapacityReclaimed
+                                                                          (deadline = grace)
+
+The controller drains the component's workers (their partial turns finish elsewhere),
+releases them and calls ``release_capacity``: ``scancel JOB+K``. The availability trace
+of a run config is carried out for real: a trace point that lowers the elastic count
+submits a job on ``slurm.preempt_partition`` to each node of the newest elastic job, and
+Slurm preempts it (the job's signal first, then cancel after the partition's GraceTime).
+
+Every process of an elastic job ends with the master: the job's launcher watches the
+master's lease file (``RUN_DIR/elastic/master.lease``, touched every second) and ends its
+steps once it goes stale. A resumed master cancels the jobs of its run it finds by tag,
+then grants afresh from the trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pearl_hpc.core.controller import CapacityGranted, CapacityReclaimed, Event
+from pearl_hpc.core.schema import spec_field
+from pearl_hpc.core.table import ElasticSource
+from pearl_hpc.engine.client import EngineClient
+from pearl_hpc.engine.rpc import KEY_ENV
+from pearl_hpc.engine.types import EngineError
+from pearl_hpc.engine.vllm_engine import EngineSpec
+from pearl_hpc.slurm.capacity import CapacityManager, Component, ComponentState
+from pearl_hpc.slurm.client import SlurmClient, SlurmError, run_command
+from pearl_hpc.slurm.scripts import HetComponent, JobSpec
+
+log = logging.getLogger(__name__)
+
+GONE = ComponentState.GONE
+LEASE_S = 1.0  # the master touches its lease this often
+LEASE_STALE_S = 30.0  # an elastic job whose master was silent this long ends itself
+
+
+@dataclass(frozen=True)
+class SlurmSettings:
+    partition: str = spec_field("partition of the elastic jobs (preemptible)", default="elastic")
+    gpus_per_worker: int = spec_field("GPUs of one elastic engine worker", default=1, ge=1)
+    cpus_per_worker: int = spec_field("CPUs of one elastic engine worker", default=1, ge=1)
+    time_limit: str = spec_field("time limit of an elastic job", default="1:00:00")
+    sbatch_extra: list[str] = spec_field(
+        "further sbatch options of every component (e.g. --exclusive, --constraint=h100)",
+        default=[],
+    )
+    signal: str = spec_field(
+        "sbatch --signal of elastic jobs (delivered at preemption)", default="B:USR2@60"
+    )
+    poll_s: float = spec_field("squeue poll interval, seconds", default=1.0, gt=0)
+    pending_timeout_s: float = spec_field(
+        "cancel an elastic job still pending after this long", default=600.0, gt=0
+    )
+    preempt_partition: str = spec_field(
+        "partition whose jobs preempt the elastic ones: the trace's reclaims are carried out "
+        "by submitting such a job to the nodes of the newest elastic job",
+        default="high",
+    )
+    preempt_hold_s: int = spec_field("how long a preempting job holds its node", default=20, ge=1)
+
+
+def source_of_gpus(gpu_ids: tuple[str, ...]) -> ElasticSource | None:
+    """The job component that elastic GPU ids (``JOB+K:node:gpuI``) belong to."""
+    tag = gpu_ids[0].split(":", 1)[0]
+    job, plus, component = tag.partition("+")
+    if not plus or not job.isdigit() or not component.isdigit():
+        return None
+    return ElasticSource(job, int(component))
+
+
+def run_tag_of(run_dir: Path) -> str:
+    """A run's Slurm tag (``--comment=pearl:<tag>``): its directory name, stable across
+    resumes."""
+    return "".join(c if c.isalnum() or c in "_.-" else "-" for c in run_dir.resolve().name)
+
+
+class RemoteWorker:
+    """An engine worker in a Slurm job step, with :class:`WorkerProcess`'s interface."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        client: EngineClient,
+        ready: dict[str, Any],
+        cancel: Callable[[], None],
+    ) -> None:
+        self.worker_id = worker_id
+        self.client = client
+        self.ready = ready
+        self._cancel = cancel
+
+    async def stop(self, timeout_s: float = 60.0) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.client.shutdown(), timeout_s)
+        await self.client.close()
+
+    def kill(self) -> None:
+        self._cancel()
+
+
+class ElasticJobs:
+    """This run's elastic heterogeneous jobs: submit, watch, preempt (for the trace),
+    release, and cancel everything at the end."""
+
+    def __init__(
+        self,
+        settings: SlurmSettings,
+        spec: EngineSpec,
+        run_dir: Path,
+        key: str,
+        queue: asyncio.Queue[Event],
+        clock: Callable[[], float],
+        grace_s: float,
+        on_event: Callable[[str, dict[str, Any]], None],
+    ) -> None:
+        self.settings = settings
+        self.spec = spec
+        self.dir = run_dir / "elastic"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        key_file = self.dir / "key"
+        key_file.touch(mode=0o600)
+        key_file.write_text(key)
+        self.tag = run_tag_of(run_dir)
+        self.client = SlurmClient(min_backoff_s=settings.poll_s)
+        self.manager = CapacityManager(
+            self.tag, pending_timeout_s=settings.pending_timeout_s, grace_s=grace_s
+        )
+        self.queue = queue
+        self.clock = clock
+        self.on_event = on_event
+        self.jobs: list[str] = []  # submitted, oldest first
+        self.preemptors: list[str] = []
+        self.counts = {"granted": 0, "reclaimed": 0}
+        self.preempting: set[str] = set()  # jobs the trace had preempted
+        self.released: set[str] = set()  # components the controller gave back
+        self._held: dict[str, list[CapacityGranted]] = {}  # grants of a partly started job
+        self._lease_stop = threading.Event()
+        self._lease = threading.Thread(target=self._touch_lease, name="lease", daemon=True)
+        self._lease.start()
+
+    # ---------------------------------------------------------------- lifetime
+    def _touch_lease(self) -> None:
+        lease = self.dir / "master.lease"
+        while not self._lease_stop.is_set():
+            lease.write_text(f"{os.getpid()} {time.time():.1f}\n")
+            self._lease_stop.wait(LEASE_S)
+
+    async def cancel_leftovers(self) -> list[str]:
+        """Cancel the jobs of this run a previous master left (found by tag)."""
+        rows = await asyncio.to_thread(self.client.poll, self.tag)
+        jobs = sorted({row.job_id for row in rows.values()})
+        for job_id in jobs:
+            with contextlib.suppress(SlurmError):
+                await asyncio.to_thread(self.client.cancel, job_id)
+        if jobs:
+            self.on_event("cancelled_leftovers", {"jobs": jobs})
+            await self._wait_gone(self.tag, 60.0)
+        return jobs
+
+    async def close(self) -> None:
+        """Cancel every elastic and preempting job of the run and see them leave squeue."""
+        self._lease_stop.set()
+        for job_id in self.jobs + self.preemptors:
+            with contextlib.suppress(SlurmError):
+                await asyncio.to_thread(self.client.cancel, job_id)
+        await self._wait_gone(self.tag, 60.0)
+        await self._wait_gone(self.tag + ".preempt", 60.0)
+
+    async def _wait_gone(self, tag: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not await asyncio.to_thread(self.client.poll, tag):
+                return
+            await asyncio.sleep(self.settings.poll_s)
+        log.error("jobs tagged pearl:%s are still in squeue after %.0f s", tag, timeout_s)
+
+    # ---------------------------------------------------------------- capacity
+    def _counted(self) -> list[Component]:
+        """Components that count as available: not given back, not being preempted."""
+        return [
+            c
+            for c in self.manager.live()
+            if c.state is not ComponentState.RELEASING and c.source.job_id not in self.preempting
+        ]
+
+    def live_workers(self) -> int:
+        return sum(len(c.gpu_sets()) if c.nodes else 1 for c in self._counted())
+
+    async def scale_to(self, workers: int) -> None:
+        """The trace's availability: submit one heterogeneous job for the missing workers,
+        or preempt the newest jobs (whole jobs) until at most ``workers`` remain."""
+        have = self.live_workers()
+        if workers > have:
+            await self.submit(workers - have)
+        for job_id in reversed(self.jobs):
+            if have <= workers:
+                break
+            comps = [c for c in self._counted() if c.source.job_id == job_id]
+            if not comps:
+                continue
+            have -= sum(len(c.gpu_sets()) if c.nodes else 1 for c in comps)
+            if all(c.state is ComponentState.RUNNING for c in comps):
+                await self.preempt(job_id)
+            else:  # not started yet: nothing to preempt
+                with contextlib.suppress(SlurmError):
+                    await asyncio.to_thread(self.client.cancel, job_id)
+
+    async def submit(self, workers: int) -> str:
+        s = self.settings
+        component = HetComponent(
+            partition=s.partition,
+            gpus_per_node=s.gpus_per_worker,
+            cpus_per_task=s.cpus_per_worker,
+            time_limit=s.time_limit,
+            extra=tuple(s.sbatch_extra),
+        )
+        job = JobSpec(
+            name="pearl-elastic",
+            run_tag=self.tag,
+            components=(component,) * workers,
+            command=[sys.executable, "-m", "pearl_hpc.slurmrun", *self._engine_args()],
+            signal=s.signal,
+            output=str(self.dir.resolve() / "job-%j.out"),
+        )
+        job_id = await asyncio.to_thread(self.client.submit, job)
+        self.manager.submitted(job_id, job, s.gpus_per_worker, self.clock())
+        self.jobs.append(job_id)
+        self.on_event("submitted", {"job": job_id, "components": workers})
+        return job_id
+
+    def _engine_args(self) -> list[str]:
+        spec = self.spec
+        return [
+            f"--run-dir={self.dir.parent.resolve()}",
+            f"--model={spec.model_dir}",
+            f"--device={spec.device}",
+            f"--max-model-len={spec.max_model_len}",
+            f"--kv-cache-gb={spec.kv_cache_gb}",
+        ]
+
+    async def preempt(self, job_id: str) -> None:
+        """Make Slurm preempt ``job_id``: a job on the preempting partition on each of its
+        nodes (what another user's high-priority job does on a shared cluster)."""
+        nodes = sorted(
+            {n for c in self.manager.live() if c.source.job_id == job_id for n in c.nodes}
+        )
+        for node in nodes:
+            argv = [
+                "sbatch", "--parsable", "-p", self.settings.preempt_partition, "-w", node,
+                f"--gres=gpu:{self.settings.gpus_per_worker}", "-n1", "-o", "/dev/null",
+                "-J", "pearl-preempt", f"--comment=pearl:{self.tag}.preempt",
+                "--wrap", f"sleep {self.settings.preempt_hold_s}",
+            ]  # fmt: skip
+            result = await asyncio.to_thread(run_command, argv)
+            if result.returncode != 0:
+                raise SlurmError(f"preempting job on {node}: {result.stderr.strip()}")
+            self.preemptors.append(result.stdout.strip().split(";")[0])
+        self.preempting.add(job_id)
+        self.on_event("preempt", {"job": job_id, "nodes": nodes})
+
+    def release(self, source: ElasticSource) -> None:
+        """The controller gives a component back: ``scancel JOB+K`` (a signalled one too:
+        it is RELEASING already and is cancelled all the same).
+
+        Component 0 runs the job's batch step, and cancelling it ends every component:
+        while others serve, it is given back (its engine server idles, holding no engine)
+        with the last of them."""
+        self.manager.release(source)
+        self.released.add(source.tag)
+        job = [c for c in self.manager.components.values() if c.source.job_id == source.job_id]
+        others = [c for c in job if c.source.tag not in self.released and c.state is not GONE]
+        if source.het_component == 0 and others:
+            self.on_event("release_deferred", {"source": source.tag})
+            return
+        if not others and any(c.source.het_component == 0 for c in job):
+            target: tuple[str, int | None] = (source.job_id, None)  # the whole job
+        else:
+            target = self.manager.cancel_target(source)
+        try:
+            self.client.cancel(*target)
+        except SlurmError as exc:  # already gone: nothing to give back
+            log.info("scancel %s: %s", source.tag, exc)
+        self.on_event("scancel", {"target": "+".join(str(t) for t in target if t is not None)})
+
+    async def watch(self, stop: asyncio.Event) -> None:
+        """squeue and the jobs' signal files -> capacity events, until ``stop``."""
+        while not stop.is_set():
+            rows = await asyncio.to_thread(self.client.poll, self.tag)
+            now = self.clock()
+            for reclaim in self._signals(now):
+                await self._put(reclaim)
+            actions = self.manager.observe(rows, now)
+            for job_id, component in actions.cancel:
+                with contextlib.suppress(SlurmError):
+                    await asyncio.to_thread(self.client.cancel, job_id, component)
+            for event in actions.events:
+                if isinstance(event, CapacityGranted):
+                    self._held.setdefault(event.source.job_id, []).append(event)
+                else:
+                    await self._put(event)
+            await self._release_grants()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.settings.poll_s)
+
+    async def _release_grants(self) -> None:
+        """Grants of a heterogeneous job go to the controller as one event, once every
+        component runs (Slurm starts them together; squeue may show them one by one)."""
+        for job_id in list(self._held):
+            comps = [c for c in self.manager.live() if c.source.job_id == job_id]
+            if any(c.state in (ComponentState.SUBMITTED, ComponentState.PENDING) for c in comps):
+                continue
+            first, *rest = sorted(self._held.pop(job_id), key=lambda g: g.source.het_component)
+            self.counts["granted"] += len(rest)
+            await self._put(CapacityGranted(first.source, first.gpu_sets, also=tuple(rest)))
+
+    async def _put(self, event: CapacityGranted | CapacityReclaimed) -> None:
+        if isinstance(event, CapacityGranted):
+            self.counts["granted"] += 1
+        else:
+            self.counts["reclaimed"] += 1
+        await self.queue.put(event)
+
+    def _signals(self, now: float) -> list[CapacityReclaimed]:
+        out = []
+        for path in sorted(self.dir.glob("*.signal")):
+            job_id = path.stem
+            path.rename(path.with_suffix(".signal-seen"))
+            self.on_event("signal", {"job": job_id})
+            for comp in list(self.manager.live()):
+                if comp.source.job_id == job_id:
+                    event = self.manager.signalled(comp.source, now)
+                    if event is not None:
+                        out.append(event)
+        return out
+
+    # ----------------------------------------------------------------- workers
+    async def attach(self, gpu_ids: tuple[str, ...], key: str, timeout_s: float) -> RemoteWorker:
+        """Connect to the engine server of the component that holds ``gpu_ids``."""
+        source = source_of_gpus(gpu_ids)
+        if source is None:
+            raise EngineError(f"{gpu_ids}: not GPUs of an elastic job")
+        ready_file = self.dir / f"{source.tag}.ready.json"
+        deadline = time.monotonic() + timeout_s
+        while not ready_file.exists():
+            comp = self.manager.components.get(source.tag)
+            if comp is None or comp.state is ComponentState.GONE:
+                raise EngineError(f"elastic component {source.tag} ended before its engine was up")
+            if time.monotonic() > deadline:
+                raise EngineError(
+                    f"engine of {source.tag} not up after {timeout_s:.0f} s; see "
+                    f"{self.dir}/job-{source.job_id}.out"
+                )
+            await asyncio.sleep(0.2)
+        ready = json.loads(ready_file.read_text())
+        client = EngineClient(source.tag)
+        await client.connect(ready["host"], int(ready["port"]), key)
+        return RemoteWorker(source.tag, client, ready, lambda: self.release(source))
+
+
+# ============================================================ the elastic job's batch step
+
+
+def _launch(args: argparse.Namespace) -> int:
+    """The batch step of an elastic job: one engine server per component, each in its own
+    ``srun --het-group=K`` step; the job's signal is written for the master; the steps end
+    when the master's lease goes stale."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        print("pearl_hpc.slurmrun: not inside a Slurm job (no SLURM_JOB_ID)", file=sys.stderr)
+        return 2
+    het = "SLURM_HET_SIZE" in os.environ
+    size = int(os.environ.get("SLURM_HET_SIZE", "1"))
+    edir = args.run_dir / "elastic"
+    env = {**os.environ, KEY_ENV: (edir / "key").read_text().strip()}
+    procs = []
+    for k in range(size):
+        argv = ["srun", "-n1", *([f"--het-group={k}"] if het else [])]
+        argv += [
+            sys.executable, "-m", "pearl_hpc.engine.server",
+            "--model", args.model, "--worker-id", f"{job}+{k}", "--role", "none",
+            "--ready-file", str(edir / f"{job}+{k}.ready.json"),
+            "--host", "0.0.0.0", "--advertise-host", "auto",
+            "--device", args.device, "--max-model-len", str(args.max_model_len),
+            "--kv-cache-gb", str(args.kv_cache_gb),
+        ]  # fmt: skip
+        procs.append(subprocess.Popen(argv, env=env))
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        note = {"signal": signal.Signals(signum).name, "time": time.time()}
+        tmp = edir / f"{job}.signal.tmp"
+        tmp.write_text(json.dumps(note))
+        tmp.rename(edir / f"{job}.signal")  # the master drains and cancels us
+        print(f"elastic job {job}: {note['signal']}; told the master", flush=True)
+
+    def end_steps() -> None:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(0.2)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+
+    signal.signal(signal.SIGUSR2, on_signal)
+    signal.signal(signal.SIGTERM, lambda *_: end_steps())
+    lease = edir / "master.lease"
+    while any(proc.poll() is None for proc in procs):
+        with contextlib.suppress(OSError):
+            if time.time() - lease.stat().st_mtime > LEASE_STALE_S:
+                print(f"elastic job {job}: the master's lease is stale; ending", flush=True)
+                end_steps()
+                break
+        time.sleep(1.0)
+    return max((proc.wait() for proc in procs), default=0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pearl_hpc.slurmrun", description=_launch.__doc__)
+    p.add_argument("--run-dir", type=Path, required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--kv-cache-gb", type=int, default=1)
+    return _launch(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
