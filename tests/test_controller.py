@@ -146,6 +146,19 @@ def test_capacity_granted_starts_workers_on_the_granted_gpus() -> None:
     assert executor.take() == [("admit", [4, 5])]
 
 
+def test_components_of_a_heterogeneous_job_are_decided_on_together() -> None:
+    controller, executor, _ = running_base(expansion="always")
+    second = ElasticSource(JOB.job_id, 1)
+    record = controller.handle(
+        CapacityGranted(JOB, (gpus(10),), also=(CapacityGranted(second, (gpus(11),)),))
+    )
+    assert record is not None and record.num_workers == 6
+    assert len(controller.history) == 2  # the base decision and one for the whole job
+    starts = calls_named(executor, "start_workers")
+    assert len(starts) == 1 and len(starts[0]) == 2
+    assert {controller.table.get(i).source for i in starts[0]} == {JOB, second}
+
+
 def test_gated_expansion_gives_unprofitable_capacity_straight_back() -> None:
     controller, executor, _ = running_base(expansion="gated", expected_capacity_window_s=60.0)
     record = controller.handle(CapacityGranted(JOB, (gpus(10),)))

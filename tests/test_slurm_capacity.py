@@ -132,8 +132,8 @@ def test_elastic_hetjob_is_granted_released_and_reclaimed_when_it_vanishes(
         time.sleep(2)
         assert cap.poll(time.monotonic()) == []  # a release is not a reclaim
         assert set(client.poll(run)) == {f"{job_id}+0"}
-        # component 0 disappears without our release (an admin's scancel; on Slurm 22.05
-        # a high-priority job did not preempt a heterogeneous job's components here)
+        # component 0 disappears without our release (an admin's scancel; preemption of a
+        # heterogeneous job, signal first, is covered by tests/test_slurm_run.py)
         client.cancel(job_id, 0)
         reclaimed = wait_events(cap, 1)
         assert reclaimed[0].source == ElasticSource(job_id, 0)

@@ -1,0 +1,168 @@
+"""`pearl-hpc run` on the Slurm backend, on the local cluster, with real engines: the
+master is a batch job (launch/run.sbatch); elastic engine workers run in a real
+heterogeneous job; the trace's reclaim is a real preemption by a job on the high
+partition; the master is SIGKILLed mid-run and a second batch job resumes it, cancelling
+the elastic job it finds by tag. Afterwards no job of the run is in squeue and no
+process of it is left.
+
+Four engine processes at most (reserved, overlap, two elastic)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pearl_hpc.local import read_jsonl, read_run_state
+from pearl_hpc.slurmrun import run_tag_of
+from tests.conftest import vllm_skip_reason
+
+REPO = Path(__file__).resolve().parents[1]
+BATCH = 4 * 4
+
+CONFIG = {
+    "name": "t",
+    "backend": "slurm",
+    "profile": "profiles/tiny-cpu-pd-prior.yaml",  # starts disaggregated, telemetry corrects it
+    "policy": {
+        "borrowing": "ungated",
+        "expansion": "always",
+        "toggle_cost_s": 3.0,
+        "preparation_s": 10.0,
+        "finalisation_s": 0.1,
+        "expected_capacity_window_s": 120,
+    },
+    "workers": {"training_gpus": 1, "reserved_rollout": 1, "overlap": 1},
+    "slurm": {"sbatch_extra": ["--exclusive"], "preempt_hold_s": 10, "poll_s": 0.5},
+    "elastic": {
+        "grace_s": 15,  # the elastic partition's GraceTime is 20 s
+        "trace": [{"at_step": 0, "workers": 2}, {"at_step": 3, "workers": 0, "after_s": 0.5}],
+    },
+    "run": {
+        "steps": 5,
+        "env": "calc",
+        "max_turns": 2,
+        "num_groups": 4,
+        "group_size": 4,
+        "max_tokens_per_turn": 24,
+    },
+}
+
+
+def _sbatch(args: list[str], env: dict[str, str]) -> str:
+    out = subprocess.run(
+        ["sbatch", "--parsable", "-p", "normal", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout.strip().split(";")[0]
+
+
+def _in_squeue(job_id: str) -> bool:
+    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
+    return bool(out.stdout.strip())
+
+
+def _tagged(comment: str) -> list[str]:
+    out = subprocess.run(["squeue", "-h", "-o", "%i|%k"], capture_output=True, text=True)
+    return [line.split("|")[0] for line in out.stdout.splitlines() if line.endswith(f"|{comment}")]
+
+
+def _wait(what: str, cond, timeout_s: float, log: Path | None = None) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}\n{tail}")
+        time.sleep(1.0)
+
+
+@pytest.mark.slurm
+@pytest.mark.vllm
+@pytest.mark.skipif(vllm_skip_reason() is not None, reason=str(vllm_skip_reason()))
+def test_slurm_run_hetjob_preemption_master_killed_and_resumed(
+    slurm_cluster: str, tmp_path: Path
+) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({**CONFIG, "runs_dir": str(tmp_path / "runs")}))
+    env = {**os.environ, "PEARL_HPC_CACHE": str(tmp_path / "cache")}
+    first_log = tmp_path / "master-1.out"
+    first = _sbatch(["-o", str(first_log), "launch/run.sbatch", str(config)], env)
+    masters = [first]
+
+    def run_dirs() -> list[Path]:
+        return sorted((tmp_path / "runs").glob("t-*"))
+
+    _wait("the run directory", run_dirs, 120, first_log)
+    run_dir = run_dirs()[0]
+    tag = run_tag_of(run_dir)
+
+    def step_done_with_elastic_serving() -> bool:
+        events = read_jsonl(run_dir / "events.jsonl")
+        admitted = any(e["kind"] == "admit" and any(s > 2 for s in e["slots"]) for e in events)
+        return admitted and bool(read_jsonl(run_dir / "metrics.jsonl"))
+
+    try:
+        _wait("step 0 with the elastic workers admitted", step_done_with_elastic_serving, 600,
+              first_log)  # fmt: skip
+        master_pid = read_run_state(run_dir)["pid"]
+        os.kill(master_pid, signal.SIGKILL)
+        _wait("the killed master's job to end", lambda: not _in_squeue(first), 60, first_log)
+        leftover = _tagged(f"pearl:{tag}")
+        assert leftover, "the elastic job should outlive its master until its lease expires"
+
+        second_log = tmp_path / "master-2.out"
+        second = _sbatch(
+            ["-o", str(second_log), "launch/run.sbatch", "--resume", str(run_dir)], env
+        )
+        _wait("the resumed run to finish", lambda: not _in_squeue(second), 900, second_log)
+        print(second_log.read_text()[-3000:])
+    finally:
+        for job in masters + _tagged(f"pearl:{tag}") + _tagged(f"pearl:{tag}.preempt"):
+            subprocess.run(["scancel", job], check=False)
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    events = read_jsonl(run_dir / "events.jsonl")
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    c = summary["counters"]
+    # every step trained on its whole batch, across the kill, the grants and the preemption
+    assert [m["step"] for m in metrics] == list(range(5))
+    assert [m["trajectories"] for m in metrics] == [BATCH] * 5
+    assert [m["version"] for m in metrics] == [1, 2, 3, 4, 5]
+    # the resumed master cancelled the dead master's elastic job it found by tag
+    cancelled = [e for e in events if e["kind"] == "cancelled_leftovers"]
+    assert cancelled and cancelled[0]["jobs"] == sorted({j.split("+")[0] for j in leftover})
+    # real heterogeneous jobs: two components each, both granted in one decision
+    submitted = [e for e in events if e["kind"] == "submitted"]
+    assert len(submitted) == 2 and all(e["components"] == 2 for e in submitted)
+    both = [e for e in events if e["kind"] == "reconfigure" and ", " in e["cause"]]
+    assert both and all(e["cause"].startswith("capacity granted by") for e in both)
+    # the reclaim is Slurm's preemption: the job's signal, drained before the grace ended
+    preempt = next(e for e in events if e["kind"] == "preempt")
+    sig = next(e for e in events if e["kind"] == "signal")
+    assert sig["job"] == preempt["job"] == summary["slurm"]["jobs"][-1]
+    reclaimed = [
+        e for e in events if e.get("event") == "CapacityReclaimed" and e["t_s"] >= sig["t_s"]
+    ]
+    assert reclaimed and all(
+        e["deadline_s"] == pytest.approx(e["t_s"] + 15, abs=1) for e in reclaimed
+    )
+    scancel = next(e for e in events if e["kind"] == "scancel" and e["t_s"] >= sig["t_s"])
+    assert scancel["t_s"] - sig["t_s"] < 15
+    assert c["grows"] >= 3 and c["reclaims"] >= 2  # 2 granted + 2 re-granted; 2 preempted
+    assert c["borrow_cycles"] >= 1 and c["mode_changes"] >= 1
+    assert len(c["return_latency_s"]) == 5  # borrowed GPUs returned before every step
+    # nothing of the run is left: no job in squeue, no process
+    _wait("the run's jobs to leave squeue", lambda: not _tagged(f"pearl:{tag}"), 60)
+    _wait("the preempting jobs to end", lambda: not _tagged(f"pearl:{tag}.preempt"), 60)
+    stray = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
+    assert stray.stdout.strip() == "", f"processes of the run left: {stray.stdout}"
