@@ -19,7 +19,15 @@ Data flow (one asyncio loop; the controller is called from it only)::
           └── spawn / activate / set_role / deactivate engine workers (tasks)
           └── the router follows the table: ACTIVE rollout slots with a live engine
 
-Steps are synchronous here (rollout of step k, then its training): bounded staleness 0.
+Steps overlap with bounded staleness 1 (``run.max_staleness``; 0 = synchronous)::
+
+    rollout k (weights v_k) ─┬─ rollout k+1 (still v_k) ────────┬─ publish v_k+1 ─ rollout k+2
+                             └─ Training Begin k: borrowed GPUs  │
+                                return, GRPO on batch k, snapshot┘ (Training Finished k:
+                                                                    GPUs may be lent again)
+
+New weights go out between two rollouts, never into a generation in flight; the trainer
+accepts batches at most one version old.
 """
 
 from __future__ import annotations
@@ -66,6 +74,7 @@ from pearl_hpc.journal import read_journal, write_journal
 from pearl_hpc.rollout.envs import ENV_NAMES
 from pearl_hpc.rollout.router import Router
 from pearl_hpc.rollout.types import Trajectory
+from pearl_hpc.sim.traces import AvailabilityTrace, load_segment, load_trace
 from pearl_hpc.slurmrun import ElasticJobs, RemoteWorker, SlurmSettings, source_of_gpus
 from pearl_hpc.train.loop import WeightSync
 
@@ -433,8 +442,45 @@ class TracePoint:
 
 
 @dataclass(frozen=True)
+class TraceReplay:
+    """A time-based availability trace replayed over the run's wall clock."""
+
+    segment: int = spec_field(
+        "PEARL segment 1-3 of the real spot traces in pearl_hpc/data/traces (0: none)",
+        default=0,
+        ge=0,
+        le=3,
+    )
+    file: str = spec_field("or an availability trace CSV (time_s,count)", default="")
+    speedup: float = spec_field("trace seconds per run second", default=60.0, gt=0)
+    instances_per_worker: int = spec_field(
+        "trace instances (GPUs) per elastic worker", default=1, ge=1
+    )
+    max_workers: int = spec_field(
+        "at most this many elastic workers (engine processes on this machine)", default=2, ge=0
+    )
+    poll_s: float = spec_field("how often the trace is read, run seconds", default=0.5, gt=0)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.segment or self.file)
+
+    def load(self) -> AvailabilityTrace:
+        return load_segment(self.segment) if self.segment else load_trace(self.file)
+
+
+def replay_workers(trace: AvailabilityTrace, replay: TraceReplay, run_s: float) -> int:
+    """Elastic workers the trace grants ``run_s`` seconds into the run (pure)."""
+    t = min(trace.start_s + run_s * replay.speedup, trace.end_s)
+    return min(replay.max_workers, trace.count_at(t) // replay.instances_per_worker)
+
+
+@dataclass(frozen=True)
 class LocalElastic:
     trace: list[TracePoint] = spec_field("elastic availability, by step", default=[])
+    replay: TraceReplay = spec_field(
+        "or availability over time, from a real trace (replaces trace)", default=TraceReplay()
+    )
     grace_s: float = spec_field("reclaim deadline after the notice, seconds", default=30.0, gt=0)
 
 
@@ -449,6 +495,13 @@ class LocalRunSettings:
     temperature: float = spec_field("sampling temperature", default=1.0, ge=0)
     lr: float = spec_field("GRPO learning rate", default=0.02, gt=0)
     seed: int = spec_field("rollout and training seed", default=0, ge=0)
+    max_staleness: int = spec_field(
+        "1: step k+1's rollout runs while step k trains (its batch is one version "
+        "behind); 0: synchronous steps",
+        default=1,
+        ge=0,
+        le=1,
+    )
 
 
 @dataclass(frozen=True)
@@ -478,6 +531,13 @@ def load_local(path: str | Path) -> LocalConfig:
             f"{path}: workers.overlap ({cfg.workers.overlap}) > "
             f"workers.training_gpus ({cfg.workers.training_gpus}); lower it"
         )
+    if cfg.elastic.trace and cfg.elastic.replay.enabled:
+        raise ConfigError(
+            f"{path}: elastic.trace and elastic.replay are both set; keep one (a step-indexed "
+            "trace, or a time-based one replayed)"
+        )
+    if cfg.elastic.replay.enabled:
+        cfg.elastic.replay.load()  # a bad segment or file fails here, naming the fix
     if cfg.backend not in ("local", "slurm"):
         raise ConfigError(f"{path}: backend {cfg.backend!r}: use local or slurm")
     if cfg.backend == "slurm" and not shutil.which("sbatch"):
@@ -575,6 +635,21 @@ class StepMetrics:
     resumed: int  # trajectories of the step recovered from a previous master's journal
     predicted_s: float  # the tracker's prediction of this rollout (before it ran)
     config: str  # the serving configuration at rollout start, e.g. 2C or 1P1D
+    max_staleness: int = 0  # largest (trainer version - generating version) in the batch
+
+
+@dataclass
+class _Rollout:
+    """A finished rollout step, waiting for its training."""
+
+    trajectories: list[Trajectory]
+    rollout_s: float
+    roles: dict[str, str]
+    borrowed: bool
+    moved_turns: int
+    resumed: int
+    predicted_s: float
+    config: str
 
 
 async def run_local(
@@ -638,7 +713,7 @@ async def run_local(
         profile, executor, policy=cfg.policy, clock=clock, check_invariants=True
     )
     executor.controller = controller
-    grpo = GRPOConfig(lr=cfg.run.lr, seed=cfg.run.seed)
+    grpo = GRPOConfig(lr=cfg.run.lr, seed=cfg.run.seed)  # accepts batches one version old
     snapshots = run_dir / "snapshots"
     snapshot = latest_snapshot(snapshots) if resume else None
     if snapshot is not None:
@@ -738,18 +813,37 @@ async def run_local(
         reclaim notice arriving mid-rollout drains turns in flight)."""
         if point.after_s:
             await asyncio.sleep(point.after_s)
-        if pool is not None:  # real jobs: grants and reclaims arrive from squeue / signals
-            await pool.scale_to(point.workers)
+        await set_elastic(point.workers, regrant=step == first_step and resume)
+        if not point.after_s and pool is None:
+            await drain_queue(queue, controller, executor)  # decided before the rollout
+
+    async def set_elastic(workers: int, regrant: bool = False) -> None:
+        """Bring the elastic workers to ``workers``: local grants / reclaims, or real jobs
+        (grants and reclaims then arrive from squeue and the jobs' signals)."""
+        if pool is not None:
+            await pool.scale_to(workers)
             return
-        for ev in trace_events(cfg.elastic.grace_s, clock(), granted, job_counter, point.workers):
-            regrant = step == first_step and resume
+        for ev in trace_events(cfg.elastic.grace_s, clock(), granted, job_counter, workers):
             if isinstance(ev, CapacityGranted) and not regrant:
                 executor.counters.grows += 1
             elif isinstance(ev, CapacityReclaimed):
                 executor.counters.reclaims += 1
             await queue.put(ev)
-        if not point.after_s:
-            await drain_queue(queue, controller, executor)  # decided before the rollout
+
+    async def replay_trace(replay: TraceReplay) -> None:
+        """The real trace over the run's clock (resumed runs continue where it was)."""
+        real = replay.load()
+        current = -1
+        while not pump_stop.is_set():
+            workers = replay_workers(real, replay, clock())
+            if workers != current:
+                executor.log_event(
+                    "trace", workers=workers, trace_s=round(clock() * replay.speedup)
+                )
+                await set_elastic(workers, regrant=current < 0 and resume)
+                current = workers
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(pump_stop.wait(), replay.poll_s)
 
     tlog = TrajectoryLog(run_dir)
     batch = cfg.run.num_groups * cfg.run.group_size
@@ -761,6 +855,7 @@ async def run_local(
 
     pump_task = asyncio.create_task(pump())
     watch_task = None
+    tasks_to_cancel: list[asyncio.Task[Any]] = []
     try:
         if pool is not None:
             if resume:  # the dead master's elastic jobs: cancelled, granted afresh
@@ -771,14 +866,18 @@ async def run_local(
         controller.grant_reserved([(f"rsv:{i}",) for i in range(cfg.workers.reserved_rollout)])
         executor.sync_router()
         save_state(first_step, "running")
-        for step in range(first_step, cfg.run.steps):
+        ahead = cfg.run.max_staleness >= 1  # rollout k+1 runs while step k trains
+        if cfg.elastic.replay.enabled:  # after the base workers are registered
+            tasks_to_cancel.append(asyncio.create_task(replay_trace(cfg.elastic.replay)))
+
+        async def rollout_step(step: int) -> _Rollout:
             if step in trace and not trace[step].after_s:
                 await apply_trace(step, trace[step])
             elif step in trace:
                 executor._spawn(apply_trace(step, trace[step]))
-            borrowed_before = executor.counters.activation_s[:]
+            borrowed_before = len(executor.counters.activation_s)
             moved_before = executor.counters.moved_turns
-            journaled = tlog.load(step) if step == first_step else {}
+            journaled = tlog.load(step)  # a resumed step (two with the rollout ahead)
             start_config, predicted = _serving_prediction(controller)
             t0 = time.perf_counter()
             trajectories = await rollout_batch(
@@ -801,7 +900,7 @@ async def run_local(
                 for w in executor.workers.values()
                 if w.slot_id is not None and w.role is not None
             }
-            activated = executor.counters.activation_s[len(borrowed_before) :]
+            activated = executor.counters.activation_s[borrowed_before:]
             # an activation may still be in progress (it lands in a later step's record)
             borrowed = bool(activated) or executor.activating_overlap()
             await queue.put(
@@ -820,6 +919,20 @@ async def run_local(
                     ),
                 )
             )
+            return _Rollout(
+                trajectories,
+                rollout_s,
+                {k: str(v) for k, v in sorted(roles.items())},
+                borrowed,
+                executor.counters.moved_turns - moved_before,
+                len(journaled),
+                predicted,
+                start_config,
+            )
+
+        async def train_step(step: int, trajectories: list[Trajectory]) -> tuple[Any, float, float]:
+            """Training Begin (borrowed GPUs come back), GRPO, snapshot: (stats, train_s,
+            return latency)."""
             executor.training_started.clear()
             t_begin = time.perf_counter()
             await queue.put(TrainingBegin(step))
@@ -841,32 +954,53 @@ async def run_local(
             train_s = time.perf_counter() - t1
             await asyncio.to_thread(trainer.save_snapshot, snapshots)
             _prune_snapshots(snapshots, keep=2)
+            return stats, train_s, return_latency
+
+        async def publish(version: int) -> float:
             async with executor.weights_lock:
                 serving = executor.serving()
                 if set(serving) != set(sync.members):
                     await sync.form(serving)
-                sync_s = await sync.publish(trainer.state_dict(), stats.version)
-            await queue.put(TrainingFinished(step))
-            generated = sum(t.num_generated() for t in trajectories)
+                return await sync.publish(trainer.state_dict(), version)
+
+        pending: asyncio.Task[_Rollout] | None = None
+        for step in range(first_step, cfg.run.steps):
+            done = await pending if pending is not None else await rollout_step(step)
+            pending = None
+            if ahead and step + 1 < cfg.run.steps:
+                # the next batch is generated by the current weights while this one trains
+                # (staleness 1); the new weights go out between the two rollouts, never
+                # into a generation in flight
+                pending = asyncio.create_task(rollout_step(step + 1))
+                tasks_to_cancel.append(pending)
+            stats, train_s, return_latency = await train_step(step, done.trajectories)
+            if pending is not None:
+                await queue.put(TrainingFinished(step))  # training GPUs may be lent again
+                await asyncio.wait({pending})
+            sync_s = await publish(stats.version)
+            if pending is None:
+                await queue.put(TrainingFinished(step))
+            generated = sum(t.num_generated() for t in done.trajectories)
             m = StepMetrics(
                 step=step,
                 t_s=round(clock(), 2),
-                rollout_s=round(rollout_s, 3),
+                rollout_s=round(done.rollout_s, 3),
                 train_s=round(train_s, 3),
                 sync_s=round(sync_s, 3),
                 return_latency_s=round(return_latency, 3),
                 generated_tokens=generated,
-                tokens_per_s=round(generated / rollout_s, 1),
+                tokens_per_s=round(generated / done.rollout_s, 1),
                 mean_reward=round(stats.mean_reward, 4),
                 version=stats.version,
-                roles={k: str(v) for k, v in sorted(roles.items())},
+                roles=done.roles,
                 elastic_workers=elastic_workers(),
-                borrowed=borrowed,
-                moved_turns=executor.counters.moved_turns - moved_before,
-                trajectories=sum(1 for t in trajectories if t.done and t.reward is not None),
-                resumed=len(journaled),
-                predicted_s=round(predicted, 3),
-                config=start_config,
+                borrowed=done.borrowed,
+                moved_turns=done.moved_turns,
+                trajectories=sum(1 for t in done.trajectories if t.done and t.reward is not None),
+                resumed=done.resumed,
+                predicted_s=round(done.predicted_s, 3),
+                config=done.config,
+                max_staleness=stats.max_staleness,
             )
             metrics.append(m)
             with (run_dir / "metrics.jsonl").open("a") as f:
@@ -884,6 +1018,8 @@ async def run_local(
             save_state(metrics[-1].step + 1 if metrics else first_step, "failed")
         raise
     finally:
+        for task in tasks_to_cancel:  # a rollout running ahead of a failed step
+            task.cancel()
         tlog.close()
         pump_stop.set()
         with contextlib.suppress(Exception):
