@@ -4,7 +4,9 @@
 
 Runs the same run YAML twice on real engines:
 - **pearl**: the YAML's policies (adaptive PD, gated borrowing, gated expansion);
-- **colocated**: colocated always, no borrowing; the same workers and elastic trace.
+- **colocated**: colocated always, no borrowing; the same workers and elastic trace;
+- **pearl-sync**: pearl with synchronous steps (``run.max_staleness: 0``), to show what
+  running step k+1's rollout during step k's training buys.
 
 Then it prints:
 - tokens/s of both, and their ratio;
@@ -79,7 +81,12 @@ def run(config: str) -> dict[str, Any]:
     cfg = load_local(config)
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="pearl-bench-local-") as tmp:
-        for name, variant in (("pearl", cfg), ("colocated", _colocated(cfg))):
+        variants = (
+            ("pearl", cfg),
+            ("colocated", _colocated(cfg)),
+            ("pearl-sync", replace(cfg, run=replace(cfg.run, max_staleness=0))),
+        )
+        for name, variant in variants:
             run_dir = Path(tmp) / name
             print(f"bench --local: running {name} ...", flush=True)
             summary = asyncio.run(run_local(variant, run_dir))
@@ -113,6 +120,12 @@ def format_results(results: dict[str, Any]) -> str:
         f"\npearl / colocated rollout tokens/s: {ratio:.2f}x"
         " (2 CPU cores shared by every engine: see the module docstring)"
     )
+    if "pearl-sync" in results:
+        sync = results["pearl-sync"]["summary"]
+        lines.append(
+            f"pearl wall time / pearl-sync: {pearl['wall_s'] / sync['wall_s']:.2f}x "
+            "(rollout k+1 during training k, on the same 2 cores)"
+        )
     lines.append("\n| reconfiguration | PEARL Qwen3-8B / 30B-A3B (s) | this run, median (n) |")
     lines.append("|---|---|---|")
     lat = results["pearl"]["latencies"]
