@@ -795,6 +795,7 @@ async def run_local(
                 "version": trainer.version,
                 "t_s": round(clock(), 3),
                 "elastic_workers": elastic_workers(),
+                "elastic_jobs": pool.describe() if pool is not None else [],
                 "counters": asdict(executor.counters),
                 "controller": controller.snapshot(),
             },

@@ -10,6 +10,7 @@ tracker's predicted rollout time next to the measured one.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ def run_status(run_dir: Path) -> dict[str, Any]:
     """The run's state as one dict (what ``status`` prints)."""
     state = read_run_state(run_dir)
     status = state["status"]
-    if status == "running" and not _alive(int(state["pid"])):
+    if status == "running" and not _master_alive(run_dir, int(state["pid"])):
         status = "dead"
     slots = state["controller"]["table"]["slots"]
     rollout = [s for s in slots if s["role"] != "training"]
@@ -47,6 +48,7 @@ def run_status(run_dir: Path) -> dict[str, Any]:
         "version": state["version"],
         "t_s": state["t_s"],
         "elastic_workers": state["elastic_workers"],
+        "elastic_jobs": state.get("elastic_jobs", []),
         "borrowed": [
             s["slot_id"] for s in rollout if s["zone"] == "overlap" and s["status"] != "inactive"
         ],
@@ -72,6 +74,14 @@ def format_status(doc: dict[str, Any]) -> str:
         f"borrowed slots {doc['borrowed'] or 'none'}",
         "counters: " + ", ".join(f"{k} {v}" for k, v in doc["counters"].items()),
     ]
+    if doc["elastic_jobs"]:
+        lines.append(
+            "elastic jobs: "
+            + ", ".join(
+                f"{c['component']} {c['state']} {','.join(c['nodes']) or '-'}"
+                for c in doc["elastic_jobs"]
+            )
+        )
     last = doc["last_step"]
     if last:
         lines.append(
@@ -194,3 +204,14 @@ def write_run_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     path.write_text("\n".join(rows) + "\n")
     written.append(path)
     return written
+
+
+def _master_alive(run_dir: Path, pid: int) -> bool:
+    """A Slurm-backend master may run on another node: its lease file (touched every
+    second) tells; a local master is a process of this machine."""
+    from pearl_hpc.slurmrun import LEASE_STALE_S
+
+    lease = run_dir / "elastic" / "master.lease"
+    if lease.exists():
+        return time.time() - lease.stat().st_mtime < LEASE_STALE_S
+    return _alive(pid)

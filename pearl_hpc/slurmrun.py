@@ -176,7 +176,8 @@ class ElasticJobs:
     async def cancel_leftovers(self) -> list[str]:
         """Cancel the jobs of this run a previous master left (found by tag)."""
         rows = await asyncio.to_thread(self.client.poll, self.tag)
-        jobs = sorted({row.job_id for row in rows.values()})
+        preempting = await asyncio.to_thread(self.client.poll, self.tag + ".preempt")
+        jobs = sorted({row.job_id for row in (*rows.values(), *preempting.values())})
         for job_id in jobs:
             with contextlib.suppress(SlurmError):
                 await asyncio.to_thread(self.client.cancel, job_id)
@@ -203,6 +204,13 @@ class ElasticJobs:
         log.error("jobs tagged pearl:%s are still in squeue after %.0f s", tag, timeout_s)
 
     # ---------------------------------------------------------------- capacity
+    def describe(self) -> list[dict[str, Any]]:
+        """The run's live elastic components, for the journal and ``pearl-hpc status``."""
+        return [
+            {"component": c.source.tag, "state": str(c.state), "nodes": list(c.nodes)}
+            for c in self.manager.live()
+        ]
+
     def _counted(self) -> list[Component]:
         """Components that count as available: not given back, not being preempted."""
         return [

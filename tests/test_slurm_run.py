@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -161,6 +162,12 @@ def test_slurm_run_hetjob_preemption_master_killed_and_resumed(
     assert c["grows"] >= 3 and c["reclaims"] >= 2  # 2 granted + 2 re-granted; 2 preempted
     assert c["borrow_cycles"] >= 1 and c["mode_changes"] >= 1
     assert len(c["return_latency_s"]) == 5  # borrowed GPUs returned before every step
+    status = subprocess.run(
+        [sys.executable, "-m", "pearl_hpc.cli", "status", str(run_dir), "--json"],
+        capture_output=True,
+        text=True,
+    )
+    assert json.loads(status.stdout)["status"] == "finished", status.stderr
     # nothing of the run is left: no job in squeue, no process
     _wait("the run's jobs to leave squeue", lambda: not _tagged(f"pearl:{tag}"), 60)
     _wait("the preempting jobs to end", lambda: not _tagged(f"pearl:{tag}.preempt"), 60)
