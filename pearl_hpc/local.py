@@ -837,11 +837,11 @@ async def run_local(
         real = replay.load()
         current = -1
         while not pump_stop.is_set():
-            workers = replay_workers(real, replay, clock())
+            run_s = clock()
+            workers = replay_workers(real, replay, run_s)
             if workers != current:
-                executor.log_event(
-                    "trace", workers=workers, trace_s=round(clock() * replay.speedup)
-                )
+                trace_s = real.start_s + run_s * replay.speedup  # where in the trace
+                executor.log_event("trace", workers=workers, trace_s=trace_s)
                 await set_elastic(workers, regrant=current < 0 and resume)
                 current = workers
             with contextlib.suppress(TimeoutError):
