@@ -411,10 +411,14 @@ class _LiveRollout:
             if w.slot_id is not None and w.role is not None
         )
         borrowed = executor.activating_overlap()
+        jobs = ""
+        if executor.elastic is not None:  # the Slurm backend's elastic components
+            live = executor.elastic.describe()
+            jobs = ", elastic jobs " + (" ".join(c["component"] for c in live) or "none")
         self.live.update(
             f"step {step}: rollout {done}/{batch} trajectories, turns moved "
             f"{executor.counters.moved_turns}, roles {roles or '-'}, "
-            f"borrowed {'yes' if borrowed else 'no'}"
+            f"borrowed {'yes' if borrowed else 'no'}{jobs}"
         )
 
     def stop(self) -> None:
@@ -634,7 +638,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch_p.set_defaults(func=_cmd_launch)
 
     run_p = sub.add_parser(
-        "run", help="a training run: controller + vLLM engines + GRPO (local backend)"
+        "run", help="a training run: controller + vLLM engines + GRPO (local or Slurm backend)"
     )
     run_p.add_argument(
         "config",
