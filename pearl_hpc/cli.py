@@ -345,29 +345,21 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from pearl_hpc.local import format_summary, load_local, run_local
+    from pearl_hpc.local import format_step, format_summary, load_local, new_run_dir, run_local
 
+    if args.submit:
+        return _submit_run(args)
     if args.resume:
         run_dir = Path(args.resume)
         cfg = load_local(run_dir / "config.yaml")
         print(f"pearl-hpc run: resuming {run_dir}", flush=True)
     else:
         cfg = load_local(args.config)
-        run_dir = Path(cfg.runs_dir) / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(Path(args.config).read_text())
+        run_dir = new_run_dir(cfg, Path(args.config))
         print(f"pearl-hpc run: {run_dir}", flush=True)
 
     def progress(m: Any) -> None:
-        roles = " ".join(f"{k}={v[0].upper()}" for k, v in m.roles.items())
-        print(
-            f"step {m.step}: {m.tokens_per_s:.0f} tok/s, reward {m.mean_reward:.3f}, "
-            f"rollout {m.rollout_s:.1f} s, train {m.train_s:.1f} s, return "
-            f"{m.return_latency_s:.2f} s, elastic {m.elastic_workers}, "
-            f"borrowed {'yes' if m.borrowed else 'no'}, moved turns {m.moved_turns}, "
-            f"roles {roles}" + (f", resumed {m.resumed} trajectories" if m.resumed else ""),
-            flush=True,
-        )
+        print(format_step(m), flush=True)
 
     live = _LiveRollout() if sys.stdout.isatty() else None
     try:
@@ -385,6 +377,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
             live.stop()
     print(format_summary(summary))
     print(f"status: pearl-hpc status {run_dir}; plots: pearl-hpc report {run_dir}")
+    return 0
+
+
+def _submit_run(args: argparse.Namespace) -> int:
+    """The master as a submitit job (requeued on preemption, resumed from its journal)."""
+    from pearl_hpc.local import format_summary
+    from pearl_hpc.runjob import submit_run
+
+    job, run_dir = submit_run(args.config, partition=args.partition, gpus=args.gpus, cpus=args.cpus)
+    print(f"pearl-hpc run: job {job.job_id}, run directory {run_dir}", flush=True)
+    print(f"follow it: pearl-hpc status {run_dir}", flush=True)
+    if args.wait:
+        print(format_summary(job.result()))
     return 0
 
 
@@ -651,6 +656,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RUN_DIR",
         help="continue the run in RUN_DIR after its master died (config from RUN_DIR)",
     )
+    run_p.add_argument(
+        "--submit",
+        action="store_true",
+        help="submit the master as a Slurm job with submitit (requeued and resumed on "
+        "preemption or time-out)",
+    )
+    run_p.add_argument("--partition", help="with --submit: the master's partition")
+    run_p.add_argument("--gpus", type=int, default=0, help="with --submit: GPUs of the master")
+    run_p.add_argument("--cpus", type=int, default=4, help="with --submit: CPUs of the master")
+    run_p.add_argument("--wait", action="store_true", help="with --submit: wait, print summary")
     run_p.set_defaults(func=_cmd_run)
 
     status_p = sub.add_parser("status", help="state of a running or finished run")

@@ -592,6 +592,14 @@ class TrajectoryLog:
             self._file = None
 
 
+def new_run_dir(cfg: LocalConfig, config_path: Path) -> Path:
+    """``RUNS_DIR/NAME-DATE`` with a copy of the run YAML (what ``--resume`` reads)."""
+    run_dir = Path(cfg.runs_dir) / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(Path(config_path).read_text())
+    return run_dir
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """The records of a JSON-lines file the run appends to; a missing file is empty and
     a torn line (being written, or cut by a kill) is skipped."""
@@ -1087,6 +1095,18 @@ def _prune_snapshots(root: Path, keep: int) -> None:
     """Weight snapshots are only for resuming: keep the newest ``keep``."""
     for old in sorted(root.glob("v[0-9]*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def format_step(m: StepMetrics) -> str:
+    """One step's line of the run's log."""
+    roles = " ".join(f"{k}={v[0].upper()}" for k, v in m.roles.items())
+    return (
+        f"step {m.step}: {m.tokens_per_s:.0f} tok/s, reward {m.mean_reward:.3f}, "
+        f"rollout {m.rollout_s:.1f} s, train {m.train_s:.1f} s, return "
+        f"{m.return_latency_s:.2f} s, elastic {m.elastic_workers}, "
+        f"borrowed {'yes' if m.borrowed else 'no'}, moved turns {m.moved_turns}, "
+        f"roles {roles}" + (f", resumed {m.resumed} trajectories" if m.resumed else "")
+    )
 
 
 def format_summary(summary: dict[str, Any]) -> str:

@@ -78,13 +78,15 @@ def _tagged(comment: str) -> list[str]:
     return [line.split("|")[0] for line in out.stdout.splitlines() if line.endswith(f"|{comment}")]
 
 
-def _wait(what: str, cond, timeout_s: float, log: Path | None = None) -> None:  # type: ignore[no-untyped-def]
+def _wait(  # type: ignore[no-untyped-def]
+    what: str, cond, timeout_s: float, log: Path | None = None, poll_s: float = 1.0
+) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
         if time.monotonic() > deadline:
             tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
             raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}\n{tail}")
-        time.sleep(1.0)
+        time.sleep(poll_s)
 
 
 @pytest.mark.slurm
@@ -171,5 +173,51 @@ def test_slurm_run_hetjob_preemption_master_killed_and_resumed(
     # nothing of the run is left: no job in squeue, no process
     _wait("the run's jobs to leave squeue", lambda: not _tagged(f"pearl:{tag}"), 60)
     _wait("the preempting jobs to end", lambda: not _tagged(f"pearl:{tag}.preempt"), 60)
+    stray = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
+    assert stray.stdout.strip() == "", f"processes of the run left: {stray.stdout}"
+
+
+@pytest.mark.slurm
+@pytest.mark.vllm
+@pytest.mark.skipif(vllm_skip_reason() is not None, reason=str(vllm_skip_reason()))
+def test_submitit_run_is_requeued_when_preempted_and_resumes(
+    slurm_cluster: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`pearl-hpc run --submit`: the master as a submitit job. A preemption after step 0
+    (submitit's own test hook: SIGTERM, then USR2) checkpoints and requeues it; the next
+    start resumes from the journal and the run ends with every step trained once."""
+    from pearl_hpc.runjob import submit_run
+
+    monkeypatch.setenv("PEARL_HPC_CACHE", str(tmp_path / "cache"))
+    config = {
+        **CONFIG,
+        "backend": "local",
+        "workers": {"training_gpus": 1, "reserved_rollout": 1, "overlap": 0},
+        "elastic": {"grace_s": 15, "trace": []},
+        # steps of a few seconds: the preemption lands after step 0, well before the end
+        "run": {**CONFIG["run"], "steps": 4, "max_turns": 3, "max_tokens_per_turn": 64},
+        "runs_dir": str(tmp_path / "runs"),
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    job, run_dir = submit_run(path, partition="normal", cpus=2)
+    try:
+        _wait("step 0", lambda: bool(read_jsonl(run_dir / "metrics.jsonl")), 600, poll_s=0.1)
+        job._interrupt()  # preemption as submitit simulates it
+        _wait("the requeued job to finish", job.done, 900)
+        summary = job.result()
+    finally:
+        subprocess.run(["scancel", str(job.job_id)], check=False)
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3]
+    assert [m["version"] for m in metrics] == [1, 2, 3, 4]
+    assert [m["trajectories"] for m in metrics] == [BATCH] * 4
+    assert summary["steps"] == 4
+    events = read_jsonl(run_dir / "events.jsonl")
+    resumed = [e for e in events if e["kind"] == "resumed"]
+    assert resumed, "the requeued job did not resume"
+    assert resumed[0]["step"] < 4, "the preemption came after the last step: nothing tested"
+    assert read_run_state(run_dir)["status"] == "finished"
+    _wait("the job to leave squeue", lambda: not _in_squeue(str(job.job_id)), 60)
     stray = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
     assert stray.stdout.strip() == "", f"processes of the run left: {stray.stdout}"

@@ -323,6 +323,9 @@ async def _main(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopped.set)
+    # Slurm's --signal without B: (submitit's USR2 before a time-out) reaches every process
+    # of the step: the master handles it and stops this worker itself
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     start = None
     if args.role != "none":
         start = await worker.restore(args.role)

@@ -1,0 +1,70 @@
+"""``pearl-hpc run`` through submitit: the master as a Slurm job that requeues itself.
+
+    pearl-hpc run configs/runs/slurm-local.yaml --submit --partition normal --wait
+
+The job runs :func:`pearl_hpc.local.run_local` on the run directory it was given. On
+preemption or at its time limit, submitit's signal handler calls
+:meth:`RunJob.checkpoint`: the job is requeued and the next start resumes from the
+journal, as ``pearl-hpc run --resume`` does (weights from the latest snapshot,
+trajectories from the log, the dead master's elastic jobs cancelled by tag). A job that
+Slurm restarts without a checkpoint (node failure) resumes too: a run directory with an
+unfinished journal is always resumed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import submitit
+
+from pearl_hpc.journal import read_journal
+from pearl_hpc.local import format_step, format_summary, load_local, new_run_dir, run_local
+
+
+class RunJob(submitit.helpers.Checkpointable):
+    """The submitted callable: one master of the run in ``run_dir``."""
+
+    def __call__(self, run_dir: str) -> dict[str, Any]:
+        path = Path(run_dir)
+        cfg = load_local(path / "config.yaml")
+        journal = path / "journal.json"
+        resume = journal.exists() and read_journal(journal).get("status") != "finished"
+        print(f"pearl-hpc run: {'resuming ' if resume else ''}{path}", flush=True)
+        summary = asyncio.run(
+            run_local(cfg, path, on_step=lambda m: print(format_step(m), flush=True), resume=resume)
+        )
+        print(format_summary(summary), flush=True)
+        return summary
+
+    def checkpoint(self, run_dir: str) -> submitit.helpers.DelayedSubmission:
+        """Preempted or timed out: requeue; the next start resumes from the journal."""
+        return submitit.helpers.DelayedSubmission(RunJob(), run_dir)
+
+
+def submit_run(
+    config: str | Path,
+    *,
+    partition: str | None = None,
+    gpus: int = 0,
+    cpus: int = 4,
+    timeout_min: int = 60,
+) -> tuple[Any, Path]:
+    """Submit the master of a new run; returns (submitit job, run directory)."""
+    cfg = load_local(config)
+    run_dir = new_run_dir(cfg, Path(config)).resolve()
+    executor = submitit.AutoExecutor(folder=str(run_dir / "submitit"), cluster="slurm")
+    params: dict[str, Any] = {
+        "slurm_job_name": "pearl-run",
+        "cpus_per_task": cpus,
+        "timeout_min": timeout_min,
+        "tasks_per_node": 1,
+        "nodes": 1,
+    }
+    if partition:
+        params["slurm_partition"] = partition
+    if gpus:
+        params["slurm_gres"] = f"gpu:{gpus}"
+    executor.update_parameters(**params)
+    return executor.submit(RunJob(), str(run_dir)), run_dir
