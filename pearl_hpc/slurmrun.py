@@ -175,15 +175,13 @@ class ElasticJobs:
 
     async def cancel_leftovers(self) -> list[str]:
         """Cancel the jobs of this run a previous master left (found by tag)."""
-        rows = await asyncio.to_thread(self.client.poll, self.tag)
-        preempting = await asyncio.to_thread(self.client.poll, self.tag + ".preempt")
-        jobs = sorted({row.job_id for row in (*rows.values(), *preempting.values())})
+        jobs = sorted(await self._tagged_jobs())
         for job_id in jobs:
             with contextlib.suppress(SlurmError):
                 await asyncio.to_thread(self.client.cancel, job_id)
         if jobs:
             self.on_event("cancelled_leftovers", {"jobs": jobs})
-            await self._wait_gone(self.tag, 60.0)
+            await self._wait_gone(60.0)
         return jobs
 
     async def close(self) -> None:
@@ -192,16 +190,21 @@ class ElasticJobs:
         for job_id in self.jobs + self.preemptors:
             with contextlib.suppress(SlurmError):
                 await asyncio.to_thread(self.client.cancel, job_id)
-        await self._wait_gone(self.tag, 60.0)
-        await self._wait_gone(self.tag + ".preempt", 60.0)
+        await self._wait_gone(60.0)
 
-    async def _wait_gone(self, tag: str, timeout_s: float) -> None:
+    async def _tagged_jobs(self) -> set[str]:
+        """This run's jobs in squeue, elastic and preempting ones (one squeue call)."""
+        rows = await asyncio.to_thread(self.client.poll, None)
+        mine = {f"pearl:{self.tag}", f"pearl:{self.tag}.preempt"}
+        return {row.job_id for row in rows.values() if row.comment in mine}
+
+    async def _wait_gone(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if not await asyncio.to_thread(self.client.poll, tag):
+            if not await self._tagged_jobs():
                 return
             await asyncio.sleep(self.settings.poll_s)
-        log.error("jobs tagged pearl:%s are still in squeue after %.0f s", tag, timeout_s)
+        log.error("jobs tagged pearl:%s are still in squeue after %.0f s", self.tag, timeout_s)
 
     # ---------------------------------------------------------------- capacity
     def describe(self) -> list[dict[str, Any]]:

@@ -23,36 +23,20 @@ import yaml
 from pearl_hpc.local import read_jsonl, read_run_state
 from pearl_hpc.slurmrun import run_tag_of
 from tests.conftest import vllm_skip_reason
+from tests.test_local_run import CONFIG as LOCAL_CONFIG
 
 REPO = Path(__file__).resolve().parents[1]
 BATCH = 4 * 4
 
 CONFIG = {
-    "name": "t",
+    **LOCAL_CONFIG,  # the local run test's workload and ungated policies
     "backend": "slurm",
-    "profile": "profiles/tiny-cpu-pd-prior.yaml",  # starts disaggregated, telemetry corrects it
-    "policy": {
-        "borrowing": "ungated",
-        "expansion": "always",
-        "toggle_cost_s": 3.0,
-        "preparation_s": 10.0,
-        "finalisation_s": 0.1,
-        "expected_capacity_window_s": 120,
-    },
-    "workers": {"training_gpus": 1, "reserved_rollout": 1, "overlap": 1},
     "slurm": {"sbatch_extra": ["--exclusive"], "preempt_hold_s": 10, "poll_s": 0.5},
     "elastic": {
         "grace_s": 15,  # the elastic partition's GraceTime is 20 s
         "trace": [{"at_step": 0, "workers": 2}, {"at_step": 3, "workers": 0, "after_s": 0.5}],
     },
-    "run": {
-        "steps": 5,
-        "env": "calc",
-        "max_turns": 2,
-        "num_groups": 4,
-        "group_size": 4,
-        "max_tokens_per_turn": 24,
-    },
+    "run": {**LOCAL_CONFIG["run"], "steps": 5},
 }
 
 
