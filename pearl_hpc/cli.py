@@ -345,17 +345,20 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from pearl_hpc.local import format_step, format_summary, load_local, new_run_dir, run_local
+    from pearl_hpc.config.run import load_run_config
+    from pearl_hpc.master.journal import new_run_dir
+    from pearl_hpc.master.loop import run_master
+    from pearl_hpc.master.records import format_step, format_summary
 
     if args.submit:
         return _submit_run(args)
     if args.resume:
         run_dir = Path(args.resume)
-        cfg = load_local(run_dir / "config.yaml")
+        cfg = load_run_config(run_dir / "config.yaml")
         print(f"pearl-hpc run: resuming {run_dir}", flush=True)
     else:
-        cfg = load_local(args.config)
-        run_dir = new_run_dir(cfg, Path(args.config))
+        cfg = load_run_config(args.config)
+        run_dir = new_run_dir(cfg.runs_dir, cfg.name, Path(args.config))
         print(f"pearl-hpc run: {run_dir}", flush=True)
 
     def progress(m: Any) -> None:
@@ -364,7 +367,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     live = _LiveRollout() if sys.stdout.isatty() else None
     try:
         summary = asyncio.run(
-            run_local(
+            run_master(
                 cfg,
                 run_dir,
                 on_step=progress,  # printed above the live line on a terminal
@@ -382,7 +385,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _submit_run(args: argparse.Namespace) -> int:
     """The master as a submitit job (requeued on preemption, resumed from its journal)."""
-    from pearl_hpc.local import format_summary
+    from pearl_hpc.master.records import format_summary
     from pearl_hpc.runjob import submit_run
 
     job, run_dir = submit_run(args.config, partition=args.partition, gpus=args.gpus, cpus=args.cpus)
@@ -417,8 +420,8 @@ class _LiveRollout:
         )
         borrowed = executor.activating_overlap()
         jobs = ""
-        if executor.elastic is not None:  # the Slurm backend's elastic components
-            live = executor.elastic.describe()
+        if executor.backend.summary() is not None:  # the Slurm backend's elastic components
+            live = executor.backend.describe()
             jobs = ", elastic jobs " + (" ".join(c["component"] for c in live) or "none")
         self.live.update(
             f"step {step}: rollout {done}/{batch} trajectories, turns moved "

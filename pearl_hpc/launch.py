@@ -9,7 +9,7 @@ Python API::
     summary = job.result()          # rank 0's return value: the run summary
 
 Every rank of the base job runs :func:`base_main`: rank 0 becomes the master
-(:class:`pearl_hpc.master.Master`), the others serve as training and reserved rollout
+(:class:`pearl_hpc.mpimaster.Master`), the others serve as training and reserved rollout
 workers. The run directory holds the config copy, the MPI port file, the journal, the
 event log and the summary.
 """
@@ -72,7 +72,7 @@ def base_main(config_path: str, run_dir: str, run_tag: str) -> dict[str, Any] | 
     from mpi4py import MPI
 
     from pearl_hpc.comm.mpi import MasterPlane, WorkerPlane, member_info
-    from pearl_hpc.master import Master
+    from pearl_hpc.mpimaster import Master
     from pearl_hpc.worker import NoopWorker
 
     if MPI.COMM_WORLD.rank == 0:

@@ -2,7 +2,7 @@
 
     pearl-hpc run configs/runs/slurm-local.yaml --submit --partition normal --wait
 
-The job runs :func:`pearl_hpc.local.run_local` on the run directory it was given. On
+The job runs :func:`pearl_hpc.master.loop.run_master` on the run directory it was given. On
 preemption or at its time limit, submitit's signal handler calls
 :meth:`RunJob.checkpoint`: the job is requeued and the next start resumes from the
 journal, as ``pearl-hpc run --resume`` does (weights from the latest snapshot,
@@ -19,8 +19,10 @@ from typing import Any
 
 import submitit
 
-from pearl_hpc.journal import read_journal
-from pearl_hpc.local import format_step, format_summary, load_local, new_run_dir, run_local
+from pearl_hpc.config.run import load_run_config
+from pearl_hpc.master.journal import new_run_dir, read_journal
+from pearl_hpc.master.loop import run_master
+from pearl_hpc.master.records import format_step, format_summary
 
 
 class RunJob(submitit.helpers.Checkpointable):
@@ -28,12 +30,14 @@ class RunJob(submitit.helpers.Checkpointable):
 
     def __call__(self, run_dir: str) -> dict[str, Any]:
         path = Path(run_dir)
-        cfg = load_local(path / "config.yaml")
+        cfg = load_run_config(path / "config.yaml")
         journal = path / "journal.json"
         resume = journal.exists() and read_journal(journal).get("status") != "finished"
         print(f"pearl-hpc run: {'resuming ' if resume else ''}{path}", flush=True)
         summary = asyncio.run(
-            run_local(cfg, path, on_step=lambda m: print(format_step(m), flush=True), resume=resume)
+            run_master(
+                cfg, path, on_step=lambda m: print(format_step(m), flush=True), resume=resume
+            )
         )
         print(format_summary(summary), flush=True)
         return summary
@@ -52,8 +56,8 @@ def submit_run(
     timeout_min: int = 60,
 ) -> tuple[Any, Path]:
     """Submit the master of a new run; returns (submitit job, run directory)."""
-    cfg = load_local(config)
-    run_dir = new_run_dir(cfg, Path(config)).resolve()
+    cfg = load_run_config(config)
+    run_dir = new_run_dir(cfg.runs_dir, cfg.name, Path(config)).resolve()
     executor = submitit.AutoExecutor(folder=str(run_dir / "submitit"), cluster="slurm")
     params: dict[str, Any] = {
         "slurm_job_name": "pearl-run",

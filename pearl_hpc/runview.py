@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from pearl_hpc.errors import PearlError
-from pearl_hpc.local import read_jsonl, read_run_state
+from pearl_hpc.master.journal import read_run_state
+from pearl_hpc.master.records import read_jsonl
 
 _ROLE_LETTER = {"prefill": "P", "decode": "D", "colocated": "C"}
 
@@ -209,7 +210,7 @@ def write_run_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
 def _master_alive(run_dir: Path, pid: int) -> bool:
     """A Slurm-backend master may run on another node: its lease file (touched every
     second) tells; a local master is a process of this machine."""
-    from pearl_hpc.slurmrun import LEASE_STALE_S
+    from pearl_hpc.backends.slurm import LEASE_STALE_S
 
     lease = run_dir / "elastic" / "master.lease"
     if lease.exists():

@@ -25,7 +25,7 @@ python3 -m pytest "$@"
   echo "run-all: jobs left in squeue after the tests:" >&2; squeue >&2; exit 1; }
 # no stray process either: engine workers exit within a second of their master, Slurm
 # job steps as their jobs end
-for _ in $(seq 20); do pgrep -f 'pearl_hpc\.(engine\.server|worker|slurmrun) ' >/dev/null || break; sleep 0.5; done
-if stray=$(pgrep -af 'pearl_hpc\.(engine\.server|worker|slurmrun) '); then
+for _ in $(seq 20); do pgrep -f 'pearl_hpc\.(engine\.server|worker|backends\.slurm_job) ' >/dev/null || break; sleep 0.5; done
+if stray=$(pgrep -af 'pearl_hpc\.(engine\.server|worker|backends\.slurm_job) '); then
   echo "run-all: processes left after the tests:" >&2; echo "$stray" >&2; exit 1
 fi

@@ -19,8 +19,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pearl_hpc.backends.trace import replay_workers
+from pearl_hpc.config.run import TraceReplay, load_run_config
 from pearl_hpc.errors import ConfigError, PearlError
-from pearl_hpc.local import TraceReplay, load_local, replay_workers, run_local
+from pearl_hpc.master.loop import run_master
 from tests.conftest import vllm_skip_reason
 
 CONFIG = {
@@ -59,23 +61,23 @@ def _write(tmp_path: Path, config: dict) -> Path:
 def test_bad_run_config_names_the_field(tmp_path: Path):
     bad = {**CONFIG, "workers": {"training_gpus": 1, "overlap": 2}}
     with pytest.raises(ConfigError, match=r"workers\.overlap"):
-        load_local(_write(tmp_path, bad))
+        load_run_config(_write(tmp_path, bad))
     with pytest.raises(ConfigError, match=r"run\.env"):
-        load_local(_write(tmp_path, {**CONFIG, "run": {"env": "chess"}}))
+        load_run_config(_write(tmp_path, {**CONFIG, "run": {"env": "chess"}}))
     with pytest.raises(ConfigError, match="unknown key 'stepz'"):
-        load_local(_write(tmp_path, {**CONFIG, "run": {"stepz": 1}}))
+        load_run_config(_write(tmp_path, {**CONFIG, "run": {"stepz": 1}}))
 
 
 def test_replayed_trace_config_errors_name_the_field(tmp_path: Path):
     both = {**CONFIG, "elastic": {**CONFIG["elastic"], "replay": {"segment": 1}}}
     with pytest.raises(ConfigError, match=r"elastic\.trace and elastic\.replay"):
-        load_local(_write(tmp_path, both))
+        load_run_config(_write(tmp_path, both))
     bad = {**CONFIG, "elastic": {"replay": {"segment": 4}}}
     with pytest.raises(ConfigError, match=r"segment"):
-        load_local(_write(tmp_path, bad))
+        load_run_config(_write(tmp_path, bad))
     missing = {**CONFIG, "elastic": {"replay": {"file": str(tmp_path / "nope.csv")}}}
     with pytest.raises(PearlError, match=r"nope\.csv"):
-        load_local(_write(tmp_path, missing))
+        load_run_config(_write(tmp_path, missing))
 
 
 def test_a_real_trace_replays_over_the_run_clock(tmp_path: Path):
@@ -99,9 +101,9 @@ def test_a_real_trace_replays_over_the_run_clock(tmp_path: Path):
 @pytest.mark.skipif(vllm_skip_reason() is not None, reason=str(vllm_skip_reason()))
 def test_local_run_grows_reclaims_borrows_and_loses_nothing(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("PEARL_HPC_CACHE", str(tmp_path / "cache"))
-    cfg = load_local(_write(tmp_path, CONFIG))
+    cfg = load_run_config(_write(tmp_path, CONFIG))
     run_dir = tmp_path / "runs" / "t"
-    summary = asyncio.run(run_local(cfg, run_dir))
+    summary = asyncio.run(run_master(cfg, run_dir))
     print("\n" + json.dumps(summary, indent=1))
 
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -135,9 +137,9 @@ def test_a_real_spot_trace_grants_and_reclaims_over_the_run_clock(tmp_path: Path
     replay = {"segment": 1, "speedup": 80, "instances_per_worker": 6, "max_workers": 1}
     config = {**CONFIG, "elastic": {"grace_s": 30, "replay": replay}}
     config["run"] = {**CONFIG["run"], "steps": 4}
-    cfg = load_local(_write(tmp_path, config))
+    cfg = load_run_config(_write(tmp_path, config))
     run_dir = tmp_path / "runs" / "t"
-    summary = asyncio.run(run_local(cfg, run_dir))
+    summary = asyncio.run(run_master(cfg, run_dir))
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["trajectories"] for m in metrics] == [16] * 4  # nothing lost
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
@@ -274,7 +276,7 @@ def test_a_worker_killed_mid_rollout_loses_no_trajectory(tmp_path: Path, monkeyp
         "workers": {"training_gpus": 1, "reserved_rollout": 1, "overlap": 0},
         "elastic": {"grace_s": 30, "trace": [{"at_step": 0, "workers": 1}]},
     }
-    cfg = load_local(_write(tmp_path, config))
+    cfg = load_run_config(_write(tmp_path, config))
     run_dir = tmp_path / "runs" / "t"
     killed: list[int] = []
 
@@ -292,7 +294,7 @@ def test_a_worker_killed_mid_rollout_loses_no_trajectory(tmp_path: Path, monkeyp
 
     killer = threading.Thread(target=kill_elastic_mid_step_1, daemon=True)
     killer.start()
-    summary = asyncio.run(run_local(cfg, run_dir))
+    summary = asyncio.run(run_master(cfg, run_dir))
     killer.join(timeout=5)
     assert killed, "the elastic worker was never killed"
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pearl_hpc.local import read_jsonl, read_run_state
-from pearl_hpc.slurmrun import run_tag_of
+from pearl_hpc.backends.slurm import run_tag_of
+from pearl_hpc.master.journal import read_run_state
+from pearl_hpc.master.records import read_jsonl
 from tests.conftest import vllm_skip_reason
 from tests.test_local_run import CONFIG as LOCAL_CONFIG
 

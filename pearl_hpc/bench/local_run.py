@@ -33,8 +33,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from pearl_hpc.config.run import RunConfig, load_run_config
 from pearl_hpc.core.policies import BorrowingName, PDPolicyName
-from pearl_hpc.local import LocalConfig, load_local, read_jsonl, run_local
+from pearl_hpc.master.loop import run_master
+from pearl_hpc.master.records import read_jsonl
 
 # PEARL.md, "Reconfiguration latency" (Qwen3-8B / Qwen3-30B-A3B on H800), seconds
 PEARL_LATENCIES_S = {
@@ -72,13 +74,13 @@ def measured_latencies(events: list[dict[str, Any]]) -> dict[str, list[float]]:
     return out
 
 
-def _colocated(cfg: LocalConfig) -> LocalConfig:
+def _colocated(cfg: RunConfig) -> RunConfig:
     policy = replace(cfg.policy, pd_policy=PDPolicyName.COLOCATED, borrowing=BorrowingName.NONE)
     return replace(cfg, name=cfg.name + "-colocated", policy=policy)
 
 
 def run(config: str) -> dict[str, Any]:
-    cfg = load_local(config)
+    cfg = load_run_config(config)
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="pearl-bench-local-") as tmp:
         variants = (
@@ -89,7 +91,7 @@ def run(config: str) -> dict[str, Any]:
         for name, variant in variants:
             run_dir = Path(tmp) / name
             print(f"bench --local: running {name} ...", flush=True)
-            summary = asyncio.run(run_local(variant, run_dir))
+            summary = asyncio.run(run_master(variant, run_dir))
             metrics = read_jsonl(run_dir / "metrics.jsonl")
             results[name] = {
                 "summary": summary,

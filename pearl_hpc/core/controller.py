@@ -566,7 +566,7 @@ class Controller:
 
     # ---------------------------------------------------------------- journal
     def snapshot(self) -> dict[str, Any]:
-        """Everything needed to restart the master (see :mod:`pearl_hpc.journal`)."""
+        """Everything needed to restart the master (see :mod:`pearl_hpc.master.journal`)."""
         return {
             "table": self.table.to_dict(),
             "free_units": [

@@ -45,7 +45,7 @@ from pearl_hpc.core.controller import (
 from pearl_hpc.core.orchestrator import WorkerAdd
 from pearl_hpc.core.table import ElasticSource
 from pearl_hpc.core.types import Role, Status
-from pearl_hpc.journal import write_journal
+from pearl_hpc.master.journal import write_journal
 from pearl_hpc.slurm.capacity import CapacityManager, ComponentState, SlurmCapacity
 from pearl_hpc.slurm.client import SlurmClient, SlurmError
 from pearl_hpc.slurm.scripts import JobSpec

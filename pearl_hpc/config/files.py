@@ -15,7 +15,7 @@ from pearl_hpc.core.policies import PolicyConfig
 from pearl_hpc.core.profile import WorkloadProfile
 from pearl_hpc.errors import ConfigError
 
-REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

@@ -1,14 +1,15 @@
-"""The Slurm backend of ``pearl-hpc run``: elastic engine workers in heterogeneous jobs.
+"""The Slurm backend: elastic engine workers in heterogeneous jobs.
 
     sbatch launch/run.sbatch configs/runs/slurm-local.yaml     # the master as a batch job
 
-The master is the same as the local backend's (:func:`pearl_hpc.local.run_local`: the
-controller, the trainer, the reserved and overlap engines in its own job). Elastic
-capacity differs: a grow submits one heterogeneous job with one component per engine
-worker (``--comment=pearl:<run tag>``, partition ``slurm.partition``); each component
-runs ``python -m pearl_hpc.engine.server`` in its own ``srun --het-group=K`` step, which
-announces its address in ``RUN_DIR/elastic/JOB+K.ready.json``; the master connects to
-it when the controller places a worker on those GPUs. Reclaims are Slurm's:
+The master is the same as the local backend's (:mod:`pearl_hpc.master`: the controller,
+the trainer, the reserved and overlap engines in its own job). Elastic capacity differs:
+a grow submits one heterogeneous job with one component per engine worker
+(``--comment=pearl:<run tag>``, partition ``slurm.partition``); its batch step
+(:mod:`pearl_hpc.backends.slurm_job`) runs ``python -m pearl_hpc.engine.server`` per
+component in its own ``srun --het-group=K`` step, which announces its address in
+``RUN_DIR/elastic/JOB+K.ready.json``; the master connects to it when the controller
+places a worker on those GPUs (:meth:`SlurmBackend.attach`). Reclaims are Slurm's:
 
     squeue (thread) ──RUNNING──> CapacityGranted      the job's --signal (preemption)
     component gone ──────────> CapacityReclaimed      ──> JOB.signal ──> CapacityReclaimed
@@ -28,27 +29,22 @@ then grants afresh from the trace.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
 import logging
 import os
-import signal
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pearl_hpc.config.run import SlurmSettings
 from pearl_hpc.core.controller import CapacityGranted, CapacityReclaimed, Event
-from pearl_hpc.core.schema import spec_field
 from pearl_hpc.core.table import ElasticSource
 from pearl_hpc.engine.client import EngineClient
-from pearl_hpc.engine.rpc import KEY_ENV
 from pearl_hpc.engine.types import EngineError
 from pearl_hpc.engine.vllm_engine import EngineSpec
 from pearl_hpc.slurm.capacity import CapacityManager, Component, ComponentState
@@ -60,31 +56,6 @@ log = logging.getLogger(__name__)
 GONE = ComponentState.GONE
 LEASE_S = 1.0  # the master touches its lease this often
 LEASE_STALE_S = 30.0  # an elastic job whose master was silent this long ends itself
-
-
-@dataclass(frozen=True)
-class SlurmSettings:
-    partition: str = spec_field("partition of the elastic jobs (preemptible)", default="elastic")
-    gpus_per_worker: int = spec_field("GPUs of one elastic engine worker", default=1, ge=1)
-    cpus_per_worker: int = spec_field("CPUs of one elastic engine worker", default=1, ge=1)
-    time_limit: str = spec_field("time limit of an elastic job", default="1:00:00")
-    sbatch_extra: list[str] = spec_field(
-        "further sbatch options of every component (e.g. --exclusive, --constraint=h100)",
-        default=[],
-    )
-    signal: str = spec_field(
-        "sbatch --signal of elastic jobs (delivered at preemption)", default="B:USR2@60"
-    )
-    poll_s: float = spec_field("squeue poll interval, seconds", default=1.0, gt=0)
-    pending_timeout_s: float = spec_field(
-        "cancel an elastic job still pending after this long", default=600.0, gt=0
-    )
-    preempt_partition: str = spec_field(
-        "partition whose jobs preempt the elastic ones: the trace's reclaims are carried out "
-        "by submitting such a job to the nodes of the newest elastic job",
-        default="high",
-    )
-    preempt_hold_s: int = spec_field("how long a preempting job holds its node", default=20, ge=1)
 
 
 def source_of_gpus(gpu_ids: tuple[str, ...]) -> ElasticSource | None:
@@ -126,9 +97,9 @@ class RemoteWorker:
         self._cancel()
 
 
-class ElasticJobs:
-    """This run's elastic heterogeneous jobs: submit, watch, preempt (for the trace),
-    release, and cancel everything at the end."""
+class SlurmBackend:
+    """This run's elastic heterogeneous jobs (a :class:`~.base.CapacityBackend`): submit,
+    watch, preempt (for the trace), release, and cancel everything at the end."""
 
     def __init__(
         self,
@@ -162,6 +133,8 @@ class ElasticJobs:
         self.preempting: set[str] = set()  # jobs the trace had preempted
         self.released: set[str] = set()  # components the controller gave back
         self._held: dict[str, list[CapacityGranted]] = {}  # grants of a partly started job
+        self._watch_stop = asyncio.Event()
+        self._watch: asyncio.Task[None] | None = None
         self._lease_stop = threading.Event()
         self._lease = threading.Thread(target=self._touch_lease, name="lease", daemon=True)
         self._lease.start()
@@ -172,6 +145,13 @@ class ElasticJobs:
         while not self._lease_stop.is_set():
             lease.write_text(f"{os.getpid()} {time.time():.1f}\n")
             self._lease_stop.wait(LEASE_S)
+
+    async def start(self, *, resume: bool) -> None:
+        """Watch squeue and the jobs' signals; a resumed master first cancels the jobs
+        the dead one left (granted afresh from the trace)."""
+        if resume:
+            await self.cancel_leftovers()
+        self._watch = asyncio.create_task(self.watch(self._watch_stop))
 
     async def cancel_leftovers(self) -> list[str]:
         """Cancel the jobs of this run a previous master left (found by tag)."""
@@ -186,6 +166,10 @@ class ElasticJobs:
 
     async def close(self) -> None:
         """Cancel every elastic and preempting job of the run and see them leave squeue."""
+        self._watch_stop.set()
+        if self._watch is not None:
+            with contextlib.suppress(Exception):
+                await self._watch
         self._lease_stop.set()
         for job_id in self.jobs + self.preemptors:
             with contextlib.suppress(SlurmError):
@@ -225,9 +209,13 @@ class ElasticJobs:
     def live_workers(self) -> int:
         return sum(len(c.gpu_sets()) if c.nodes else 1 for c in self._counted())
 
-    async def scale_to(self, workers: int) -> None:
+    def summary(self) -> dict[str, Any]:
+        return {"jobs": self.jobs, "preempting_jobs": self.preemptors}
+
+    async def scale_to(self, workers: int, *, regrant: bool = False) -> None:
         """The trace's availability: submit one heterogeneous job for the missing workers,
-        or preempt the newest jobs (whole jobs) until at most ``workers`` remain."""
+        or preempt the newest jobs (whole jobs) until at most ``workers`` remain. (Grants
+        are counted as Slurm starts jobs; a resumed master's jobs are new ones.)"""
         have = self.live_workers()
         if workers > have:
             await self.submit(workers - have)
@@ -257,7 +245,7 @@ class ElasticJobs:
             name="pearl-elastic",
             run_tag=self.tag,
             components=(component,) * workers,
-            command=[sys.executable, "-m", "pearl_hpc.slurmrun", *self._engine_args()],
+            command=[sys.executable, "-m", "pearl_hpc.backends.slurm_job", *self._engine_args()],
             signal=s.signal,
             output=str(self.dir.resolve() / "job-%j.out"),
         )
@@ -373,11 +361,14 @@ class ElasticJobs:
         return out
 
     # ----------------------------------------------------------------- workers
-    async def attach(self, gpu_ids: tuple[str, ...], key: str, timeout_s: float) -> RemoteWorker:
-        """Connect to the engine server of the component that holds ``gpu_ids``."""
+    async def attach(
+        self, gpu_ids: tuple[str, ...], key: str, timeout_s: float
+    ) -> RemoteWorker | None:
+        """Connect to the engine server of the component that holds ``gpu_ids`` (None:
+        not GPUs of an elastic job; the master starts their engine itself)."""
         source = source_of_gpus(gpu_ids)
         if source is None:
-            raise EngineError(f"{gpu_ids}: not GPUs of an elastic job")
+            return None
         ready_file = self.dir / f"{source.tag}.ready.json"
         deadline = time.monotonic() + timeout_s
         while not ready_file.exists():
@@ -394,76 +385,3 @@ class ElasticJobs:
         client = EngineClient(source.tag)
         await client.connect(ready["host"], int(ready["port"]), key)
         return RemoteWorker(source.tag, client, ready, lambda: self.release(source))
-
-
-# ============================================================ the elastic job's batch step
-
-
-def _launch(args: argparse.Namespace) -> int:
-    """The batch step of an elastic job: one engine server per component, each in its own
-    ``srun --het-group=K`` step; the job's signal is written for the master; the steps end
-    when the master's lease goes stale."""
-    job = os.environ.get("SLURM_JOB_ID")
-    if not job:
-        print("pearl_hpc.slurmrun: not inside a Slurm job (no SLURM_JOB_ID)", file=sys.stderr)
-        return 2
-    het = "SLURM_HET_SIZE" in os.environ
-    size = int(os.environ.get("SLURM_HET_SIZE", "1"))
-    edir = args.run_dir / "elastic"
-    env = {**os.environ, KEY_ENV: (edir / "key").read_text().strip()}
-    procs = []
-    for k in range(size):
-        argv = ["srun", "-n1", *([f"--het-group={k}"] if het else [])]
-        argv += [
-            sys.executable, "-m", "pearl_hpc.engine.server",
-            "--model", args.model, "--worker-id", f"{job}+{k}", "--role", "none",
-            "--ready-file", str(edir / f"{job}+{k}.ready.json"),
-            "--host", "0.0.0.0", "--advertise-host", "auto",
-            "--device", args.device, "--max-model-len", str(args.max_model_len),
-            "--kv-cache-gb", str(args.kv_cache_gb),
-        ]  # fmt: skip
-        procs.append(subprocess.Popen(argv, env=env))
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        note = {"signal": signal.Signals(signum).name, "time": time.time()}
-        tmp = edir / f"{job}.signal.tmp"
-        tmp.write_text(json.dumps(note))
-        tmp.rename(edir / f"{job}.signal")  # the master drains and cancels us
-        print(f"elastic job {job}: {note['signal']}; told the master", flush=True)
-
-    def end_steps() -> None:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-            time.sleep(0.2)
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-
-    signal.signal(signal.SIGUSR2, on_signal)
-    signal.signal(signal.SIGTERM, lambda *_: end_steps())
-    lease = edir / "master.lease"
-    while any(proc.poll() is None for proc in procs):
-        with contextlib.suppress(OSError):
-            if time.time() - lease.stat().st_mtime > LEASE_STALE_S:
-                print(f"elastic job {job}: the master's lease is stale; ending", flush=True)
-                end_steps()
-                break
-        time.sleep(1.0)
-    return max((proc.wait() for proc in procs), default=0)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pearl_hpc.slurmrun", description=_launch.__doc__)
-    p.add_argument("--run-dir", type=Path, required=True)
-    p.add_argument("--model", required=True)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--kv-cache-gb", type=int, default=1)
-    return _launch(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,59 @@
+"""The capacity interface the master drives, the same for every backend.
+
+    scale_to(N) ──> backend ──CapacityGranted / CapacityReclaimed──> the master's queue
+    release(source) <── the controller gives a component back (release_capacity)
+    attach(gpu_ids) ──> the engine worker already running on granted GPUs, or None
+
+Grants and reclaims reach the controller only through the queue, whoever causes them
+(a trace, Slurm starting a job, a preemption signal).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from pearl_hpc.core.table import ElasticSource
+
+
+class EngineWorkerHandle(Protocol):
+    """An engine worker process the master drives (a local child or a job step)."""
+
+    client: Any  # pearl_hpc.engine.client.EngineClient
+
+    async def stop(self, timeout_s: float = 60.0) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+class CapacityBackend(Protocol):
+    """Elastic capacity: brought to a worker count, given back a component at a time."""
+
+    counts: dict[str, int]  # "granted" / "reclaimed": capacity events delivered so far
+
+    async def start(self, *, resume: bool) -> None:
+        """Before the first step (``resume``: a previous master's leftovers exist)."""
+
+    async def scale_to(self, workers: int, *, regrant: bool = False) -> None:
+        """Bring the elastic workers to ``workers`` (``regrant``: availability a dead
+        master had, granted again and not counted as growth)."""
+
+    def release(self, source: ElasticSource) -> None:
+        """The controller gives ``source`` back."""
+
+    async def attach(
+        self, gpu_ids: tuple[str, ...], key: str, timeout_s: float
+    ) -> EngineWorkerHandle | None:
+        """The engine worker the backend runs on ``gpu_ids``, or None: the master starts
+        one itself."""
+
+    def live_workers(self) -> int:
+        """Elastic workers available now (granted, not given back or being reclaimed)."""
+
+    def describe(self) -> list[dict[str, Any]]:
+        """The live elastic jobs, for the journal and ``pearl-hpc status``."""
+
+    def summary(self) -> dict[str, Any] | None:
+        """What the run's summary records of the backend (None: nothing)."""
+
+    async def close(self) -> None:
+        """Give every elastic resource back and see it gone."""

@@ -1,0 +1,178 @@
+"""The run config of ``pearl-hpc run`` (one schema for both backends).
+
+    name, runs_dir, model, profile, policy   what is trained, how the controller decides
+    backend: local | slurm                   how elastic capacity comes to exist
+    workers: training_gpus, reserved_rollout, overlap
+    elastic: trace | replay, grace_s          when capacity appears and disappears
+    slurm:   the elastic jobs (backend slurm)
+    run:     the workload (steps, env, batch, sampling, staleness)
+
+Strict: an unknown key, a value out of range or an inconsistent pair is a
+:class:`~pearl_hpc.errors.ConfigError` naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from pearl_hpc.config.files import load_yaml
+from pearl_hpc.core.policies import PolicyConfig
+from pearl_hpc.core.schema import from_mapping, spec_field
+from pearl_hpc.errors import ConfigError
+from pearl_hpc.rollout.envs import ENV_NAMES
+from pearl_hpc.sim.traces import AvailabilityTrace, load_segment, load_trace
+
+BACKENDS = ("local", "slurm")
+
+
+@dataclass(frozen=True)
+class WorkersConfig:
+    training_gpus: int = spec_field("GPUs the trainer holds (names on CPU)", default=1, ge=1)
+    reserved_rollout: int = spec_field("dedicated rollout workers from the start", default=1, ge=1)
+    overlap: int = spec_field(
+        "overlap workers that borrow training GPUs (<= training_gpus)", default=1, ge=0
+    )
+
+
+@dataclass(frozen=True)
+class TracePoint:
+    at_step: int = spec_field("the step whose rollout this point precedes", ge=0)
+    workers: int = spec_field("elastic workers available from then on", ge=0)
+    after_s: float = spec_field(
+        "seconds into that step's rollout (0: before it starts)", default=0.0, ge=0
+    )
+
+
+@dataclass(frozen=True)
+class TraceReplay:
+    """A time-based availability trace replayed over the run's wall clock."""
+
+    segment: int = spec_field(
+        "PEARL segment 1-3 of the real spot traces in pearl_hpc/data/traces (0: none)",
+        default=0,
+        ge=0,
+        le=3,
+    )
+    file: str = spec_field("or an availability trace CSV (time_s,count)", default="")
+    speedup: float = spec_field("trace seconds per run second", default=60.0, gt=0)
+    instances_per_worker: int = spec_field(
+        "trace instances (GPUs) per elastic worker", default=1, ge=1
+    )
+    max_workers: int = spec_field(
+        "at most this many elastic workers (engine processes on this machine)", default=2, ge=0
+    )
+    poll_s: float = spec_field("how often the trace is read, run seconds", default=0.5, gt=0)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.segment or self.file)
+
+    def load(self) -> AvailabilityTrace:
+        return load_segment(self.segment) if self.segment else load_trace(self.file)
+
+
+@dataclass(frozen=True)
+class ElasticConfig:
+    trace: list[TracePoint] = spec_field("elastic availability, by step", default=[])
+    replay: TraceReplay = spec_field(
+        "or availability over time, from a real trace (replaces trace)", default=TraceReplay()
+    )
+    grace_s: float = spec_field("reclaim deadline after the notice, seconds", default=30.0, gt=0)
+
+
+@dataclass(frozen=True)
+class SlurmSettings:
+    partition: str = spec_field("partition of the elastic jobs (preemptible)", default="elastic")
+    gpus_per_worker: int = spec_field("GPUs of one elastic engine worker", default=1, ge=1)
+    cpus_per_worker: int = spec_field("CPUs of one elastic engine worker", default=1, ge=1)
+    time_limit: str = spec_field("time limit of an elastic job", default="1:00:00")
+    sbatch_extra: list[str] = spec_field(
+        "further sbatch options of every component (e.g. --exclusive, --constraint=h100)",
+        default=[],
+    )
+    signal: str = spec_field(
+        "sbatch --signal of elastic jobs (delivered at preemption)", default="B:USR2@60"
+    )
+    poll_s: float = spec_field("squeue poll interval, seconds", default=1.0, gt=0)
+    pending_timeout_s: float = spec_field(
+        "cancel an elastic job still pending after this long", default=600.0, gt=0
+    )
+    preempt_partition: str = spec_field(
+        "partition whose jobs preempt the elastic ones: the trace's reclaims are carried out "
+        "by submitting such a job to the nodes of the newest elastic job",
+        default="high",
+    )
+    preempt_hold_s: int = spec_field("how long a preempting job holds its node", default=20, ge=1)
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    steps: int = spec_field("training steps", default=4, ge=1)
+    env: str = spec_field("environment: calc | synthetic", default="calc")
+    max_turns: int = spec_field("turns per trajectory", default=2, ge=1)
+    num_groups: int = spec_field("prompts per step", default=2, ge=1)
+    group_size: int = spec_field("samples per prompt (GRPO group)", default=4, ge=1)
+    max_tokens_per_turn: int = spec_field("generation budget per turn", default=16, ge=1)
+    temperature: float = spec_field("sampling temperature", default=1.0, ge=0)
+    lr: float = spec_field("GRPO learning rate", default=0.02, gt=0)
+    seed: int = spec_field("rollout and training seed", default=0, ge=0)
+    max_staleness: int = spec_field(
+        "1: step k+1's rollout runs while step k trains (its batch is one version "
+        "behind); 0: synchronous steps",
+        default=1,
+        ge=0,
+        le=1,
+    )
+
+    @property
+    def batch_size(self) -> int:
+        return self.num_groups * self.group_size
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = spec_field("run name (labels the run directory)")
+    runs_dir: str = spec_field("where run directories go", default="runs")
+    model: str = spec_field("'tiny' (built locally) or a model directory", default="tiny")
+    backend: str = spec_field(
+        "local (elastic workers are local processes) | slurm (elastic workers are "
+        "heterogeneous Slurm jobs, reclaimed by preemption)",
+        default="local",
+    )
+    slurm: SlurmSettings = spec_field("elastic jobs (backend: slurm)", default=SlurmSettings())
+    profile: str = spec_field(
+        "workload profile YAML (relative: to configs/)", default="profiles/tiny-cpu.yaml"
+    )
+    policy: PolicyConfig = spec_field("controller policies", default=PolicyConfig())
+    workers: WorkersConfig = spec_field("worker layout", default=WorkersConfig())
+    elastic: ElasticConfig = spec_field("elastic capacity", default=ElasticConfig())
+    run: RunSettings = spec_field("the workload", default=RunSettings())
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    """Read and check a run config; every error names the field and the fix."""
+    cfg = from_mapping(RunConfig, load_yaml(path), where=str(path))
+    if cfg.workers.overlap > cfg.workers.training_gpus:
+        raise ConfigError(
+            f"{path}: workers.overlap ({cfg.workers.overlap}) > "
+            f"workers.training_gpus ({cfg.workers.training_gpus}); lower it"
+        )
+    if cfg.elastic.trace and cfg.elastic.replay.enabled:
+        raise ConfigError(
+            f"{path}: elastic.trace and elastic.replay are both set; keep one (a step-indexed "
+            "trace, or a time-based one replayed)"
+        )
+    if cfg.elastic.replay.enabled:
+        cfg.elastic.replay.load()  # a bad segment or file fails here, naming the fix
+    if cfg.backend not in BACKENDS:
+        raise ConfigError(f"{path}: backend {cfg.backend!r}: use local or slurm")
+    if cfg.backend == "slurm" and not shutil.which("sbatch"):
+        raise ConfigError(
+            f"{path}: backend slurm needs the Slurm commands (sbatch not on PATH); run on a "
+            "Slurm cluster (slurm/local-cluster.sh up for a local one) or use backend: local"
+        )
+    if cfg.run.env not in ENV_NAMES:
+        raise ConfigError(f"{path}: run.env {cfg.run.env!r}: use one of {list(ENV_NAMES)}")
+    return cfg

@@ -1,0 +1,309 @@
+"""The controller's executor for real engine workers: plans become process actions.
+
+    start_workers ── spawn a local engine process, attach one a backend runs (an elastic
+                     job's step), or activate an overlap worker; catch its weights up
+    change_roles  ── set_role on the engine (the process stays)
+    stop_workers  ── deactivate (partial turns come back to the router), then stop the
+                     process unless it lives on training GPUs (overlap: kept, released)
+    admit         ── the router follows the table: ACTIVE rollout slots with an engine
+    release_capacity ── the backend gives the elastic component back
+
+Every action runs as a task on the master's loop and reports back to the controller
+through the event queue (WorkerReady / WorkerReleased / WorkerFailed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pearl_hpc.backends.base import CapacityBackend, EngineWorkerHandle
+from pearl_hpc.core.controller import (
+    Controller,
+    Event,
+    WorkerFailed,
+    WorkerReady,
+    WorkerReleased,
+)
+from pearl_hpc.core.orchestrator import WorkerAdd
+from pearl_hpc.core.table import ElasticSource
+from pearl_hpc.core.types import Mode, Role, Status
+from pearl_hpc.engine.client import spawn_worker
+from pearl_hpc.engine.vllm_engine import EngineSpec
+from pearl_hpc.master.records import Counters, EventLog
+from pearl_hpc.rollout.router import Router
+from pearl_hpc.train.loop import WeightSync
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 300.0  # an engine (re)start taking longer has failed
+
+
+@dataclass
+class _Worker:
+    """An engine worker process and the slot it serves (None while idle)."""
+
+    proc: EngineWorkerHandle  # a local child, or a step of an elastic Slurm job
+    gpu_ids: tuple[str, ...]
+    slot_id: int | None = None
+    role: Role | None = None  # None: released (no engine)
+    remote: bool = False  # run by the backend (an elastic job's step), not our child
+
+
+def weight_member(gpu_ids: tuple[str, ...]) -> str:
+    """A worker's name in the weight broadcast group."""
+    return f"g{'-'.join(gpu_ids)}"
+
+
+class WorkerExecutor:
+    """Carries the controller's plans out with engine worker processes."""
+
+    def __init__(
+        self,
+        spec: EngineSpec,
+        run_dir: Path,
+        queue: asyncio.Queue[Event],
+        router: Router,
+        sync: WeightSync,
+        backend: CapacityBackend,
+        events: EventLog,
+        key: str,
+    ) -> None:
+        self.spec = spec
+        self.run_dir = run_dir
+        self.queue = queue
+        self.router = router
+        self.sync = sync
+        self.backend = backend
+        self.log_event = events
+        self.key = key  # engine workers' RPC key (elastic job steps read it too)
+        self.controller: Controller | None = None
+        self.workers: dict[tuple[str, ...], _Worker] = {}  # by GPU set
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.starting: dict[int, asyncio.Task[None]] = {}  # slot -> its start / activation
+        self.training_started = asyncio.Event()
+        # weight broadcasts and membership changes of the broadcast group never overlap:
+        # a member stopped mid-broadcast would leave the trainer blocked in the collective
+        self.weights_lock = asyncio.Lock()
+        self.counters = Counters()
+        self.start_timeout_s = START_TIMEOUT_S
+        router.on_failure = self._on_router_failure
+
+    def _on_router_failure(self, worker_id: str, reason: str) -> None:
+        if worker_id.startswith("s") and worker_id[1:].isdigit():
+            slot_id = int(worker_id[1:])
+            self.log_event("worker_failed", slot=slot_id, reason=reason[:200])
+            worker = self._worker_of(slot_id)
+            if worker is not None:  # its process is of no further use: gone with the slot
+                worker.proc.kill()
+                self.workers.pop(worker.gpu_ids, None)
+            self.queue.put_nowait(WorkerFailed(slot_id, reason))
+
+    # ------------------------------------------------------------------ views
+    def spawn(self, coro: Any) -> None:
+        """Run ``coro`` as a task of the executor (awaited or cancelled at the end)."""
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def _worker_of(self, slot_id: int) -> _Worker | None:
+        return next((w for w in self.workers.values() if w.slot_id == slot_id), None)
+
+    def activating_overlap(self) -> bool:
+        """An overlap worker is activating or serving (training GPUs are lent)."""
+        assert self.controller is not None
+        return any(s.status is not Status.INACTIVE for s in self.controller.table.overlap_workers())
+
+    def sync_router(self) -> None:
+        """Route to every ACTIVE rollout slot with a serving engine (the table rules)."""
+        assert self.controller is not None
+        clients, roles = {}, {}
+        for slot in self.controller.table.rollout_slots():
+            w = self._worker_of(slot.slot_id)
+            if slot.status is Status.ACTIVE and w is not None and w.role is not None:
+                wid = f"s{slot.slot_id}"
+                clients[wid], roles[wid] = w.proc.client, w.role
+        mode = Mode.DISAGGREGATED if Role.PREFILL in roles.values() else Mode.COLOCATED
+        self.router.set_workers(clients, roles, mode)
+
+    def serving(self) -> dict[str, Any]:
+        """Workers with an engine (members of the next weight broadcast)."""
+        return {
+            weight_member(w.gpu_ids): w.proc.client
+            for w in self.workers.values()
+            if w.role is not None
+        }
+
+    def slot_roles(self) -> tuple[dict[str, int], dict[str, Role]]:
+        """Router worker id -> slot and -> role, of the workers placed on a slot now."""
+        slots = {f"s{w.slot_id}": w.slot_id for w in self.workers.values() if w.slot_id}
+        roles = {
+            f"s{w.slot_id}": w.role
+            for w in self.workers.values()
+            if w.slot_id is not None and w.role is not None
+        }
+        return slots, roles
+
+    async def add_overlap_process(self, gpu_ids: tuple[str, ...]) -> None:
+        """Overlap workers live on the training GPUs for the whole run, released at first."""
+        proc = await spawn_worker(
+            self.spec, "ov-" + "-".join(gpu_ids), run_dir=self.run_dir, key=self.key, role=None
+        )
+        self.workers[gpu_ids] = _Worker(proc, gpu_ids)
+
+    # ------------------------------------------------------------------ executor
+    def start_workers(self, adds: Sequence[WorkerAdd]) -> None:
+        for add in adds:
+            task = asyncio.create_task(self._start(add))
+            self.tasks.add(task)
+            self.starting[add.slot_id] = task
+            task.add_done_callback(self.tasks.discard)
+
+    async def _start(self, add: WorkerAdd) -> None:
+        t0 = time.perf_counter()
+        try:
+            worker = await self._bring_up(add)
+            role = self._table_role(add.slot_id, add.role)
+            if role is not add.role:  # re-planned while starting (change_roles skipped it)
+                await worker.proc.client.set_role(role)
+            async with self.weights_lock:
+                await self.sync.catch_up(weight_member(add.gpu_ids), worker.proc.client)
+                worker.slot_id, worker.role = add.slot_id, role
+        except Exception as exc:
+            log.exception("slot %s failed to start", add.slot_id)
+            failed = self.workers.get(add.gpu_ids)
+            if failed is not None and (failed.remote or isinstance(exc, TimeoutError)):
+                failed.proc.kill()
+                self.workers.pop(add.gpu_ids, None)
+            await self.queue.put(WorkerFailed(add.slot_id, f"{type(exc).__name__}: {exc}"))
+            return
+        took = time.perf_counter() - t0
+        if add.reactivate:
+            self.counters.activation_s.append(took)
+        self.log_event(
+            "ready",
+            slot=add.slot_id,
+            role=str(add.role),
+            s=round(took, 2),
+            reactivate=add.reactivate,
+        )
+        await self.queue.put(WorkerReady(add.slot_id))
+
+    async def _bring_up(self, add: WorkerAdd) -> _Worker:
+        """An engine in ``add.role`` on ``add.gpu_ids``: a released worker there is
+        activated, one the backend runs is attached and activated, else a new process.
+        A hung engine start (seen: NIXL's listener dying on a taken port) fails the
+        slot instead of stalling admission of its whole group."""
+        worker = self.workers.get(add.gpu_ids)
+        if worker is not None:
+            worker.slot_id = add.slot_id
+            await asyncio.wait_for(
+                worker.proc.client.activate(add.role), timeout=self.start_timeout_s
+            )
+            return worker
+        remote = await self.backend.attach(add.gpu_ids, self.key, self.start_timeout_s)
+        if remote is not None:  # an engine server in an elastic job's step, no engine yet
+            worker = _Worker(remote, add.gpu_ids, slot_id=add.slot_id, remote=True)
+            self.workers[add.gpu_ids] = worker
+            await asyncio.wait_for(remote.client.activate(add.role), timeout=self.start_timeout_s)
+            return worker
+        proc = await spawn_worker(
+            self.spec,
+            f"w{add.slot_id}-" + "-".join(add.gpu_ids),
+            run_dir=self.run_dir,
+            key=self.key,
+            role=add.role,
+            slot_id=add.slot_id,
+        )
+        worker = _Worker(proc, add.gpu_ids, slot_id=add.slot_id)
+        self.workers[add.gpu_ids] = worker
+        return worker
+
+    def _table_role(self, slot_id: int, default: Role) -> Role:
+        assert self.controller is not None
+        slot = next(
+            (s for s in self.controller.table.rollout_slots() if s.slot_id == slot_id), None
+        )
+        return slot.role if slot is not None else default
+
+    def admit(self, slot_ids: Sequence[int]) -> None:
+        self.log_event("admit", slots=list(slot_ids))
+        self.sync_router()
+
+    def change_roles(self, changes: Sequence[tuple[int, Role]]) -> None:
+        for slot_id, role in changes:
+            self.counters.role_changes += 1
+            self.router.remove(f"s{slot_id}")
+            self.spawn(self._rerole(slot_id, role))
+
+    async def _rerole(self, slot_id: int, role: Role) -> None:
+        worker = self._worker_of(slot_id)
+        starting = self.starting.get(slot_id)
+        if worker is None or (starting is not None and not starting.done()):
+            return  # still starting: _start takes the table's role when its engine is up
+        try:
+            timing = await worker.proc.client.set_role(role)
+            worker.role = role
+        except Exception as exc:
+            await self.queue.put(WorkerFailed(slot_id, str(exc)))
+            return
+        self.log_event("rerole", slot=slot_id, role=str(role), s=round(timing.wall_s, 2))
+        await self.queue.put(WorkerReady(slot_id))
+
+    def stop_workers(self, slot_ids: Sequence[int], deadline_s: float | None) -> None:
+        for slot_id in slot_ids:
+            self.router.remove(f"s{slot_id}")
+            self.spawn(self._stop(slot_id))
+
+    async def _stop(self, slot_id: int) -> None:
+        starting = self.starting.pop(slot_id, None)
+        if starting is not None and not starting.done():
+            # stopped while starting (e.g. Training Begin during an activation): let the
+            # start finish, then drain and release it like any serving worker
+            await asyncio.gather(starting, return_exceptions=True)
+        worker = self._worker_of(slot_id)
+        if worker is None:
+            await self.queue.put(WorkerReleased(slot_id))
+            return
+        t0 = time.perf_counter()
+        overlap = worker.gpu_ids[0].startswith("train")
+        async with self.weights_lock:
+            worker.role = None  # out of the next broadcast group
+        try:
+            _timing, partial = await worker.proc.client.deactivate()
+            self.counters.moved_turns += len(partial)
+            if not overlap:
+                await worker.proc.stop()
+                del self.workers[worker.gpu_ids]
+        except Exception:
+            log.exception("slot %s did not stop cleanly; killing it", slot_id)
+            worker.proc.kill()
+            self.workers.pop(worker.gpu_ids, None)
+        worker.slot_id, worker.role = None, None
+        took = time.perf_counter() - t0
+        if overlap:
+            self.counters.deactivation_s.append(took)
+        self.log_event("released", slot=slot_id, s=round(took, 2), overlap=overlap)
+        await self.queue.put(WorkerReleased(slot_id))
+
+    def start_training(self, step: int) -> None:
+        self.log_event("train", step=step)
+        self.training_started.set()
+
+    def release_capacity(self, source: ElasticSource) -> None:
+        self.log_event("release_capacity", source=source.tag)
+        self.backend.release(source)
+
+    async def close(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(
+            *[w.proc.stop() for w in self.workers.values()], return_exceptions=True
+        )
+        for w in self.workers.values():
+            w.proc.kill()

@@ -1,0 +1,410 @@
+"""The master of ``pearl-hpc run``: one asyncio loop around the controller.
+
+    backend (trace, squeue, signals) ──CapacityGranted/Reclaimed──┐
+    executor tasks ──WorkerReady/Released/Failed──────────────────┤──> queue ──> pump
+    step pipeline ──StepTelemetry, TrainingBegin/Finished─────────┘              │
+                                                                                 ▼
+        Controller.handle(event) ──plan──> WorkerExecutor (engines, router, weights)
+                 │                                  │
+                 └── journal.json, events.jsonl <───┘ (after every event)
+
+The controller is called from the pump only (:meth:`MasterRun.decide_now`). A run
+directory holds the journal (controller snapshot, counters, next step), weight snapshots
+(one per step), the trajectory log and the metrics; ``resume=True`` continues a run whose
+master died: the trainer from its latest snapshot, the tracker's fitted profile and the
+counters from the journal, the step in progress from the trajectory log (finished
+trajectories kept, unfinished ones resumed from their last turn). Engine workers of the
+dead master exit on their own (they watch their parent); elastic workers are granted
+again from the trace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, cast
+
+from pearl_hpc.backends.base import CapacityBackend
+from pearl_hpc.backends.local import LocalBackend
+from pearl_hpc.backends.trace import TraceDriver
+from pearl_hpc.config.files import REPO_CONFIGS, load_profile
+from pearl_hpc.config.run import RunConfig
+from pearl_hpc.core.controller import Controller, Event
+from pearl_hpc.core.types import Mode
+from pearl_hpc.engine.rpc import new_key
+from pearl_hpc.engine.vllm_engine import EngineSpec
+from pearl_hpc.master.executor import WorkerExecutor
+from pearl_hpc.master.journal import (
+    TrajectoryLog,
+    drop_unrecorded_snapshots,
+    read_run_state,
+    write_journal,
+    write_lines,
+)
+from pearl_hpc.master.records import EventLog, StepMetrics, event_fields, read_metrics
+from pearl_hpc.master.steps import StepPipeline, Workload
+from pearl_hpc.rollout.router import Router
+from pearl_hpc.train.loop import WeightSync
+
+
+async def run_master(
+    cfg: RunConfig,
+    run_dir: Path,
+    on_step: Callable[[StepMetrics], None] | None = None,
+    *,
+    resume: bool = False,
+    on_progress: Callable[..., None] | None = None,
+) -> dict[str, Any]:
+    """One training run (or its continuation, ``resume``); returns the summary (also
+    written to ``summary.json``). ``on_step`` sees each recorded step's metrics,
+    ``on_progress(step, trajectory, batch_size, executor)`` each finished turn."""
+    master = MasterRun(cfg, run_dir, resume=resume, on_step=on_step)
+    return await master.run(on_progress)
+
+
+def make_backend(
+    cfg: RunConfig,
+    run_dir: Path,
+    spec: EngineSpec,
+    key: str,
+    queue: asyncio.Queue[Event],
+    clock: Callable[[], float],
+    events: EventLog,
+) -> CapacityBackend:
+    """The run's capacity backend, by ``cfg.backend``."""
+    if cfg.backend == "slurm":
+        from pearl_hpc.backends.slurm import SlurmBackend
+
+        return SlurmBackend(
+            cfg.slurm,
+            spec,
+            run_dir,
+            key,
+            queue,
+            clock,
+            cfg.elastic.grace_s,
+            lambda kind, fields: events(kind, **fields),
+        )
+    return LocalBackend(queue, clock, cfg.elastic.grace_s)
+
+
+class MasterRun:
+    """The master's state for one run; :meth:`run` reads top to bottom."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_dir: Path,
+        *,
+        resume: bool,
+        on_step: Callable[[StepMetrics], None] | None,
+    ) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.resume = resume
+        self.on_step = on_step
+        self.state = read_run_state(run_dir) if resume else None
+        self._t_start = time.monotonic()
+        self._offset_s = float(self.state["t_s"]) if self.state else 0.0  # across masters
+        self.events = EventLog(run_dir / "events.jsonl", self.clock)
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.metrics: list[StepMetrics] = []
+        self.first_step = int(self.state["next_step"]) if self.state else 0
+        self.recorded_version = 0  # weights of the steps recorded so far
+        self._last_table: list[list[Any]] = []
+        self._pump_stop = asyncio.Event()
+
+    def clock(self) -> float:
+        """Run time: continues across masters of the same run."""
+        return self._offset_s + time.monotonic() - self._t_start
+
+    async def run(self, on_progress: Callable[..., None] | None = None) -> dict[str, Any]:
+        cfg = self.cfg
+        # 1. the trainer and the rollout workload (model, tokenizer, environment)
+        work = self._build_workload()
+        # 2. the controller, its executor and the capacity backend
+        spec = EngineSpec(model_dir=self.model_dir)
+        self.router = Router(wait_for_workers_s=600)
+        # elastic engines on other nodes reach the trainer's weight store by this host's name
+        self.sync = WeightSync(host=socket.gethostname() if cfg.backend == "slurm" else "127.0.0.1")
+        self.executor = executor = self._build_executor(spec)
+        self.controller = controller = Controller(
+            self._profile(), executor, policy=cfg.policy, clock=self.clock, check_invariants=True
+        )
+        executor.controller = controller
+        # 3. what a dead master left: tracker, toggle estimate, counters, weights
+        if self._snapshot is not None:  # new engines catch up to the resumed weights
+            self.sync.seed(work.trainer.state_dict(), work.trainer.version)
+        self.recorded_version = work.trainer.version
+        self._restore()
+        # 4. the pump, the base workers, the trace
+        pump_task = asyncio.create_task(self._pump())
+        tlog = TrajectoryLog(self.run_dir)
+        trace = TraceDriver(
+            cfg.elastic,
+            self.backend,
+            first_step=self.first_step,
+            resume=self.resume,
+            clock=self.clock,
+            log_event=self.events,
+            decide_now=self.decide_now,
+        )
+        pipeline = StepPipeline(
+            cfg.run,
+            controller=controller,
+            executor=executor,
+            router=self.router,
+            sync=self.sync,
+            queue=self.queue,
+            trace=trace,
+            tlog=tlog,
+            work=work,
+            snapshots=self.snapshots,
+            clock=self.clock,
+            elastic_workers=self.backend.live_workers,
+            on_recorded=self._on_recorded,
+            on_progress=on_progress,
+        )
+        replay_task = None
+        try:
+            await self.backend.start(resume=self.resume)
+            await self._register_base_workers()
+            self.save_state(self.first_step, "running")
+            if cfg.elastic.replay.enabled:  # after the base workers are registered
+                replay_task = asyncio.create_task(trace.replay(self._pump_stop))
+            # 5. the steps
+            await pipeline.run(self.first_step)
+            # let running starts / stops finish and their reports reach the controller,
+            # so a reclaimed job is handed back before the run ends
+            if executor.tasks:
+                await asyncio.wait(set(executor.tasks), timeout=120)
+            await asyncio.sleep(0.3)  # the pump applies what those tasks queued
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.save_state(self._next_step(), "failed")
+            raise
+        finally:
+            # 6. everything stops: rollouts ahead, the trace, the pump, engines, jobs
+            pipeline.cancel()
+            if replay_task is not None:
+                replay_task.cancel()
+            tlog.close()
+            self._pump_stop.set()
+            with contextlib.suppress(Exception):
+                await pump_task
+            await executor.close()
+            await self.backend.close()
+        # 7. the summary
+        return self._finish()
+
+    # ------------------------------------------------------------------ setup
+    def _build_workload(self) -> Workload:
+        from transformers import AutoTokenizer
+
+        from pearl_hpc.engine.tinymodel import build_tiny_model, default_model_dir
+        from pearl_hpc.rollout.agent import ChatFormat, RolloutConfig
+        from pearl_hpc.rollout.envs import make_env
+        from pearl_hpc.train.grpo import GRPOConfig, GRPOTrainer, latest_snapshot
+
+        cfg = self.cfg
+        self.model_dir = (
+            str(build_tiny_model(default_model_dir())) if cfg.model == "tiny" else cfg.model
+        )
+        grpo = GRPOConfig(lr=cfg.run.lr, seed=cfg.run.seed)  # accepts batches one version old
+        self.snapshots = self.run_dir / "snapshots"
+        snapshot = None
+        if self.state is not None:
+            drop_unrecorded_snapshots(self.snapshots, int(self.state["version"]))
+            snapshot = latest_snapshot(self.snapshots)
+        self._snapshot = snapshot
+        if snapshot is not None:
+            trainer = GRPOTrainer.from_snapshot(self.model_dir, snapshot, grpo)
+        else:
+            trainer = GRPOTrainer(self.model_dir, grpo)
+        chat = ChatFormat(cast(Any, AutoTokenizer.from_pretrained(self.model_dir)))
+        rollout = RolloutConfig(
+            num_groups=cfg.run.num_groups,
+            group_size=cfg.run.group_size,
+            max_tokens_per_turn=cfg.run.max_tokens_per_turn,
+            temperature=cfg.run.temperature,
+            seed=cfg.run.seed,
+        )
+
+        def make() -> Any:
+            return make_env(cfg.run.env, max_turns=cfg.run.max_turns)
+
+        return Workload(chat=chat, rollout=rollout, make_env=make, trainer=trainer)
+
+    def _profile(self) -> Any:
+        path = Path(self.cfg.profile)
+        return load_profile(path if path.is_absolute() else REPO_CONFIGS / path)
+
+    def _build_executor(self, spec: EngineSpec) -> WorkerExecutor:
+        """The executor and the capacity backend, sharing the engine workers' RPC key
+        (elastic job steps authenticate with it)."""
+        key = new_key()
+        self.backend = make_backend(
+            self.cfg, self.run_dir, spec, key, self.queue, self.clock, self.events
+        )
+        return WorkerExecutor(
+            spec, self.run_dir, self.queue, self.router, self.sync, self.backend, self.events, key
+        )
+
+    def _restore(self) -> None:
+        """A resumed master continues the dead one's tracker, toggle estimate, counters
+        and metrics (steps after the journal's next step are dropped)."""
+        counters = self.executor.counters
+        if self.state is not None:
+            self.controller.tracker.restore(self.state["controller"]["tracker"])
+            self.controller.toggle.restore(self.state["controller"]["toggle"])
+            for key, value in self.state["counters"].items():
+                setattr(counters, key, value)
+            self.metrics = [m for m in read_metrics(self.run_dir) if m.step < self.first_step]
+            write_lines(
+                self.run_dir / "metrics.jsonl", [json.dumps(asdict(m)) for m in self.metrics]
+            )
+            self.events("resumed", step=self.first_step, version=self.recorded_version)
+        # counters a previous master journaled; this master's history adds to them
+        self._before_changes = (counters.mode_changes, counters.ratio_changes)
+        self._before_capacity = (counters.grows, counters.reclaims)
+
+    async def _register_base_workers(self) -> None:
+        """The training GPUs (with their overlap engines, released) and the reserved
+        rollout workers."""
+        workers = self.cfg.workers
+        train_gpus = tuple(f"train:{i}" for i in range(workers.training_gpus))
+        overlap_sets: list[tuple[str, ...]] = [(g,) for g in train_gpus[: workers.overlap]]
+        await asyncio.gather(*[self.executor.add_overlap_process(s) for s in overlap_sets])
+        self.controller.register_training(train_gpus, overlap_gpu_sets=overlap_sets)
+        self.controller.grant_reserved([(f"rsv:{i}",) for i in range(workers.reserved_rollout)])
+        self.executor.sync_router()
+
+    # ------------------------------------------------------------------ the pump
+    async def _pump(self) -> None:
+        while not self._pump_stop.is_set():
+            try:
+                event = await asyncio.wait_for(self.queue.get(), timeout=0.2)
+            except TimeoutError:
+                continue
+            await self.queue.put(event)
+            self.decide_now()
+            self.save_state(self._next_step(), "running")
+
+    def decide_now(self) -> None:
+        """Apply every queued event to the controller, then make the router follow the
+        table (and log the table when it changed: the role timeline of the report)."""
+        controller, log_event = self.controller, self.events
+        while not self.queue.empty():
+            event = self.queue.get_nowait()
+            log_event("event", event=type(event).__name__, **event_fields(event))
+            result = controller.handle(event)
+            if result is not None:
+                log_event(
+                    "reconfigure",
+                    cause=result.cause,
+                    target=str(result.plan.target),
+                    add=len(result.plan.add),
+                    remove=len(result.plan.remove),
+                    role_changes=len(result.plan.role_changes),
+                    reason=result.decision.reason[:160],
+                    borrow_gate=result.borrow_gate.reason if result.borrow_gate else None,
+                    expansion_gate=(
+                        result.expansion_gate.reason if result.expansion_gate else None
+                    ),
+                )
+        self.executor.sync_router()
+        table = [
+            [s.slot_id, str(s.role), str(s.status), str(s.zone)]
+            for s in controller.table.rollout_slots()
+        ]
+        if table != self._last_table:
+            self._last_table = table
+            log_event("table", slots=table)
+
+    # ------------------------------------------------------------------ records
+    def _next_step(self) -> int:
+        return self.metrics[-1].step + 1 if self.metrics else self.first_step
+
+    def _on_recorded(self, m: StepMetrics) -> None:
+        self.recorded_version = m.version
+        self.metrics.append(m)
+        with (self.run_dir / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps(asdict(m)) + "\n")
+        self.save_state(m.step + 1, "running")
+        if self.on_step is not None:
+            self.on_step(m)
+
+    def _count(self) -> None:
+        """Mode / ratio changes from the controller's history, borrow cycles and
+        capacity events, added to what a previous master counted."""
+        history = self.controller.history
+        modes = [r.plan.target.mode for r in history]
+        c = self.executor.counters
+        c.mode_changes = self._before_changes[0] + sum(
+            1 for a, b in itertools.pairwise(modes) if a != b
+        )
+        c.ratio_changes = self._before_changes[1] + sum(
+            1
+            for a, b in itertools.pairwise(history)
+            if a.plan.target.mode == b.plan.target.mode
+            and a.plan.target.mode is Mode.DISAGGREGATED
+            and a.plan.target != b.plan.target
+        )
+        c.borrow_cycles = min(len(c.activation_s), len(c.deactivation_s))
+        c.grows = self._before_capacity[0] + self.backend.counts["granted"]
+        c.reclaims = self._before_capacity[1] + self.backend.counts["reclaimed"]
+
+    def save_state(self, next_step: int, status: str) -> None:
+        """The journal: what a restarted master needs, and what ``status`` shows."""
+        self._count()
+        write_journal(
+            self.run_dir / "journal.json",
+            {
+                "status": status,
+                "pid": os.getpid(),
+                "next_step": next_step,
+                "steps": self.cfg.run.steps,
+                "version": self.recorded_version,
+                "t_s": round(self.clock(), 3),
+                "elastic_workers": self.backend.live_workers(),
+                "elastic_jobs": self.backend.describe(),
+                "counters": asdict(self.executor.counters),
+                "controller": self.controller.snapshot(),
+            },
+            time_s=self.clock(),
+        )
+
+    def _finish(self) -> dict[str, Any]:
+        """``summary.json`` and the journal's ``finished``."""
+        metrics = self.metrics
+        self._count()
+        summary: dict[str, Any] = {
+            "steps": len(metrics),
+            "tokens_per_s": round(
+                # tokens this run generated (a resumed step's journaled ones are not counted)
+                sum(m.tokens_per_s * m.rollout_s for m in metrics)
+                / max(1e-9, sum(m.rollout_s for m in metrics)),
+                1,
+            ),
+            "reward_curve": [m.mean_reward for m in metrics],
+            "targets": [str(r.plan.target) for r in self.controller.history],
+            "counters": asdict(self.executor.counters),
+            "wall_s": round(self.clock(), 1),
+            "toggle_cost_s": round(self.controller.toggle.estimate_s, 3),
+            "profile": self.controller.profile.to_dict(),  # as refitted from the telemetry
+        }
+        backend = self.backend.summary()
+        if backend is not None:
+            summary["slurm"] = backend
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        self.save_state(self.cfg.run.steps, "finished")
+        return summary

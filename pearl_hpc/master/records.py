@@ -1,0 +1,137 @@
+"""What a run writes as it goes: counters, one metrics line per step, the event log.
+
+Files of a run directory (one layout, read by ``pearl-hpc status`` and ``report``):
+
+    events.jsonl    {"t_s", "kind", ...}: every event, plan and worker transition
+    metrics.jsonl   one :class:`StepMetrics` per recorded step
+    summary.json    the run's outcome (:func:`format_summary` prints it)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pearl_hpc.core.controller import Event
+from pearl_hpc.core.table import ElasticSource
+
+
+@dataclass
+class Counters:
+    """What happened, for the summary and the must-show checks."""
+
+    grows: int = 0
+    reclaims: int = 0
+    borrow_cycles: int = 0
+    mode_changes: int = 0
+    ratio_changes: int = 0
+    role_changes: int = 0
+    moved_turns: int = 0
+    activation_s: list[float] = field(default_factory=list)
+    deactivation_s: list[float] = field(default_factory=list)
+    return_latency_s: list[float] = field(default_factory=list)  # Training Begin -> start
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    t_s: float
+    rollout_s: float
+    train_s: float
+    sync_s: float  # the latest weight broadcast: of this step's weights (synchronous), or
+    # of the previous step's (rollout ahead: this step's go out after the next rollout)
+    return_latency_s: float
+    generated_tokens: int
+    tokens_per_s: float
+    mean_reward: float
+    version: int
+    roles: dict[str, str]
+    elastic_workers: int
+    borrowed: bool
+    moved_turns: int
+    trajectories: int  # finished (done, rewarded) trajectories trained on
+    resumed: int  # trajectories of the step recovered from a previous master's journal
+    predicted_s: float  # the tracker's prediction of this rollout (before it ran)
+    config: str  # the serving configuration at rollout start, e.g. 2C or 1P1D
+    max_staleness: int = 0  # largest (trainer version - generating version) in the batch
+
+
+class EventLog:
+    """``events.jsonl``: one JSON line per event, stamped with the run clock."""
+
+    def __init__(self, path: Path, clock: Callable[[], float]) -> None:
+        self.path = path
+        self.clock = clock
+
+    def __call__(self, kind: str, **fields: Any) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({"t_s": round(self.clock(), 3), "kind": kind, **fields}) + "\n")
+
+
+def event_fields(event: Event) -> dict[str, Any]:
+    """A controller event's plain fields, for the event log."""
+    out: dict[str, Any] = {}
+    for name in getattr(event, "__slots__", ()):
+        value = getattr(event, name)
+        if isinstance(value, int | float | str) or value is None:
+            out[name] = value
+        elif isinstance(value, ElasticSource):
+            out[name] = value.tag
+    return out
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file the run appends to; a missing file is empty and
+    a torn line (being written, or cut by a kill) is skipped."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
+
+
+def read_metrics(run_dir: Path) -> list[StepMetrics]:
+    out = []
+    for record in read_jsonl(run_dir / "metrics.jsonl"):
+        with contextlib.suppress(TypeError):
+            out.append(StepMetrics(**record))
+    return out
+
+
+def format_step(m: StepMetrics) -> str:
+    """One step's line of the run's log."""
+    roles = " ".join(f"{k}={v[0].upper()}" for k, v in m.roles.items())
+    return (
+        f"step {m.step}: {m.tokens_per_s:.0f} tok/s, reward {m.mean_reward:.3f}, "
+        f"rollout {m.rollout_s:.1f} s, train {m.train_s:.1f} s, return "
+        f"{m.return_latency_s:.2f} s, elastic {m.elastic_workers}, "
+        f"borrowed {'yes' if m.borrowed else 'no'}, moved turns {m.moved_turns}, "
+        f"roles {roles}" + (f", resumed {m.resumed} trajectories" if m.resumed else "")
+    )
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    c = summary["counters"]
+    ret = c["return_latency_s"]
+    lines = [
+        f"steps {summary['steps']} in {summary['wall_s']} s; rollout {summary['tokens_per_s']} "
+        "tokens/s",
+        "reward per step: " + " ".join(f"{r:.3f}" for r in summary["reward_curve"]),
+        f"elastic grows {c['grows']}, reclaims {c['reclaims']}; borrow cycles "
+        f"{c['borrow_cycles']}; mode changes {c['mode_changes']}, ratio changes "
+        f"{c['ratio_changes']}, role changes {c['role_changes']}; turns moved {c['moved_turns']}",
+        "borrowed GPUs returned before every training step: "
+        + ", ".join(f"{x:.2f} s" for x in ret),
+        "targets: " + " -> ".join(_dedup(summary["targets"])),
+    ]
+    return "\n".join(lines)
+
+
+def _dedup(items: list[str]) -> list[str]:
+    return [x for i, x in enumerate(items) if i == 0 or items[i - 1] != x]
