@@ -111,3 +111,21 @@ class ManualClock:
 
     def advance(self, delta_s: float) -> None:
         self.now_s += delta_s
+
+
+def uneven_batch() -> list[Any]:
+    """8 finished trajectories in 2 GRPO groups from raw token ids, of very different
+    lengths (3 to 24 generated tokens): split over data-parallel ranks, the ranks hold
+    different numbers of policy tokens."""
+    from pearl_hpc.rollout.types import Segment, Trajectory
+
+    out = []
+    for i in range(8):
+        group = i // 4
+        prompt = tuple(range(40 + 5 * group, 46 + 5 * group))
+        generated = tuple(200 + 13 * i + k for k in range(3 + 3 * i))
+        tail = tuple(range(90, 90 + i % 3))  # an environment observation (no loss)
+        segments = [Segment(prompt, False), Segment(generated, True), Segment(tail, False)]
+        reward = float((i * 7) % 5) / 4
+        out.append(Trajectory(f"u{i}", f"g{group}", segments, reward, True, {0}))
+    return out

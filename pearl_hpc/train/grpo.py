@@ -42,6 +42,14 @@ Decisions (and why):
   policy tokens. :meth:`GRPOTrainer.state_dict` gathers the full weights (every rank calls
   it; the result is complete on all of them). The KL reference is not sharded. Without a
   process group the flag is ignored with a warning, so the same config runs on one CPU.
+- **Data parallel over a group** (``dp_group``, e.g. gloo training ranks on CPU): every
+  rank gets the step's *whole* batch (token ids are small) and so the same advantages and
+  the same shuffled minibatches as one process; of each minibatch, rank ``r`` runs the
+  forward and backward of rows ``r::world`` only. Its loss is its tokens' sum divided by
+  the minibatch's *global* policy-token count, and the gradients are summed over the
+  group: the update equals the single-process one (to float rounding), however unevenly
+  the ranks' rows hold policy tokens. Weights stay replicated; no rank waits on another
+  except in the one gradient all-reduce per minibatch.
 """
 
 from __future__ import annotations
@@ -195,6 +203,7 @@ def grpo_loss(
     clip_eps: float,
     kl_coef: float = 0.0,
     ref_logprobs: torch.Tensor | None = None,
+    num_tokens_total: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-level clipped surrogate (PPO-style) plus an optional k3 KL to a reference.
 
@@ -204,6 +213,10 @@ def grpo_loss(
     ``clip_frac`` (share of policy tokens where the clipped branch is active), ``kl``
     (mean k3 to the reference; 0 without one), ``approx_kl`` (to the old policy),
     ``ratio_mean``, ``ratio_max``, ``num_tokens``.
+
+    ``num_tokens_total``: divide by this token count instead of this batch's own (the
+    minibatch's global count, when data-parallel ranks each hold part of it: their losses
+    and mean metrics then add up to the whole minibatch's).
     """
     if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape:
         raise TrainError(
@@ -221,7 +234,9 @@ def grpo_loss(
     mask = mask.to(logprobs.dtype)
     advantages = advantages.to(logprobs.dtype)
     num_tokens = mask.sum()
-    denom = num_tokens.clamp(min=1.0)  # an all-masked batch gives loss 0, not NaN
+    denom = (num_tokens if num_tokens_total is None else mask.new_tensor(num_tokens_total)).clamp(
+        min=1.0
+    )  # an all-masked batch gives loss 0, not NaN
 
     log_ratio = logprobs - old_logprobs.detach()
     ratio = torch.exp(log_ratio)
@@ -299,7 +314,9 @@ class GRPOTrainer:
     the initial weights. ``version`` counts optimizer updates: 0 is the model directory's
     weights, and each :meth:`train_step` adds one."""
 
-    def __init__(self, model_dir: Path | str, config: GRPOConfig | None = None) -> None:
+    def __init__(
+        self, model_dir: Path | str, config: GRPOConfig | None = None, dp_group: Any = None
+    ) -> None:
         self.config = config = config if config is not None else GRPOConfig()
         if not isinstance(config, GRPOConfig):
             raise ConfigError(f"config must be a GRPOConfig, got {type(config).__name__}")
@@ -324,6 +341,9 @@ class GRPOTrainer:
         self.sharded = False
         if config.fsdp:
             self.sharded = self._shard()
+        # data parallel (replicated weights): a group with rank, size and all_reduce (sum),
+        # e.g. pearl_hpc.train.wgroup.WeightGroup over the training ranks
+        self.dp_group = dp_group if dp_group is not None and not self.sharded else None
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay
         )
@@ -364,34 +384,31 @@ class GRPOTrainer:
         batch = self._pad_batch(trajectories, advantages)
         sizes = config.minibatch_size
 
-        # behaviour (and reference) log-probabilities with the weights before the update
-        with torch.no_grad():
-            old = self._logprobs_chunked(self.model, batch, sizes)
-            ref = self._logprobs_chunked(self.reference, batch, sizes) if self.reference else None
-
         generator = torch.Generator().manual_seed(config.seed * 1_000_003 + self.version)
+        plan = [
+            [rows for rows in torch.randperm(len(trajectories), generator=generator).split(sizes)]
+            for _ in range(config.epochs)
+        ]
+        rank, world = (self.dp_group.rank, self.dp_group.size) if self.dp_group else (0, 1)
+        mine = sorted({int(r) for epoch in plan for rows in epoch for r in rows[rank::world]})
+
+        # behaviour (and reference) log-probabilities with the weights before the update,
+        # of the rows this rank trains on
+        with torch.no_grad():
+            old = self._logprobs_of(self.model, batch, mine, sizes)
+            ref = self._logprobs_of(self.reference, batch, mine, sizes) if self.reference else None
+
         losses, clip_fracs, kls, norms = [], [], [], []
-        for _ in range(config.epochs):
-            order = torch.randperm(len(trajectories), generator=generator)
-            for start in range(0, len(trajectories), sizes):
-                rows = order[start : start + sizes].to(self.device)
-                mask = batch.loss_mask[rows]
-                if not self.sharded and not bool(mask.any()):
+        for epoch in plan:
+            for minibatch in epoch:
+                rows = minibatch.to(self.device)
+                total = float(batch.loss_mask[rows].sum())  # every rank knows the whole batch
+                if not self.sharded and not total:
                     continue  # no policy tokens: nothing to learn (FSDP ranks must all step)
-                logprobs = token_logprobs(
-                    self.model, batch.token_ids[rows], batch.attention_mask[rows]
-                )
-                loss, metrics = grpo_loss(
-                    logprobs,
-                    old[rows],
-                    batch.advantages[rows],
-                    mask,
-                    clip_eps=config.clip_eps,
-                    kl_coef=config.kl_coef,
-                    ref_logprobs=None if ref is None else ref[rows],
-                )
                 self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                metrics = self._minibatch_backward(batch, rows[rank::world], old, ref, total)
+                if self.dp_group is not None:
+                    metrics = self._sum_over_group(metrics)
                 norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
                 self.optimizer.step()
                 losses.append(metrics["loss"])
@@ -475,15 +492,62 @@ class GRPOTrainer:
             advantages=torch.tensor(advantages, dtype=torch.float32, device=self.device),
         )
 
-    def _logprobs_chunked(
-        self, model: torch.nn.Module | None, batch: _Batch, size: int
+    def _logprobs_of(
+        self, model: torch.nn.Module | None, batch: _Batch, rows: list[int], size: int
     ) -> torch.Tensor:
+        """Log-probabilities of ``rows`` (in chunks of ``size``), in a batch-shaped tensor
+        (rows this rank does not train on stay 0)."""
         assert model is not None
-        parts = [
-            token_logprobs(model, batch.token_ids[i : i + size], batch.attention_mask[i : i + size])
-            for i in range(0, batch.token_ids.shape[0], size)
-        ]
-        return torch.cat(parts)
+        out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=self.device)
+        for i in range(0, len(rows), size):
+            chunk = torch.tensor(rows[i : i + size], dtype=torch.long, device=self.device)
+            out[chunk] = token_logprobs(model, batch.token_ids[chunk], batch.attention_mask[chunk])
+        return out
+
+    def _minibatch_backward(
+        self,
+        batch: _Batch,
+        rows: torch.Tensor,
+        old: torch.Tensor,
+        ref: torch.Tensor | None,
+        total: float,
+    ) -> dict[str, float]:
+        """Loss and gradients of this rank's ``rows`` of a minibatch with ``total`` policy
+        tokens (a data-parallel rank may hold none of them: zero loss and gradients)."""
+        if not len(rows):
+            return {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0}
+        config = self.config
+        logprobs = token_logprobs(self.model, batch.token_ids[rows], batch.attention_mask[rows])
+        loss, metrics = grpo_loss(
+            logprobs,
+            old[rows],
+            batch.advantages[rows],
+            batch.loss_mask[rows],
+            clip_eps=config.clip_eps,
+            kl_coef=config.kl_coef,
+            ref_logprobs=None if ref is None else ref[rows],
+            num_tokens_total=total if self.dp_group is not None else None,
+        )
+        loss.backward()
+        return metrics
+
+    def _sum_over_group(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Data parallel: gradients and the minibatch's metrics summed over the ranks (one
+        all-reduce of one flat buffer)."""
+        assert self.dp_group is not None
+        params = list(self.model.parameters())
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        names = ("loss", "clip_frac", "kl")
+        flat = torch.cat(
+            [g.reshape(-1) for g in grads]
+            + [torch.tensor([metrics[k] for k in names], dtype=grads[0].dtype, device=self.device)]
+        )
+        self.dp_group.all_reduce(flat)
+        offset = 0
+        for p, g in zip(params, grads, strict=True):
+            p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
+            offset += g.numel()
+        return dict(zip(names, flat[offset:].tolist(), strict=True))
 
     # ---------------------------------------------------------------- weights out
 

@@ -85,6 +85,10 @@ class WeightGroup:
         opts.rootRank = src
         self.pg.broadcast([tensor], opts).wait()
 
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over the group, in place (the default reduce op)."""
+        self.pg.allreduce([tensor]).wait()
+
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         self.pg.send([tensor], dst, 0).wait()
 

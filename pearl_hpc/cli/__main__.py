@@ -1,0 +1,7 @@
+"""``python -m pearl_hpc.cli``."""
+
+import sys
+
+from pearl_hpc.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,53 @@
+"""What every subcommand shares: the parser class (one-line errors, exit 2), number
+argument types, shipped-profile names."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any, NoReturn
+
+from pearl_hpc.config import REPO_CONFIGS
+from pearl_hpc.errors import ConfigError
+
+EXIT_USAGE = 2
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, exit 2
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def number(kind: type, minimum: float) -> Any:
+    """An argparse type: ``kind`` (int or float) that must be >= ``minimum`` and finite."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            noun = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
+        if not (value >= minimum and value != float("inf")):
+            raise argparse.ArgumentTypeError(f"must be >= {minimum:g}, got {text}")
+        return value
+
+    return parse
+
+
+positive_int = number(int, 1)
+non_negative_int = number(int, 0)
+non_negative_float = number(float, 0.0)
+
+
+def resolve_profile(name_or_path: str) -> Path:
+    """A profile path, or the name of a shipped profile in ``configs/profiles``."""
+    path = Path(name_or_path)
+    if path.exists() or path.suffix in (".yaml", ".yml") or "/" in name_or_path:
+        return path
+    shipped = REPO_CONFIGS / "profiles" / f"{name_or_path}.yaml"
+    if shipped.exists():
+        return shipped
+    names = sorted(p.stem for p in (REPO_CONFIGS / "profiles").glob("*.yaml"))
+    raise ConfigError(
+        f"--profile {name_or_path!r}: no such file or shipped profile; shipped: {', '.join(names)}"
+    )

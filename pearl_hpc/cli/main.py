@@ -1,0 +1,46 @@
+"""``pearl-hpc``: the command line, one module per subcommand.
+
+Errors a user can fix (bad files, bad values, impossible SPECs) print one line and exit
+with status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from pearl_hpc.cli import calibrate, launch, plan, run, simulate, tools
+from pearl_hpc.cli.common import EXIT_USAGE, Parser
+from pearl_hpc.errors import PearlError
+
+SUBCOMMANDS = (plan, simulate, calibrate, launch, run, tools)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(
+        prog="pearl-hpc",
+        description="PEARL (adaptive prefill-decode execution with elasticity for agentic RL) "
+        "on Slurm clusters: plan, simulate, calibrate, run, benchmark.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    for module in SUBCOMMANDS:
+        module.add_parsers(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except PearlError as exc:
+        print(f"pearl-hpc: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("pearl-hpc: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

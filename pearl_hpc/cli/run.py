@@ -1,0 +1,159 @@
+"""``pearl-hpc run`` (a training run, local or Slurm backend; ``--submit``, ``--resume``),
+``status`` and ``report`` of a run directory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pearl_hpc.config import REPO_CONFIGS
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from pearl_hpc.config.run import load_run_config
+    from pearl_hpc.master.journal import new_run_dir
+    from pearl_hpc.master.loop import run_master
+    from pearl_hpc.master.records import format_step, format_summary
+
+    if args.submit:
+        return _submit_run(args)
+    if args.resume:
+        run_dir = Path(args.resume)
+        cfg = load_run_config(run_dir / "config.yaml")
+        print(f"pearl-hpc run: resuming {run_dir}", flush=True)
+    else:
+        cfg = load_run_config(args.config)
+        run_dir = new_run_dir(cfg.runs_dir, cfg.name, Path(args.config))
+        print(f"pearl-hpc run: {run_dir}", flush=True)
+
+    def progress(m: Any) -> None:
+        print(format_step(m), flush=True)
+
+    live = _LiveRollout() if sys.stdout.isatty() else None
+    try:
+        summary = asyncio.run(
+            run_master(
+                cfg,
+                run_dir,
+                on_step=progress,  # printed above the live line on a terminal
+                resume=bool(args.resume),
+                on_progress=live.update if live is not None else None,
+            )
+        )
+    finally:
+        if live is not None:
+            live.stop()
+    print(format_summary(summary))
+    print(f"status: pearl-hpc status {run_dir}; plots: pearl-hpc report {run_dir}")
+    return 0
+
+
+def _submit_run(args: argparse.Namespace) -> int:
+    """The master as a submitit job (requeued on preemption, resumed from its journal)."""
+    from pearl_hpc.master.records import format_summary
+    from pearl_hpc.runjob import submit_run
+
+    job, run_dir = submit_run(args.config, partition=args.partition, gpus=args.gpus, cpus=args.cpus)
+    print(f"pearl-hpc run: job {job.job_id}, run directory {run_dir}", flush=True)
+    print(f"follow it: pearl-hpc status {run_dir}", flush=True)
+    if args.wait:
+        print(format_summary(job.result()))
+    return 0
+
+
+class _LiveRollout:
+    """A live line under the step log on a terminal: the rollout in progress, the
+    serving roles, elastic and borrowed workers."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+        from rich.live import Live
+
+        self.console = Console()
+        self.live = Live("", console=self.console, refresh_per_second=4, transient=True)
+        self.live.start()
+        self.finished: set[str] = set()
+
+    def update(self, step: int, traj: Any, batch: int, executor: Any) -> None:
+        if traj.done:
+            self.finished.add(traj.trajectory_id)
+        done = sum(1 for t in self.finished if t.startswith(f"s{step}-"))
+        roles = " ".join(
+            f"s{w.slot_id}={str(w.role)[0].upper()}"
+            for w in executor.workers.values()
+            if w.slot_id is not None and w.role is not None
+        )
+        borrowed = executor.activating_overlap()
+        jobs = ""
+        if executor.backend.summary() is not None:  # the Slurm backend's elastic components
+            live = executor.backend.describe()
+            jobs = ", elastic jobs " + (" ".join(c["component"] for c in live) or "none")
+        self.live.update(
+            f"step {step}: rollout {done}/{batch} trajectories, turns moved "
+            f"{executor.counters.moved_turns}, roles {roles or '-'}, "
+            f"borrowed {'yes' if borrowed else 'no'}{jobs}"
+        )
+
+    def stop(self) -> None:
+        self.live.stop()
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from pearl_hpc.runview import format_status, run_status
+
+    doc = run_status(Path(args.run_dir))
+    print(json.dumps(doc, indent=1) if args.json else format_status(doc))
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from pearl_hpc.runview import write_run_report
+
+    for path in write_run_report(Path(args.run_dir), Path(args.out) if args.out else None):
+        print(path)
+    return 0
+
+
+def add_parsers(sub: Any) -> None:
+    run_p = sub.add_parser(
+        "run", help="a training run: controller + vLLM engines + GRPO (local or Slurm backend)"
+    )
+    run_p.add_argument(
+        "config",
+        nargs="?",
+        default=str(REPO_CONFIGS / "runs" / "local.yaml"),
+        help="run YAML (default: configs/runs/local.yaml, the embedded local default)",
+    )
+    run_p.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR after its master died (config from RUN_DIR)",
+    )
+    run_p.add_argument(
+        "--submit",
+        action="store_true",
+        help="submit the master as a Slurm job with submitit (requeued and resumed on "
+        "preemption or time-out)",
+    )
+    run_p.add_argument("--partition", help="with --submit: the master's partition")
+    run_p.add_argument("--gpus", type=int, default=0, help="with --submit: GPUs of the master")
+    run_p.add_argument("--cpus", type=int, default=4, help="with --submit: CPUs of the master")
+    run_p.add_argument("--wait", action="store_true", help="with --submit: wait, print summary")
+    run_p.set_defaults(func=_cmd_run)
+
+    status_p = sub.add_parser("status", help="state of a running or finished run")
+    status_p.add_argument("run_dir", help="the directory `pearl-hpc run` printed")
+    status_p.add_argument("--json", action="store_true", help="one JSON object")
+    status_p.set_defaults(func=_cmd_status)
+
+    report_p = sub.add_parser(
+        "report", help="plots of a run: throughput with the worker budget, roles, prediction"
+    )
+    report_p.add_argument("run_dir", help="the directory `pearl-hpc run` printed")
+    report_p.add_argument("--out", help="output directory (default: RUN_DIR/report)")
+    report_p.set_defaults(func=_cmd_report)

@@ -1,0 +1,75 @@
+"""``pearl-hpc tiny-model`` and ``pearl-hpc bench``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from pearl_hpc.config import REPO_CONFIGS
+
+
+def _cmd_tiny_model(args: argparse.Namespace) -> int:
+    from pearl_hpc.engine.tinymodel import build_tiny_model, default_model_dir
+
+    print(build_tiny_model(args.out or default_model_dir()))
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from pearl_hpc.bench import decision_speed, sim_speed
+
+    if args.engines:
+        from pearl_hpc.bench import engines
+
+        extra = ["--model", args.model] if args.model else []
+        return engines.main(extra + (["--json"] if args.json else []))
+    if args.local:
+        from pearl_hpc.bench import local_run
+
+        return local_run.main(args.config or str(REPO_CONFIGS / "runs" / "local.yaml"), args.json)
+    if args.slurm:
+        from pearl_hpc.bench import slurm_latency
+
+        extra = ["--runs", str(args.runs)] + (["--config", args.config] if args.config else [])
+        return slurm_latency.main(extra + (["--json"] if args.json else []))
+    module = sim_speed if args.sim else decision_speed
+    return module.main(["--json"] if args.json else [])
+
+
+def add_parsers(sub: Any) -> None:
+    tiny = sub.add_parser(
+        "tiny-model", help="build the tiny Qwen3 model + tokenizer locally (no hub access)"
+    )
+    tiny.add_argument("out", nargs="?", help="directory (default: $PEARL_HPC_CACHE/tiny-qwen3)")
+    tiny.set_defaults(func=_cmd_tiny_model)
+
+    bench = sub.add_parser(
+        "bench", help="benchmarks: decision + plan speed (64 .. 4096 workers), or --sim"
+    )
+    bench.add_argument("--sim", action="store_true", help="simulator speed instead")
+    bench.add_argument(
+        "--slurm",
+        action="store_true",
+        help="Slurm + MPI latencies on a running cluster (submit, join, Split, release)",
+    )
+    bench.add_argument(
+        "--engines",
+        action="store_true",
+        help="real vLLM engines: start, role change, weight load, (de)activation, memory, "
+        "tokens/s colocated vs disaggregated",
+    )
+    bench.add_argument(
+        "--local",
+        action="store_true",
+        help="the local training run: pearl vs fixed colocated, reconfiguration latencies, "
+        "predicted vs measured rollout",
+    )
+    bench.add_argument("--model", help="with --engines: model directory (default: tiny model)")
+    bench.add_argument(
+        "--config",
+        help="with --slurm: cluster YAML (default: local.yaml); with --local: run YAML "
+        "(default: configs/runs/local.yaml)",
+    )
+    bench.add_argument("--runs", type=int, default=2, help="with --slurm: runs to merge")
+    bench.add_argument("--json", action="store_true")
+    bench.set_defaults(func=_cmd_bench)
