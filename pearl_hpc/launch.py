@@ -73,7 +73,7 @@ def base_main(config_path: str, run_dir: str, run_tag: str) -> dict[str, Any] | 
 
     from pearl_hpc.comm.mpi import MasterPlane, WorkerPlane, member_info
     from pearl_hpc.mpimaster import Master
-    from pearl_hpc.worker import NoopWorker
+    from pearl_hpc.worker.noop import NoopWorker
 
     if MPI.COMM_WORLD.rank == 0:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

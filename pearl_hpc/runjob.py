@@ -2,8 +2,8 @@
 
     pearl-hpc run configs/runs/slurm-local.yaml --submit --partition normal --wait
 
-The job runs :func:`pearl_hpc.master.loop.run_master` on the run directory it was given. On
-preemption or at its time limit, submitit's signal handler calls
+The job runs the run's MPI world (:func:`pearl_hpc.backends.world.run_world`) on the run
+directory it was given. On preemption or at its time limit, submitit's signal handler calls
 :meth:`RunJob.checkpoint`: the job is requeued and the next start resumes from the
 journal, as ``pearl-hpc run --resume`` does (weights from the latest snapshot,
 trajectories from the log, the dead master's elastic jobs cancelled by tag). A job that
@@ -13,16 +13,15 @@ unfinished journal is always resumed.
 
 from __future__ import annotations
 
-import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
 import submitit
 
+from pearl_hpc.backends.world import run_world
 from pearl_hpc.config.run import load_run_config
 from pearl_hpc.master.journal import new_run_dir, read_journal
-from pearl_hpc.master.loop import run_master
-from pearl_hpc.master.records import format_step, format_summary
 
 
 class RunJob(submitit.helpers.Checkpointable):
@@ -34,12 +33,11 @@ class RunJob(submitit.helpers.Checkpointable):
         journal = path / "journal.json"
         resume = journal.exists() and read_journal(journal).get("status") != "finished"
         print(f"pearl-hpc run: {'resuming ' if resume else ''}{path}", flush=True)
-        summary = asyncio.run(
-            run_master(
-                cfg, path, on_step=lambda m: print(format_step(m), flush=True), resume=resume
-            )
-        )
-        print(format_summary(summary), flush=True)
+        # the world's rank 0 prints the step lines and the summary into this job's output
+        rc = run_world(cfg, path, resume=resume)
+        if rc != 0 or not (path / "summary.json").exists():
+            raise RuntimeError(f"the run's world ended with status {rc}; see the job's output")
+        summary: dict[str, Any] = json.loads((path / "summary.json").read_text())
         return summary
 
     def checkpoint(self, run_dir: str) -> submitit.helpers.DelayedSubmission:

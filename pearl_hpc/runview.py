@@ -22,12 +22,20 @@ _ROLE_LETTER = {"prefill": "P", "decode": "D", "colocated": "C"}
 
 
 def _alive(pid: int) -> bool:
+    """A process of this machine that runs (an exited one not yet reaped -- a zombie,
+    e.g. a rank whose launcher was killed -- is dead)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("State:"):
+                return "Z" not in line.split()[1]
+    except OSError:
+        pass
     return True
 
 

@@ -4,7 +4,6 @@ nothing lost. Three engine processes at most (reserved, elastic, overlap)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import json
@@ -20,9 +19,9 @@ import pytest
 import yaml
 
 from pearl_hpc.backends.trace import replay_workers
+from pearl_hpc.backends.world import run_to_summary
 from pearl_hpc.config.run import TraceReplay, load_run_config
 from pearl_hpc.errors import ConfigError, PearlError
-from pearl_hpc.master.loop import run_master
 from tests.conftest import vllm_skip_reason
 
 CONFIG = {
@@ -103,7 +102,7 @@ def test_local_run_grows_reclaims_borrows_and_loses_nothing(tmp_path: Path, monk
     monkeypatch.setenv("PEARL_HPC_CACHE", str(tmp_path / "cache"))
     cfg = load_run_config(_write(tmp_path, CONFIG))
     run_dir = tmp_path / "runs" / "t"
-    summary = asyncio.run(run_master(cfg, run_dir))
+    summary = run_to_summary(cfg, run_dir)
     print("\n" + json.dumps(summary, indent=1))
 
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -139,7 +138,7 @@ def test_a_real_spot_trace_grants_and_reclaims_over_the_run_clock(tmp_path: Path
     config["run"] = {**CONFIG["run"], "steps": 4}
     cfg = load_run_config(_write(tmp_path, config))
     run_dir = tmp_path / "runs" / "t"
-    summary = asyncio.run(run_master(cfg, run_dir))
+    summary = run_to_summary(cfg, run_dir)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["trajectories"] for m in metrics] == [16] * 4  # nothing lost
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
@@ -294,7 +293,7 @@ def test_a_worker_killed_mid_rollout_loses_no_trajectory(tmp_path: Path, monkeyp
 
     killer = threading.Thread(target=kill_elastic_mid_step_1, daemon=True)
     killer.start()
-    summary = asyncio.run(run_master(cfg, run_dir))
+    summary = run_to_summary(cfg, run_dir)
     killer.join(timeout=5)
     assert killed, "the elastic worker was never killed"
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

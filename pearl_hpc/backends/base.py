@@ -19,6 +19,7 @@ class EngineWorkerHandle(Protocol):
     """An engine worker process the master drives (a local child or a job step)."""
 
     client: Any  # pearl_hpc.engine.client.EngineClient
+    ready: dict[str, Any]  # what it announced: host, port (its engine socket), pid...
 
     async def stop(self, timeout_s: float = 60.0) -> None: ...
 

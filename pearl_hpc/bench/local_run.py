@@ -25,7 +25,6 @@ measures the mechanisms' overhead on this machine, not PEARL's GPU-scale gain.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import statistics
 import tempfile
@@ -33,9 +32,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from pearl_hpc.backends.world import run_to_summary
 from pearl_hpc.config.run import RunConfig, load_run_config
 from pearl_hpc.core.policies import BorrowingName, PDPolicyName
-from pearl_hpc.master.loop import run_master
 from pearl_hpc.master.records import read_jsonl
 
 # PEARL.md, "Reconfiguration latency" (Qwen3-8B / Qwen3-30B-A3B on H800), seconds
@@ -91,7 +90,7 @@ def run(config: str) -> dict[str, Any]:
         for name, variant in variants:
             run_dir = Path(tmp) / name
             print(f"bench --local: running {name} ...", flush=True)
-            summary = asyncio.run(run_master(variant, run_dir))
+            summary = run_to_summary(variant, run_dir)
             metrics = read_jsonl(run_dir / "metrics.jsonl")
             results[name] = {
                 "summary": summary,

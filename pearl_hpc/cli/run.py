@@ -13,44 +13,26 @@ from pearl_hpc.config import REPO_CONFIGS
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    import asyncio
-
+    """Check the config, make the run directory, then become the run's MPI world
+    (rank 0, the master, prints a line per step and the summary)."""
+    from pearl_hpc.backends.world import exec_world, mpiexec_path
     from pearl_hpc.config.run import load_run_config
     from pearl_hpc.master.journal import new_run_dir
-    from pearl_hpc.master.loop import run_master
-    from pearl_hpc.master.records import format_step, format_summary
 
     if args.submit:
         return _submit_run(args)
     if args.resume:
         run_dir = Path(args.resume)
         cfg = load_run_config(run_dir / "config.yaml")
-        print(f"pearl-hpc run: resuming {run_dir}", flush=True)
     else:
         cfg = load_run_config(args.config)
+    mpiexec_path()  # no MPI: one clear line before a run directory is made
+    if args.resume:
+        print(f"pearl-hpc run: resuming {run_dir}", flush=True)
+    else:
         run_dir = new_run_dir(cfg.runs_dir, cfg.name, Path(args.config))
         print(f"pearl-hpc run: {run_dir}", flush=True)
-
-    def progress(m: Any) -> None:
-        print(format_step(m), flush=True)
-
-    live = _LiveRollout() if sys.stdout.isatty() else None
-    try:
-        summary = asyncio.run(
-            run_master(
-                cfg,
-                run_dir,
-                on_step=progress,  # printed above the live line on a terminal
-                resume=bool(args.resume),
-                on_progress=live.update if live is not None else None,
-            )
-        )
-    finally:
-        if live is not None:
-            live.stop()
-    print(format_summary(summary))
-    print(f"status: pearl-hpc status {run_dir}; plots: pearl-hpc report {run_dir}")
-    return 0
+    exec_world(cfg, run_dir, resume=bool(args.resume), live=sys.stdout.isatty())
 
 
 def _submit_run(args: argparse.Namespace) -> int:
@@ -64,43 +46,6 @@ def _submit_run(args: argparse.Namespace) -> int:
     if args.wait:
         print(format_summary(job.result()))
     return 0
-
-
-class _LiveRollout:
-    """A live line under the step log on a terminal: the rollout in progress, the
-    serving roles, elastic and borrowed workers."""
-
-    def __init__(self) -> None:
-        from rich.console import Console
-        from rich.live import Live
-
-        self.console = Console()
-        self.live = Live("", console=self.console, refresh_per_second=4, transient=True)
-        self.live.start()
-        self.finished: set[str] = set()
-
-    def update(self, step: int, traj: Any, batch: int, executor: Any) -> None:
-        if traj.done:
-            self.finished.add(traj.trajectory_id)
-        done = sum(1 for t in self.finished if t.startswith(f"s{step}-"))
-        roles = " ".join(
-            f"s{w.slot_id}={str(w.role)[0].upper()}"
-            for w in executor.workers.values()
-            if w.slot_id is not None and w.role is not None
-        )
-        borrowed = executor.activating_overlap()
-        jobs = ""
-        if executor.backend.summary() is not None:  # the Slurm backend's elastic components
-            live = executor.backend.describe()
-            jobs = ", elastic jobs " + (" ".join(c["component"] for c in live) or "none")
-        self.live.update(
-            f"step {step}: rollout {done}/{batch} trajectories, turns moved "
-            f"{executor.counters.moved_turns}, roles {roles or '-'}, "
-            f"borrowed {'yes' if borrowed else 'no'}{jobs}"
-        )
-
-    def stop(self) -> None:
-        self.live.stop()
 
 
 def _cmd_status(args: argparse.Namespace) -> int:

@@ -22,7 +22,9 @@ class Op(StrEnum):
     ROLE = "role"  # become prefill / decode / colocated / training / idle (args: role)
     DRAIN = "drain"  # stop taking work, interrupt requests, keep partial output
     RELEASE = "release"  # free the device; stay in the plane, idle
-    TRAIN = "train"  # run training step (args: step)
+    TRAIN = "train"  # run a training step (args: step, trajectories as dicts)
+    PUBLISH = "publish"  # trainer: broadcast the latest weights (args: version, members)
+    CATCH_UP = "catch_up"  # trainer: latest weights to one engine (args: name, host, port)
     LEAVE = "leave"  # leave the plane (Disconnect) and exit: the job is being given back
     SHUTDOWN = "shutdown"  # the run is over: leave and exit
     # collective: every member of the universe

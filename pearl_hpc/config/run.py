@@ -176,3 +176,31 @@ def load_run_config(path: str | Path) -> RunConfig:
     if cfg.run.env not in ENV_NAMES:
         raise ConfigError(f"{path}: run.env {cfg.run.env!r}: use one of {list(ENV_NAMES)}")
     return cfg
+
+
+# ------------------------------------------------------------------ the base MPI world
+MASTER, TRAINER, ENGINE = "master", "trainer", "engine"
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """One process of the run's base MPI world."""
+
+    rank: int
+    kind: str  # MASTER | TRAINER | ENGINE
+    gpu_ids: tuple[str, ...]  # the GPUs it runs on (names on CPU)
+    index: int  # among the ranks of its kind
+
+
+def base_layout(workers: WorkersConfig) -> list[RankSpec]:
+    """The base world (pure): rank 0 the master, then one trainer rank per training GPU,
+    then the reserved engines and the overlap engines (on the training GPUs, time-shared
+    with the trainer ranks there)."""
+    ranks = [RankSpec(0, MASTER, (), 0)]
+    for i in range(workers.training_gpus):
+        ranks.append(RankSpec(len(ranks), TRAINER, (f"train:{i}",), i))
+    engines = [(f"rsv:{i}",) for i in range(workers.reserved_rollout)]
+    engines += [(f"train:{i}",) for i in range(workers.overlap)]
+    for i, gpu_ids in enumerate(engines):
+        ranks.append(RankSpec(len(ranks), ENGINE, gpu_ids, i))
+    return ranks

@@ -122,6 +122,9 @@ class EngineClient:
         await self._rpc.close()
 
 
+_MPI_ENV = ("PMI_", "PMIX_", "MPI_", "MPICH_", "HYDRA_", "OMPI_")
+
+
 @dataclass
 class WorkerProcess:
     """A spawned engine worker: its process, its client and what it reported at start."""
@@ -199,7 +202,9 @@ async def spawn_worker(
         "--parent-pid",
         str(os.getpid()),
     ]
-    child_env = {**os.environ, **(env or {}), KEY_ENV: key}
+    # a child of an MPI rank must not take its launcher's PMI wiring for its own
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(_MPI_ENV)}
+    child_env = {**inherited, **(env or {}), KEY_ENV: key}
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env)
     deadline = time.monotonic() + START_TIMEOUT_S

@@ -290,6 +290,66 @@ class EngineWorker:
         return {op: getattr(self, op) for op in ops}
 
 
+class EngineService:
+    """One engine worker served over :mod:`pearl_hpc.engine.rpc` in this process (an
+    engine worker process, or an engine rank of the run's MPI world): :meth:`start`
+    listens and announces, :meth:`serve_until_stopped` serves until ``shutdown`` (an RPC
+    op) or :meth:`stop`."""
+
+    def __init__(self, spec: EngineSpec, worker_id: str, slot_id: int = 0) -> None:
+        configure_process_env(spec)
+        self.spec = spec
+        self.runner = EngineRunner(spec, worker_id=worker_id, slot_id=slot_id)
+        self.worker = EngineWorker(self.runner)
+        self.stopped = asyncio.Event()
+        self.server: asyncio.Server | None = None
+
+    async def start(
+        self, key: str, *, host: str, port: int, role: str, advertise_host: str = ""
+    ) -> dict[str, Any]:
+        """Listen (and start an engine in ``role`` unless ``none``); returns the ready
+        record: host, port, pid, KV side-channel port, engine start seconds."""
+
+        async def shutdown() -> None:
+            self.stopped.set()
+
+        handlers = self.worker.handlers()
+        handlers["shutdown"] = shutdown
+        self.server = await serve(handlers, key, host=host, port=port)
+        start = None
+        if role != "none":
+            start = await self.worker.restore(role)
+            self.worker.admitting = True
+        bound_host, bound_port = self.server.sockets[0].getsockname()[:2]
+        if advertise_host:  # bound to every interface: peers use the node's name
+            bound_host = socket.gethostname() if advertise_host == "auto" else advertise_host
+        return {
+            "host": bound_host,
+            "port": bound_port,
+            "pid": os.getpid(),
+            "kv_port": self.spec.kv_side_channel_port,
+            "start_s": start.wall_s if start else None,
+        }
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    async def serve_until_stopped(self) -> None:
+        await self.stopped.wait()
+        assert self.server is not None
+        self.server.close()
+        with contextlib.suppress(Exception):
+            await self.worker.drain()
+        await asyncio.to_thread(self.runner.close)
+
+
+def write_ready(path: str | Path, ready: dict[str, Any]) -> None:
+    """The ready file a launcher waits for (written whole, by rename)."""
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(json.dumps(ready))
+    tmp.rename(path)
+
+
 async def _main(args: argparse.Namespace) -> int:
     key = os.environ.get(KEY_ENV)
     if not key:
@@ -309,45 +369,18 @@ async def _main(args: argparse.Namespace) -> int:
         kv_side_channel_port=args.kv_port,  # 0: a free port at each engine start
         seed=args.seed,
     )
-    configure_process_env(spec)
-    runner = EngineRunner(spec, worker_id=args.worker_id, slot_id=args.slot_id)
-    worker = EngineWorker(runner)
-    stopped = asyncio.Event()
-
-    async def shutdown() -> None:
-        stopped.set()
-
-    handlers = worker.handlers()
-    handlers["shutdown"] = shutdown
-    server = await serve(handlers, key, host=args.host, port=args.port)
+    service = EngineService(spec, args.worker_id, args.slot_id)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopped.set)
+        loop.add_signal_handler(sig, service.stop)
     # Slurm's --signal without B: (submitit's USR2 before a time-out) reaches every process
     # of the step: the master handles it and stops this worker itself
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-    start = None
-    if args.role != "none":
-        start = await worker.restore(args.role)
-        worker.admitting = True
-    host, port = server.sockets[0].getsockname()[:2]
-    if args.advertise_host:  # bound to every interface: peers use the node's name
-        host = socket.gethostname() if args.advertise_host == "auto" else args.advertise_host
-    ready = {
-        "host": host,
-        "port": port,
-        "pid": os.getpid(),
-        "kv_port": spec.kv_side_channel_port,
-        "start_s": start.wall_s if start else None,
-    }
-    tmp = Path(args.ready_file + ".tmp")
-    tmp.write_text(json.dumps(ready))
-    tmp.rename(args.ready_file)
-    await stopped.wait()
-    server.close()
-    with contextlib.suppress(Exception):
-        await worker.drain()
-    await asyncio.to_thread(runner.close)
+    ready = await service.start(
+        key, host=args.host, port=args.port, role=args.role, advertise_host=args.advertise_host
+    )
+    write_ready(args.ready_file, ready)
+    await service.serve_until_stopped()
     return 0
 
 

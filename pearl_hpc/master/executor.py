@@ -1,10 +1,11 @@
 """The controller's executor for real engine workers: plans become process actions.
 
-    start_workers ── spawn a local engine process, attach one a backend runs (an elastic
-                     job's step), or activate an overlap worker; catch its weights up
+    start_workers ── activate an engine rank of the world (reserved or overlap), attach
+                     one a backend runs (an elastic job's step), or spawn a local engine
+                     process (local elastic capacity); catch its weights up
     change_roles  ── set_role on the engine (the process stays)
     stop_workers  ── deactivate (partial turns come back to the router), then stop the
-                     process unless it lives on training GPUs (overlap: kept, released)
+                     process unless it is a rank of the world (kept, released)
     admit         ── the router follows the table: ACTIVE rollout slots with an engine
     release_capacity ── the backend gives the elastic component back
 
@@ -33,11 +34,11 @@ from pearl_hpc.core.controller import (
 from pearl_hpc.core.orchestrator import WorkerAdd
 from pearl_hpc.core.table import ElasticSource
 from pearl_hpc.core.types import Mode, Role, Status
-from pearl_hpc.engine.client import spawn_worker
+from pearl_hpc.engine.client import EngineClient, spawn_worker
 from pearl_hpc.engine.vllm_engine import EngineSpec
+from pearl_hpc.master.members import RemoteTrainer
 from pearl_hpc.master.records import Counters, EventLog
 from pearl_hpc.rollout.router import Router
-from pearl_hpc.train.loop import WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,21 @@ class _Worker:
     slot_id: int | None = None
     role: Role | None = None  # None: released (no engine)
     remote: bool = False  # run by the backend (an elastic job's step), not our child
+    persistent: bool = False  # a rank of the world: released when idle, never stopped
+
+
+@dataclass
+class RankEngine:
+    """The engine socket of an engine rank (the rank lives as long as the world)."""
+
+    client: EngineClient
+    ready: dict[str, Any]
+
+    async def stop(self, timeout_s: float = 60.0) -> None:
+        await self.client.close()
+
+    def kill(self) -> None:
+        """A rank is not killed from here: its slot is dropped, the world ends it."""
 
 
 def weight_member(gpu_ids: tuple[str, ...]) -> str:
@@ -69,7 +85,7 @@ class WorkerExecutor:
         run_dir: Path,
         queue: asyncio.Queue[Event],
         router: Router,
-        sync: WeightSync,
+        weights: RemoteTrainer,
         backend: CapacityBackend,
         events: EventLog,
         key: str,
@@ -78,7 +94,7 @@ class WorkerExecutor:
         self.run_dir = run_dir
         self.queue = queue
         self.router = router
-        self.sync = sync
+        self.weights = weights
         self.backend = backend
         self.log_event = events
         self.key = key  # engine workers' RPC key (elastic job steps read it too)
@@ -132,9 +148,17 @@ class WorkerExecutor:
         self.router.set_workers(clients, roles, mode)
 
     def serving(self) -> dict[str, Any]:
-        """Workers with an engine (members of the next weight broadcast)."""
+        """Workers with an engine (members of the next weight broadcast): their clients."""
         return {
             weight_member(w.gpu_ids): w.proc.client
+            for w in self.workers.values()
+            if w.role is not None
+        }
+
+    def serving_addresses(self) -> dict[str, tuple[str, int]]:
+        """The engine sockets of :meth:`serving`'s workers (the trainer connects to them)."""
+        return {
+            weight_member(w.gpu_ids): _address(w)
             for w in self.workers.values()
             if w.role is not None
         }
@@ -149,12 +173,13 @@ class WorkerExecutor:
         }
         return slots, roles
 
-    async def add_overlap_process(self, gpu_ids: tuple[str, ...]) -> None:
-        """Overlap workers live on the training GPUs for the whole run, released at first."""
-        proc = await spawn_worker(
-            self.spec, "ov-" + "-".join(gpu_ids), run_dir=self.run_dir, key=self.key, role=None
-        )
-        self.workers[gpu_ids] = _Worker(proc, gpu_ids)
+    async def add_engine_rank(self, gpu_ids: tuple[str, ...], host: str, port: int) -> None:
+        """An engine rank of the world (reserved or overlap): connected, released (no
+        engine) until the controller places a worker on its GPUs."""
+        client = EngineClient("rank-" + "-".join(gpu_ids))
+        await client.connect(host, port, self.key)
+        ready = {"host": host, "port": port}
+        self.workers[gpu_ids] = _Worker(RankEngine(client, ready), gpu_ids, persistent=True)
 
     # ------------------------------------------------------------------ executor
     def start_workers(self, adds: Sequence[WorkerAdd]) -> None:
@@ -172,12 +197,13 @@ class WorkerExecutor:
             if role is not add.role:  # re-planned while starting (change_roles skipped it)
                 await worker.proc.client.set_role(role)
             async with self.weights_lock:
-                await self.sync.catch_up(weight_member(add.gpu_ids), worker.proc.client)
+                await self.weights.catch_up(weight_member(add.gpu_ids), _address(worker))
                 worker.slot_id, worker.role = add.slot_id, role
         except Exception as exc:
             log.exception("slot %s failed to start", add.slot_id)
             failed = self.workers.get(add.gpu_ids)
-            if failed is not None and (failed.remote or isinstance(exc, TimeoutError)):
+            gone = failed is not None and (failed.remote or isinstance(exc, TimeoutError))
+            if failed is not None and gone and not failed.persistent:
                 failed.proc.kill()
                 self.workers.pop(add.gpu_ids, None)
             await self.queue.put(WorkerFailed(add.slot_id, f"{type(exc).__name__}: {exc}"))
@@ -277,7 +303,7 @@ class WorkerExecutor:
         try:
             _timing, partial = await worker.proc.client.deactivate()
             self.counters.moved_turns += len(partial)
-            if not overlap:
+            if not worker.persistent:
                 await worker.proc.stop()
                 del self.workers[worker.gpu_ids]
         except Exception:
@@ -307,3 +333,7 @@ class WorkerExecutor:
         )
         for w in self.workers.values():
             w.proc.kill()
+
+
+def _address(worker: _Worker) -> tuple[str, int]:
+    return str(worker.proc.ready["host"]), int(worker.proc.ready["port"])

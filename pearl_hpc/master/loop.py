@@ -1,12 +1,16 @@
-"""The master of ``pearl-hpc run``: one asyncio loop around the controller.
+"""The master of ``pearl-hpc run``: rank 0 of the run's MPI world, one asyncio loop
+around the controller (no torch model, no engine in this process).
 
     backend (trace, squeue, signals) ──CapacityGranted/Reclaimed──┐
     executor tasks ──WorkerReady/Released/Failed──────────────────┤──> queue ──> pump
     step pipeline ──StepTelemetry, TrainingBegin/Finished─────────┘              │
                                                                                  ▼
-        Controller.handle(event) ──plan──> WorkerExecutor (engines, router, weights)
-                 │                                  │
-                 └── journal.json, events.jsonl <───┘ (after every event)
+        Controller.handle(event) ──plan──> WorkerExecutor (engine ranks, router)
+                 │                     └──> Comm.Split of the members into role groups
+                 └── journal.json, events.jsonl (after every event)
+
+    step pipeline ──TRAIN / PUBLISH / CATCH_UP──> trainer ranks (data-parallel GRPO;
+                                                  trainer 0 broadcasts the weights)
 
 The controller is called from the pump only (:meth:`MasterRun.decide_now`). A run
 directory holds the journal (controller snapshot, counters, next step), weight snapshots
@@ -25,7 +29,6 @@ import contextlib
 import itertools
 import json
 import os
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -35,38 +38,44 @@ from typing import Any, cast
 from pearl_hpc.backends.base import CapacityBackend
 from pearl_hpc.backends.local import LocalBackend
 from pearl_hpc.backends.trace import TraceDriver
+from pearl_hpc.comm.mpi import MasterPlane
 from pearl_hpc.config.files import REPO_CONFIGS, load_profile
-from pearl_hpc.config.run import RunConfig
+from pearl_hpc.config.run import ENGINE, TRAINER, RunConfig
 from pearl_hpc.core.controller import Controller, Event
+from pearl_hpc.core.table import IN_SERVICE
 from pearl_hpc.core.types import Mode
-from pearl_hpc.engine.rpc import new_key
 from pearl_hpc.engine.vllm_engine import EngineSpec
 from pearl_hpc.master.executor import WorkerExecutor
 from pearl_hpc.master.journal import (
     TrajectoryLog,
-    drop_unrecorded_snapshots,
     read_run_state,
     write_journal,
     write_lines,
 )
+from pearl_hpc.master.members import Members, RemoteTrainer
 from pearl_hpc.master.records import EventLog, StepMetrics, event_fields, read_metrics
 from pearl_hpc.master.steps import StepPipeline, Workload
 from pearl_hpc.rollout.router import Router
-from pearl_hpc.train.loop import WeightSync
 
 
 async def run_master(
     cfg: RunConfig,
     run_dir: Path,
-    on_step: Callable[[StepMetrics], None] | None = None,
+    plane: MasterPlane,
     *,
+    model_dir: str,
+    key: str,
     resume: bool = False,
+    on_step: Callable[[StepMetrics], None] | None = None,
     on_progress: Callable[..., None] | None = None,
 ) -> dict[str, Any]:
-    """One training run (or its continuation, ``resume``); returns the summary (also
-    written to ``summary.json``). ``on_step`` sees each recorded step's metrics,
-    ``on_progress(step, trajectory, batch_size, executor)`` each finished turn."""
-    master = MasterRun(cfg, run_dir, resume=resume, on_step=on_step)
+    """One training run (or its continuation, ``resume``) as rank 0 of the world whose
+    master side is ``plane``; returns the summary (also written to ``summary.json``).
+    ``on_step`` sees each recorded step's metrics, ``on_progress(step, trajectory,
+    batch_size, executor)`` each finished turn."""
+    master = MasterRun(
+        cfg, run_dir, plane, model_dir=model_dir, key=key, resume=resume, on_step=on_step
+    )
     return await master.run(on_progress)
 
 
@@ -103,13 +112,18 @@ class MasterRun:
         self,
         cfg: RunConfig,
         run_dir: Path,
+        plane: MasterPlane,
         *,
+        model_dir: str,
+        key: str,
         resume: bool,
         on_step: Callable[[StepMetrics], None] | None,
     ) -> None:
-        run_dir.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg
         self.run_dir = run_dir
+        self.plane = plane
+        self.model_dir = model_dir
+        self.key = key
         self.resume = resume
         self.on_step = on_step
         self.state = read_run_state(run_dir) if resume else None
@@ -129,25 +143,28 @@ class MasterRun:
 
     async def run(self, on_progress: Callable[..., None] | None = None) -> dict[str, Any]:
         cfg = self.cfg
-        # 1. the trainer and the rollout workload (model, tokenizer, environment)
+        # 1. the world's members said hello: trainer ranks (their resumed version) and
+        #    engine ranks (their sockets)
+        self.members = Members(self.plane, self.events)
+        self.members.start()
+        self.trainer = RemoteTrainer(self.members)
+        self.recorded_version = self.trainer.version
+        # 2. the rollout workload (tokenizer, environment)
         work = self._build_workload()
-        # 2. the controller, its executor and the capacity backend
+        self._t_start = time.monotonic()  # the run's clock starts with its world up
+        # 3. the controller, its executor and the capacity backend
         spec = EngineSpec(model_dir=self.model_dir)
         self.router = Router(wait_for_workers_s=600)
-        # elastic engines on other nodes reach the trainer's weight store by this host's name
-        self.sync = WeightSync(host=socket.gethostname() if cfg.backend == "slurm" else "127.0.0.1")
         self.executor = executor = self._build_executor(spec)
         self.controller = controller = Controller(
             self._profile(), executor, policy=cfg.policy, clock=self.clock, check_invariants=True
         )
         executor.controller = controller
-        # 3. what a dead master left: tracker, toggle estimate, counters, weights
-        if self._snapshot is not None:  # new engines catch up to the resumed weights
-            self.sync.seed(work.trainer.state_dict(), work.trainer.version)
-        self.recorded_version = work.trainer.version
+        # 4. what a dead master left: tracker, toggle estimate, counters, metrics
         self._restore()
-        # 4. the pump, the base workers, the trace
+        # 5. the pump, the members' reports, the trace
         pump_task = asyncio.create_task(self._pump())
+        poll_task = asyncio.create_task(self.members.poll_forever(self._pump_stop))
         tlog = TrajectoryLog(self.run_dir)
         trace = TraceDriver(
             cfg.elastic,
@@ -163,12 +180,11 @@ class MasterRun:
             controller=controller,
             executor=executor,
             router=self.router,
-            sync=self.sync,
+            trainer=self.trainer,
             queue=self.queue,
             trace=trace,
             tlog=tlog,
             work=work,
-            snapshots=self.snapshots,
             clock=self.clock,
             elastic_workers=self.backend.live_workers,
             on_recorded=self._on_recorded,
@@ -181,7 +197,7 @@ class MasterRun:
             self.save_state(self.first_step, "running")
             if cfg.elastic.replay.enabled:  # after the base workers are registered
                 replay_task = asyncio.create_task(trace.replay(self._pump_stop))
-            # 5. the steps
+            # 6. the steps
             await pipeline.run(self.first_step)
             # let running starts / stops finish and their reports reach the controller,
             # so a reclaimed job is handed back before the run ends
@@ -193,7 +209,7 @@ class MasterRun:
                 self.save_state(self._next_step(), "failed")
             raise
         finally:
-            # 6. everything stops: rollouts ahead, the trace, the pump, engines, jobs
+            # 7. everything stops: rollouts ahead, the trace, the pump, engines, jobs
             pipeline.cancel()
             if replay_task is not None:
                 replay_task.cancel()
@@ -201,35 +217,23 @@ class MasterRun:
             self._pump_stop.set()
             with contextlib.suppress(Exception):
                 await pump_task
+            with contextlib.suppress(Exception):
+                await poll_task
             await executor.close()
             await self.backend.close()
-        # 7. the summary
-        return self._finish()
+        # 8. the summary; the members leave the world
+        summary = self._finish()
+        self.members.shutdown()
+        return summary
 
     # ------------------------------------------------------------------ setup
     def _build_workload(self) -> Workload:
         from transformers import AutoTokenizer
 
-        from pearl_hpc.engine.tinymodel import build_tiny_model, default_model_dir
         from pearl_hpc.rollout.agent import ChatFormat, RolloutConfig
         from pearl_hpc.rollout.envs import make_env
-        from pearl_hpc.train.grpo import GRPOConfig, GRPOTrainer, latest_snapshot
 
         cfg = self.cfg
-        self.model_dir = (
-            str(build_tiny_model(default_model_dir())) if cfg.model == "tiny" else cfg.model
-        )
-        grpo = GRPOConfig(lr=cfg.run.lr, seed=cfg.run.seed)  # accepts batches one version old
-        self.snapshots = self.run_dir / "snapshots"
-        snapshot = None
-        if self.state is not None:
-            drop_unrecorded_snapshots(self.snapshots, int(self.state["version"]))
-            snapshot = latest_snapshot(self.snapshots)
-        self._snapshot = snapshot
-        if snapshot is not None:
-            trainer = GRPOTrainer.from_snapshot(self.model_dir, snapshot, grpo)
-        else:
-            trainer = GRPOTrainer(self.model_dir, grpo)
         chat = ChatFormat(cast(Any, AutoTokenizer.from_pretrained(self.model_dir)))
         rollout = RolloutConfig(
             num_groups=cfg.run.num_groups,
@@ -242,7 +246,7 @@ class MasterRun:
         def make() -> Any:
             return make_env(cfg.run.env, max_turns=cfg.run.max_turns)
 
-        return Workload(chat=chat, rollout=rollout, make_env=make, trainer=trainer)
+        return Workload(chat=chat, rollout=rollout, make_env=make)
 
     def _profile(self) -> Any:
         path = Path(self.cfg.profile)
@@ -250,13 +254,20 @@ class MasterRun:
 
     def _build_executor(self, spec: EngineSpec) -> WorkerExecutor:
         """The executor and the capacity backend, sharing the engine workers' RPC key
-        (elastic job steps authenticate with it)."""
-        key = new_key()
+        (engine ranks and elastic job steps authenticate with it)."""
+        key = self.key
         self.backend = make_backend(
             self.cfg, self.run_dir, spec, key, self.queue, self.clock, self.events
         )
         return WorkerExecutor(
-            spec, self.run_dir, self.queue, self.router, self.sync, self.backend, self.events, key
+            spec,
+            self.run_dir,
+            self.queue,
+            self.router,
+            self.trainer,
+            self.backend,
+            self.events,
+            key,
         )
 
     def _restore(self) -> None:
@@ -279,11 +290,14 @@ class MasterRun:
 
     async def _register_base_workers(self) -> None:
         """The training GPUs (with their overlap engines, released) and the reserved
-        rollout workers."""
+        rollout workers: the engine ranks of the world, connected, released."""
         workers = self.cfg.workers
+        for member_id in self.members.of_kind(ENGINE):
+            hello = self.members.hellos[member_id]
+            gpu_ids = tuple(hello["gpu_ids"])
+            await self.executor.add_engine_rank(gpu_ids, str(hello["host"]), int(hello["port"]))
         train_gpus = tuple(f"train:{i}" for i in range(workers.training_gpus))
         overlap_sets: list[tuple[str, ...]] = [(g,) for g in train_gpus[: workers.overlap]]
-        await asyncio.gather(*[self.executor.add_overlap_process(s) for s in overlap_sets])
         self.controller.register_training(train_gpus, overlap_gpu_sets=overlap_sets)
         self.controller.grant_reserved([(f"rsv:{i}",) for i in range(workers.reserved_rollout)])
         self.executor.sync_router()
@@ -303,11 +317,13 @@ class MasterRun:
         """Apply every queued event to the controller, then make the router follow the
         table (and log the table when it changed: the role timeline of the report)."""
         controller, log_event = self.controller, self.events
+        planned = False
         while not self.queue.empty():
             event = self.queue.get_nowait()
             log_event("event", event=type(event).__name__, **event_fields(event))
             result = controller.handle(event)
             if result is not None:
+                planned = True
                 log_event(
                     "reconfigure",
                     cause=result.cause,
@@ -322,6 +338,8 @@ class MasterRun:
                     ),
                 )
         self.executor.sync_router()
+        if planned:  # the members follow the applied plan into their role groups
+            self.members.split(self._member_roles())
         table = [
             [s.slot_id, str(s.role), str(s.status), str(s.zone)]
             for s in controller.table.rollout_slots()
@@ -329,6 +347,20 @@ class MasterRun:
         if table != self._last_table:
             self._last_table = table
             log_event("table", slots=table)
+
+    def _member_roles(self) -> dict[str, str]:
+        """Each member's group after the plan: trainer ranks ``training``, an engine rank
+        the role of the slot in service on its GPUs (``idle`` when there is none)."""
+        in_service = {
+            s.gpu_ids: str(s.effective_role)
+            for s in self.controller.table.rollout_slots()
+            if s.status in IN_SERVICE
+        }
+        roles = {m: "training" for m in self.members.of_kind(TRAINER)}
+        for member_id in self.members.of_kind(ENGINE):
+            gpu_ids = tuple(self.members.hellos[member_id]["gpu_ids"])
+            roles[member_id] = in_service.get(gpu_ids, "idle")
+        return roles
 
     # ------------------------------------------------------------------ records
     def _next_step(self) -> int:

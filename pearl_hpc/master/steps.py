@@ -20,7 +20,6 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from pearl_hpc.backends.trace import TraceDriver
@@ -36,12 +35,12 @@ from pearl_hpc.core.predictor import predict
 from pearl_hpc.core.table import IN_SERVICE
 from pearl_hpc.core.types import Role, Status
 from pearl_hpc.master.executor import WorkerExecutor
-from pearl_hpc.master.journal import TrajectoryLog, prune_snapshots
+from pearl_hpc.master.journal import TrajectoryLog
+from pearl_hpc.master.members import RemoteTrainer, TrainResult
 from pearl_hpc.master.records import StepMetrics
 from pearl_hpc.rollout.agent import rollout_batch, tracker_turns
 from pearl_hpc.rollout.router import Router
 from pearl_hpc.rollout.types import Trajectory
-from pearl_hpc.train.loop import WeightSync
 
 
 @dataclass
@@ -66,7 +65,6 @@ class Workload:
     chat: Any  # pearl_hpc.rollout.agent.ChatFormat
     rollout: Any  # pearl_hpc.rollout.agent.RolloutConfig
     make_env: Callable[[], Any]
-    trainer: Any  # pearl_hpc.train.grpo.GRPOTrainer
 
 
 def serving_prediction(controller: Controller) -> tuple[str, float]:
@@ -90,12 +88,11 @@ class StepPipeline:
         controller: Controller,
         executor: WorkerExecutor,
         router: Router,
-        sync: WeightSync,
+        trainer: RemoteTrainer,
         queue: asyncio.Queue[Event],
         trace: TraceDriver,
         tlog: TrajectoryLog,
         work: Workload,
-        snapshots: Path,
         clock: Callable[[], float],
         elastic_workers: Callable[[], int],
         on_recorded: Callable[[StepMetrics], None],
@@ -105,12 +102,11 @@ class StepPipeline:
         self.controller = controller
         self.executor = executor
         self.router = router
-        self.sync = sync
+        self.trainer = trainer
         self.queue = queue
         self.trace = trace
         self.tlog = tlog
         self.work = work
-        self.snapshots = snapshots
         self.clock = clock
         self.elastic_workers = elastic_workers
         self.on_recorded = on_recorded
@@ -204,10 +200,12 @@ class StepPipeline:
         if self.on_progress is not None:
             self.on_progress(step, traj, self.settings.batch_size, self.executor)
 
-    async def train(self, step: int, trajectories: list[Trajectory]) -> tuple[Any, float, float]:
-        """Training Begin (borrowed GPUs come back), GRPO, snapshot: (stats, train_s,
-        return latency)."""
-        executor, trainer = self.executor, self.work.trainer
+    async def train(
+        self, step: int, trajectories: list[Trajectory]
+    ) -> tuple[TrainResult, float, float]:
+        """Training Begin (borrowed GPUs come back), GRPO on the trainer ranks, snapshot:
+        (stats, train_s, return latency)."""
+        executor = self.executor
         executor.training_started.clear()
         t_begin = time.perf_counter()
         await self.queue.put(TrainingBegin(step))
@@ -224,23 +222,18 @@ class StepPipeline:
             )
         executor.counters.return_latency_s.append(return_latency)
         t1 = time.perf_counter()
-        stats = await asyncio.to_thread(trainer.train_step, trajectories)
+        stats = await self.trainer.train(step, trajectories)  # trainer 0 writes the snapshot
         train_s = time.perf_counter() - t1
-        await asyncio.to_thread(trainer.save_snapshot, self.snapshots)
-        prune_snapshots(self.snapshots, keep=2)
         return stats, train_s, return_latency
 
     async def publish(self, version: int) -> float:
-        """The trainer's weights to every serving engine (the group re-formed first if
-        its members changed); returns the broadcast's seconds."""
+        """The trainer's weights to every serving engine (trainer 0 re-forms the group
+        first if its members changed); returns the broadcast's seconds."""
         async with self.executor.weights_lock:
-            serving = self.executor.serving()
-            if set(serving) != set(self.sync.members):
-                await self.sync.form(serving)
-            return await self.sync.publish(self.work.trainer.state_dict(), version)
+            return await self.trainer.publish(version, self.executor.serving_addresses())
 
     def record(
-        self, step: int, done: RolloutResult, stats: Any, train_s: float, ret_s: float
+        self, step: int, done: RolloutResult, stats: TrainResult, train_s: float, ret_s: float
     ) -> None:
         """Step ``step`` is trained and snapshotted: its metrics line and the journal
         (a master killed from here on resumes at the next step)."""

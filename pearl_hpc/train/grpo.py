@@ -620,13 +620,14 @@ class GRPOTrainer:
         model_dir: Path | str,
         snapshot_dir: Path | str,
         config: GRPOConfig | None = None,
+        dp_group: Any = None,
     ) -> GRPOTrainer:
         """Resume: the architecture (and KL reference) from ``model_dir``, the weights,
         version and optimizer state from ``snapshot_dir`` (a ``v000123`` directory; find
         the newest with :func:`latest_snapshot`)."""
         snapshot = Path(snapshot_dir)
         meta = read_snapshot_meta(snapshot)
-        trainer = cls(model_dir, config)
+        trainer = cls(model_dir, config, dp_group=dp_group)
         weights: dict[str, Any] = load_file(
             str(snapshot / WEIGHTS_FILE), device=str(trainer.device)
         )

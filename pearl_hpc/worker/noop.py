@@ -1,4 +1,6 @@
-"""A member process of the control plane: a base-job rank or an elastic job's rank.
+"""The no-op member of ``pearl-hpc launch``'s control plane: a base-job rank or an
+elastic job's rank (the test fake of the plane; the run's members are
+:mod:`pearl_hpc.worker.main`).
 
     python -m pearl_hpc.worker elastic --run-dir DIR   # batch step of an elastic job
     python -m pearl_hpc.worker join --run-dir DIR --group JOB+N
@@ -20,7 +22,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -202,9 +203,8 @@ def _job_alive(job_id: str) -> bool:
     return bool(result.stdout.strip())
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pearl_hpc.worker", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def add_parsers(sub: Any) -> None:
+    """``join`` and ``elastic``: the no-op members."""
     for name in ("join", "elastic"):
         p = sub.add_parser(name)
         p.add_argument("--run-dir", type=Path, required=True)
@@ -217,9 +217,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             p.add_argument("--mpi", default="pmi2", help="srun --mpi plugin")
             p.add_argument("--base-job", default="", help="the master's job: end with it")
-    args = parser.parse_args(argv)
-    return _join(args) if args.command == "join" else _elastic(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        p.set_defaults(func=_join if name == "join" else _elastic)

@@ -1,0 +1,137 @@
+"""Starting a run's MPI world: the run directory made ready, then ``mpiexec``.
+
+    pearl-hpc run CONFIG ──prepare_run──> RUN_DIR (key, model, snapshots a resume trusts)
+                          ──mpiexec -n N python -m pearl_hpc.worker rank──> the world:
+                             rank 0 master, trainer ranks, engine ranks (base_layout)
+
+The world runs on this node, started by MPICH's ``mpiexec`` (the wheel beside this
+Python) with its fork launcher, also inside a Slurm batch job: the elastic capacity of
+the Slurm backend comes as heterogeneous jobs (:mod:`.slurm`). A rank that fails ends
+the world (rank 0 calls ``Abort``; Hydra ends every rank when one dies), so nothing of a
+run outlives its master; ``--resume`` starts a new world from the journal.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+from pearl_hpc.config.run import RunConfig, base_layout
+from pearl_hpc.errors import ConfigError, PearlError
+from pearl_hpc.master.journal import drop_unrecorded_snapshots, read_run_state
+from pearl_hpc.worker.main import KEY_FILE
+
+
+def mpiexec_path() -> str:
+    """MPICH's ``mpiexec`` of this Python environment (``pip install mpich``)."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    found = str(beside) if beside.exists() else shutil.which("mpiexec")
+    if not found:
+        raise ConfigError(
+            "mpiexec not found: the run is an MPI world; install MPICH with "
+            "`pip install mpich mpi4py` (bash launch/install-local.sh does)"
+        )
+    return found
+
+
+def world_argv(
+    cfg: RunConfig,
+    run_dir: Path,
+    model_dir: str,
+    *,
+    resume: bool = False,
+    live: bool = False,
+    mpiexec: str = "mpiexec",
+) -> list[str]:
+    """The command that starts the run's world (pure)."""
+    ranks = len(base_layout(cfg.workers))
+    return [
+        mpiexec, "-launcher", "fork", "-hosts", "localhost", "-n", str(ranks),
+        sys.executable, "-m", "pearl_hpc.worker", "rank",
+        "--run-dir", str(run_dir), "--model-dir", model_dir,
+        *(["--resume"] if resume else []), *(["--live"] if live else []),
+    ]  # fmt: skip
+
+
+def prepare_run(cfg: RunConfig, run_dir: Path, *, resume: bool) -> str:
+    """Everything the ranks read at start, written before they exist: a fresh engine
+    socket key (0600), the model directory (the tiny model built once, not by every
+    rank), and -- on resume -- no snapshot newer than the journal (a step trained but
+    never recorded is trained again). Returns the model directory."""
+    from pearl_hpc.engine.rpc import new_key
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    key_file = run_dir / KEY_FILE
+    key_file.unlink(missing_ok=True)
+    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(new_key())
+    if cfg.model == "tiny":
+        from pearl_hpc.engine.tinymodel import build_tiny_model, default_model_dir
+
+        model_dir = str(build_tiny_model(default_model_dir()))
+    else:
+        model_dir = cfg.model
+    if resume:
+        state = read_run_state(run_dir)
+        drop_unrecorded_snapshots(run_dir / "snapshots", int(state["version"]))
+    return model_dir
+
+
+def exec_world(cfg: RunConfig, run_dir: Path, *, resume: bool, live: bool) -> NoReturn:
+    """Become the world's ``mpiexec`` (this process's pid is then the launcher's: a
+    signal to it reaches every rank)."""
+    model_dir = prepare_run(cfg, run_dir, resume=resume)
+    argv = world_argv(cfg, run_dir, model_dir, resume=resume, live=live, mpiexec=mpiexec_path())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(argv[0], argv)
+
+
+def run_world(cfg: RunConfig, run_dir: Path, *, resume: bool = False, **popen: Any) -> int:
+    """Run the world to its end (a child ``mpiexec``); returns its exit status."""
+    model_dir = prepare_run(cfg, run_dir, resume=resume)
+    argv = world_argv(cfg, run_dir, model_dir, resume=resume, mpiexec=mpiexec_path())
+    return subprocess.run(argv, check=False, **popen).returncode
+
+
+def write_run_config(cfg: RunConfig, run_dir: Path) -> None:
+    """``RUN_DIR/config.yaml`` from a config object (benchmarks and tests that vary one)."""
+    import dataclasses
+    import json
+
+    import yaml
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    plain = json.loads(json.dumps(dataclasses.asdict(cfg)))  # enums as their values
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(plain, sort_keys=False))
+
+
+def run_to_summary(
+    cfg: RunConfig, run_dir: Path, *, resume: bool = False, **popen: Any
+) -> dict[str, Any]:
+    """Run the world of ``cfg`` in ``run_dir`` (its config.yaml written from ``cfg``
+    unless resuming) and return the run's summary; a failed run raises with its output's
+    tail."""
+    import json
+
+    if not resume:
+        write_run_config(cfg, run_dir)
+    log_path = run_dir / "world.log"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log:
+        rc = run_world(cfg, run_dir, resume=resume, stdout=log, stderr=subprocess.STDOUT, **popen)
+    summary = run_dir / "summary.json"
+    if rc != 0 or not summary.exists():
+        tail = log_path.read_text(errors="replace")[-4000:]
+        raise RunFailed(f"the run in {run_dir} failed (exit {rc}); {log_path} ends:\n{tail}")
+    result: dict[str, Any] = json.loads(summary.read_text())
+    return result
+
+
+class RunFailed(PearlError):
+    """The run's world ended with an error (its output says why)."""

@@ -1,0 +1,90 @@
+"""An engine rank of the run's MPI world: one vLLM engine, started without one.
+
+The master reaches the engine on two channels:
+
+    MPI control plane (this rank's control thread): PARTITION (Comm.Split into role
+        groups, the group size counted), SHUTDOWN; heartbeats every second
+    engine socket (:mod:`pearl_hpc.engine.rpc`, the asyncio loop of the main thread):
+        activate / set_role / drain / deactivate / weights / generate -- the per-turn
+        request path, as vLLM's own API is a socket
+
+The rank announces the socket's address in its hello (and in RUN_DIR/<id>.ready.json).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+from pearl_hpc.comm.messages import COLLECTIVE, Kind, Op
+from pearl_hpc.comm.mpi import WorkerPlane
+from pearl_hpc.config.run import RankSpec
+from pearl_hpc.engine.server import EngineService, write_ready
+from pearl_hpc.engine.vllm_engine import EngineSpec
+
+
+def engine_rank_id(me: RankSpec) -> str:
+    """An engine rank's worker id (and ready file name): ``rank3-rsv:0``."""
+    return f"rank{me.rank}-" + "-".join(me.gpu_ids)
+
+
+def serve_engine(
+    plane: WorkerPlane,
+    spec: EngineSpec,
+    me: RankSpec,
+    run_dir: Path,
+    key: str,
+    hello: dict[str, Any],
+    host: str,
+) -> int:
+    return asyncio.run(_serve(plane, spec, me, run_dir, key, hello, host))
+
+
+async def _serve(
+    plane: WorkerPlane,
+    spec: EngineSpec,
+    me: RankSpec,
+    run_dir: Path,
+    key: str,
+    hello: dict[str, Any],
+    host: str,
+) -> int:
+    worker_id = engine_rank_id(me)
+    service = EngineService(spec, worker_id)
+    # Slurm's --signal without B: reaches every process of the step: the master handles it
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    bind = "0.0.0.0" if host != "127.0.0.1" else host
+    ready = await service.start(key, host=bind, port=0, role="none", advertise_host=host)
+    write_ready(run_dir / f"{worker_id}.ready.json", ready)
+    plane.report(Kind.HELLO, **hello, host=ready["host"], port=ready["port"])
+    loop = asyncio.get_running_loop()
+    control = threading.Thread(
+        target=_control, args=(plane, loop, service), name="control", daemon=True
+    )
+    control.start()
+    await service.serve_until_stopped()
+    await asyncio.to_thread(control.join, 10.0)
+    return 0
+
+
+def _control(plane: WorkerPlane, loop: asyncio.AbstractEventLoop, service: EngineService) -> None:
+    """The rank's MPI side: collectives and shutdown (the only thread that calls MPI)."""
+    while True:
+        cmd = plane.next_command(0.02)
+        if cmd is None:
+            continue
+        if cmd.op in COLLECTIVE:
+            seconds = plane.enter(cmd)
+            size = plane.role_comm.allreduce(1)  # every group counts its members
+            plane.report(
+                Kind.ACK, cmd.seq, op=cmd.op, seconds=seconds, epoch=plane.epoch, group_size=size
+            )
+        elif cmd.op in (Op.SHUTDOWN, Op.LEAVE):
+            plane.report(Kind.ACK, cmd.seq, op=cmd.op)
+            loop.call_soon_threadsafe(service.stop)
+            return
+        else:
+            plane.report(Kind.ERROR, cmd.seq, message=f"engine rank: unexpected {cmd.op}")

@@ -1,0 +1,143 @@
+"""The entry of every process of a run's MPI world.
+
+    mpiexec -n N python -m pearl_hpc.worker rank --run-dir RUN_DIR --model-dir M [--resume]
+
+Every rank reads ``RUN_DIR/config.yaml`` and finds what it runs by its rank in the base
+layout (:func:`pearl_hpc.config.run.base_layout`): rank 0 the master, then the trainer
+ranks, then the engine ranks. Start-up is two collectives over the world, in this order
+on every rank: one ``Split`` that gives the trainer ranks their own communicator, and the
+control plane's ``Dup``. mpi4py is imported before torch or vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+KEY_FILE = "rpc.key"  # the run's engine-socket key (0600), written by the launcher
+
+
+def _rank(args: argparse.Namespace) -> int:
+    from mpi4py import MPI
+
+    from pearl_hpc.comm.mpi import MasterPlane, WorkerPlane, member_info
+    from pearl_hpc.config.run import MASTER, TRAINER, base_layout, load_run_config
+
+    run_dir: Path = args.run_dir
+    cfg = load_run_config(run_dir / "config.yaml")
+    layout = base_layout(cfg.workers)
+    world = MPI.COMM_WORLD
+    if world.Get_size() != len(layout):
+        if world.Get_rank() == 0:
+            print(
+                f"pearl_hpc.worker: the world has {world.Get_size()} ranks, the run's layout "
+                f"{len(layout)}; start it with `pearl-hpc run`",
+                file=sys.stderr,
+            )
+        return 2
+    me = layout[world.Get_rank()]
+    if me.kind != MASTER:  # the terminal is the master's: a member logs to the run directory
+        _log_to(run_dir / f"rank{me.rank}-{me.kind}.log")
+    # Slurm's --signal without B: (submitit's USR2 before a time-out) reaches every process
+    # of the job step: the job's own handler acts on it, the ranks carry on
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    trainers = world.Split(0 if me.kind == TRAINER else MPI.UNDEFINED, world.Get_rank())
+    key = (run_dir / KEY_FILE).read_text().strip()
+    host = "127.0.0.1" if cfg.backend == "local" else socket.gethostname()
+    if me.kind == MASTER:
+        plane = MasterPlane(run_dir, hello_timeout_s=600.0, heartbeat_timeout_s=60.0)
+        return _master(cfg, run_dir, plane, args, key, world)
+    plane_w = WorkerPlane.base(heartbeat_interval_s=1.0)
+    hello = member_info({"process": me.kind, "gpu_ids": list(me.gpu_ids), "rank": me.rank})
+    if me.kind == TRAINER:
+        from pearl_hpc.worker.trainer import TrainerRank
+
+        rank = TrainerRank(plane_w, trainers, cfg, me, run_dir, args.model_dir, key, host)
+        return rank.serve(hello)
+    from pearl_hpc.engine.vllm_engine import EngineSpec
+    from pearl_hpc.worker.engine import serve_engine
+
+    spec = EngineSpec(model_dir=args.model_dir)
+    return serve_engine(plane_w, spec, me, run_dir, key, hello, host)
+
+
+def _log_to(path: Path) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _master(
+    cfg: Any, run_dir: Path, plane: Any, args: argparse.Namespace, key: str, world: Any
+) -> int:
+    """Rank 0: the run, its step lines and summary; a failure ends the whole world."""
+    import asyncio
+
+    from pearl_hpc.master.loop import run_master
+    from pearl_hpc.master.records import format_step, format_summary
+
+    live = None
+    if args.live:
+        from pearl_hpc.master.live import LiveRollout
+
+        live = LiveRollout()
+    try:
+        summary = asyncio.run(
+            run_master(
+                cfg,
+                run_dir,
+                plane,
+                model_dir=args.model_dir,
+                key=key,
+                resume=args.resume,
+                on_step=lambda m: print(format_step(m), flush=True),
+                on_progress=live.update if live is not None else None,
+            )
+        )
+    except BaseException as exc:
+        if live is not None:
+            live.stop()
+        if isinstance(exc, KeyboardInterrupt):
+            print("pearl-hpc run: interrupted", file=sys.stderr, flush=True)
+        else:
+            traceback.print_exc()
+        print(
+            f"pearl-hpc run: failed; resume with: pearl-hpc run --resume {run_dir}",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.stderr.flush()
+        world.Abort(1)  # every rank ends with the master (the journal stays)
+        return 1
+    if live is not None:
+        live.stop()
+    print(format_summary(summary), flush=True)
+    print(f"status: pearl-hpc status {run_dir}; plots: pearl-hpc report {run_dir}", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pearl_hpc.worker import noop
+
+    parser = argparse.ArgumentParser(prog="python -m pearl_hpc.worker", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    rank = sub.add_parser("rank", help="a process of a run's world (pearl-hpc run starts them)")
+    rank.add_argument("--run-dir", type=Path, required=True)
+    rank.add_argument("--model-dir", required=True)
+    rank.add_argument("--resume", action="store_true")
+    rank.add_argument("--live", action="store_true", help="rank 0: a live line (a terminal)")
+    rank.set_defaults(func=_rank)
+    noop.add_parsers(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("PEARL_LOG_LEVEL", "WARNING"))
+    return int(args.func(args))

@@ -1,0 +1,167 @@
+"""A trainer rank of the run's MPI world: data-parallel GRPO, and (trainer rank 0) the
+weight broadcast to the engines.
+
+    master ──TRAIN(step, batch)──> every trainer rank: GRPO step on its rows of each
+                                    minibatch, gradients summed over the gloo/NCCL group;
+                                    trainer 0 writes the snapshot, every rank acks its stats
+    master ──PUBLISH(version, members)──> trainer 0: re-form the broadcast group if its
+                                    members changed, broadcast the weights (WeightSync)
+    master ──CATCH_UP(name, host, port)──> trainer 0: latest weights to one engine p2p
+    master ──PARTITION──> Comm.Split (answered while a step trains: the control loop is
+                                    this thread, training and weight sync run in others)
+
+Trainer rank 0 owns the rendezvous store of the training group and of the weight groups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+from pearl_hpc.comm.messages import COLLECTIVE, Command, Kind, Op
+from pearl_hpc.comm.mpi import WorkerPlane
+from pearl_hpc.config.run import RankSpec, RunConfig
+from pearl_hpc.master.journal import prune_snapshots
+from pearl_hpc.rollout.types import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+class TrainerRank:
+    """Serves the master's training and weight commands on one trainer rank."""
+
+    def __init__(
+        self,
+        plane: WorkerPlane,
+        comm: Any,  # the trainer ranks' own communicator (one Split at start)
+        cfg: RunConfig,
+        me: RankSpec,
+        run_dir: Path,
+        model_dir: str,
+        key: str,
+        host: str,
+    ) -> None:
+        from pearl_hpc.train.grpo import GRPOConfig, GRPOTrainer, latest_snapshot
+        from pearl_hpc.train.loop import WeightSync
+        from pearl_hpc.train.wgroup import WeightGroup
+
+        self.plane, self.me, self.key = plane, me, key
+        self.index, size = comm.Get_rank(), comm.Get_size()
+        self.snapshots = run_dir / "snapshots"
+        # trainer 0: the store of the training group and of the engines' weight groups
+        self.sync = WeightSync(host=host) if self.index == 0 else None
+        addr = comm.bcast(
+            (self.sync.store.host, self.sync.store.port) if self.sync is not None else None, 0
+        )
+        group = None
+        if size > 1:
+            store = self.sync.store.store if self.sync is not None else None
+            group = WeightGroup(addr[0], addr[1], "dp/", self.index, size, store=store)
+        grpo = GRPOConfig(lr=cfg.run.lr, seed=cfg.run.seed)  # accepts batches one version old
+        snapshot = latest_snapshot(self.snapshots)
+        if snapshot is not None:
+            self.trainer = GRPOTrainer.from_snapshot(model_dir, snapshot, grpo, dp_group=group)
+        else:
+            self.trainer = GRPOTrainer(model_dir, grpo, dp_group=group)
+        if self.sync is not None and snapshot is not None:
+            self.sync.seed(self.trainer.state_dict(), self.trainer.version)  # engines catch up
+        self.clients: dict[str, Any] = {}  # engine name -> EngineClient (trainer 0)
+        self.pending: list[tuple[Command, concurrent.futures.Future[dict[str, Any]]]] = []
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="train")
+        self.loop = asyncio.new_event_loop()  # engine clients and the weight sync
+        threading.Thread(target=self.loop.run_forever, name="weights", daemon=True).start()
+
+    def serve(self, hello: dict[str, Any]) -> int:
+        plane = self.plane
+        plane.report(Kind.HELLO, **hello, version=self.trainer.version, index=self.index)
+        while True:
+            cmd = plane.next_command(0.02)
+            self._report_finished()
+            if cmd is None:
+                continue
+            if cmd.op in COLLECTIVE:
+                seconds = plane.enter(cmd)
+                size = plane.role_comm.allreduce(1)  # every group counts its members
+                self._ack(cmd, seconds=seconds, epoch=plane.epoch, group_size=size)
+            elif cmd.op is Op.TRAIN:
+                self.pending.append((cmd, self.pool.submit(self._train, cmd.args)))
+            elif cmd.op is Op.PUBLISH and self.sync is not None:
+                self.pending.append((cmd, self._on_loop(self._publish(cmd.args))))
+            elif cmd.op is Op.CATCH_UP and self.sync is not None:
+                self.pending.append((cmd, self._on_loop(self._catch_up(cmd.args))))
+            elif cmd.op in (Op.SHUTDOWN, Op.LEAVE):
+                self._ack(cmd)
+                self.pool.shutdown(wait=True)
+                asyncio.run_coroutine_threadsafe(self._close_clients(), self.loop).result(10)
+                self.loop.call_soon_threadsafe(self.loop.stop)
+                return 0
+            else:
+                plane.report(Kind.ERROR, cmd.seq, message=f"trainer: unexpected {cmd.op}")
+
+    # ------------------------------------------------------------------ commands
+    def _train(self, args: dict[str, Any]) -> dict[str, Any]:
+        trajectories = [Trajectory.from_dict(t) for t in args["trajectories"]]
+        stats = self.trainer.train_step(trajectories)
+        if self.index == 0:  # the replicated weights: one rank writes them
+            self.trainer.save_snapshot(self.snapshots)
+            prune_snapshots(self.snapshots, keep=2)
+        return {
+            "step": int(args["step"]),
+            "version": stats.version,
+            "mean_reward": stats.mean_reward,
+            "max_staleness": stats.max_staleness,
+            "loss": stats.loss,
+            "num_tokens": stats.num_tokens,
+            "wall_s": stats.wall_s,
+        }
+
+    async def _client(self, name: str, host: str, port: int) -> Any:
+        from pearl_hpc.engine.client import EngineClient
+
+        known = self.clients.get(name)
+        if known is not None and known[0] == (host, port):
+            return known[1]
+        client = EngineClient(name)
+        await client.connect(host, port, self.key)
+        self.clients[name] = ((host, port), client)
+        return client
+
+    async def _publish(self, args: dict[str, Any]) -> dict[str, Any]:
+        assert self.sync is not None
+        members = {
+            name: await self._client(name, host, int(port))
+            for name, (host, port) in sorted(args["members"].items())
+        }
+        if set(members) != set(self.sync.members):
+            await self.sync.form(members)
+        seconds = await self.sync.publish(self.trainer.state_dict(), int(args["version"]))
+        return {"seconds": seconds, "members": len(members)}
+
+    async def _catch_up(self, args: dict[str, Any]) -> dict[str, Any]:
+        assert self.sync is not None
+        client = await self._client(args["name"], args["host"], int(args["port"]))
+        return {"seconds": await self.sync.catch_up(args["name"], client)}
+
+    async def _close_clients(self) -> None:
+        for _, client in self.clients.values():
+            await client.close()
+
+    def _on_loop(self, coro: Any) -> concurrent.futures.Future[dict[str, Any]]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def _report_finished(self) -> None:
+        for item in [p for p in self.pending if p[1].done()]:
+            self.pending.remove(item)
+            cmd, future = item
+            try:
+                self._ack(cmd, **future.result())
+            except Exception as exc:
+                log.exception("trainer %d: %s failed", self.index, cmd.op)
+                self.plane.report(Kind.ERROR, cmd.seq, message=f"{type(exc).__name__}: {exc}")
+
+    def _ack(self, cmd: Command, **args: Any) -> None:
+        self.plane.report(Kind.ACK, cmd.seq, op=cmd.op, **args)
