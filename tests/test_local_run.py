@@ -99,8 +99,12 @@ def test_a_real_trace_replays_over_the_run_clock(tmp_path: Path):
 @pytest.mark.vllm
 @pytest.mark.skipif(vllm_skip_reason() is not None, reason=str(vllm_skip_reason()))
 def test_local_run_grows_reclaims_borrows_and_loses_nothing(tmp_path: Path, monkeypatch):
+    """The run as an MPI world: rank 0 the master, 2 data-parallel trainer ranks, a
+    reserved and an overlap engine rank; every applied plan is followed by a Comm.Split
+    of the members into role groups."""
     monkeypatch.setenv("PEARL_HPC_CACHE", str(tmp_path / "cache"))
-    cfg = load_run_config(_write(tmp_path, CONFIG))
+    config = {**CONFIG, "workers": {"training_gpus": 2, "reserved_rollout": 1, "overlap": 1}}
+    cfg = load_run_config(_write(tmp_path, config))
     run_dir = tmp_path / "runs" / "t"
     summary = run_to_summary(cfg, run_dir)
     print("\n" + json.dumps(summary, indent=1))
@@ -124,6 +128,22 @@ def test_local_run_grows_reclaims_borrows_and_loses_nothing(tmp_path: Path, monk
         json.loads(line)["kind"] for line in (run_dir / "events.jsonl").read_text().splitlines()
     ]
     assert "release_capacity" in kinds and kinds.count("train") == 3
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    plans = [i for i, e in enumerate(events) if e["kind"] == "reconfigure"]
+    splits = [i for i, e in enumerate(events) if e["kind"] == "split"]
+    assert plans and all(any(j > i for j in splits) for i in plans)  # a split after each plan
+    assert 0 < len(splits) <= len(plans)  # (one per batch of events decided together)
+    groups = [events[j]["groups"] for j in splits]
+    assert [events[j]["epoch"] for j in splits] == list(range(1, len(splits) + 1))
+    for group in groups:  # ranks 1-2 train; engine ranks 3-4 serve in a role or idle
+        assert group["training"] == [1, 2]
+        assert sorted(r for role, ranks in group.items() if role != "training" for r in ranks) == [
+            3,
+            4,
+        ]
+    assert {"prefill", "decode"} <= set(groups[0])  # the disaggregated start
+    assert "split_mismatch" not in kinds  # every member counted the group it landed in
+    assert len(list(run_dir.glob("rank*-trainer.log"))) == 2  # two trainer processes
 
 
 @pytest.mark.vllm
@@ -274,18 +294,21 @@ def test_a_worker_killed_mid_rollout_loses_no_trajectory(tmp_path: Path, monkeyp
         "profile": "profiles/tiny-cpu.yaml",
         "workers": {"training_gpus": 1, "reserved_rollout": 1, "overlap": 0},
         "elastic": {"grace_s": 30, "trace": [{"at_step": 0, "workers": 1}]},
+        "run": {**CONFIG["run"], "steps": 4},
     }
     cfg = load_run_config(_write(tmp_path, config))
     run_dir = tmp_path / "runs" / "t"
     killed: list[int] = []
 
     def kill_elastic_mid_step_1() -> None:
-        log = run_dir / "trajectories" / "step-00001.jsonl"
+        """Once the elastic worker is up, in the first rollout (step >= 1) that has
+        started: a few turns logged, the rest in flight."""
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
-            if log.exists() and len(log.read_text().splitlines()) >= 4:
-                ready = next(run_dir.glob("w*-el1:0.ready.json"))
-                pid = json.loads(ready.read_text())["pid"]
+            ready = list(run_dir.glob("w*-el1:0.ready.json"))
+            logs = sorted((run_dir / "trajectories").glob("step-*.jsonl"))[1:]
+            if ready and logs and len(logs[-1].read_text().splitlines()) >= 4:
+                pid = json.loads(ready[0].read_text())["pid"]
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
                 return
@@ -297,8 +320,8 @@ def test_a_worker_killed_mid_rollout_loses_no_trajectory(tmp_path: Path, monkeyp
     killer.join(timeout=5)
     assert killed, "the elastic worker was never killed"
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["trajectories"] for m in metrics] == [16] * 3  # nothing lost
-    assert summary["steps"] == 3
+    assert [m["trajectories"] for m in metrics] == [16] * 4  # nothing lost
+    assert summary["steps"] == 4
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     failed = [e for e in events if e.get("event") == "WorkerFailed"]
     assert failed, "the controller never heard of the dead worker"

@@ -28,6 +28,7 @@ from tests.test_local_run import CONFIG as LOCAL_CONFIG
 
 REPO = Path(__file__).resolve().parents[1]
 BATCH = 4 * 4
+STEPS = 6
 
 CONFIG = {
     **LOCAL_CONFIG,  # the local run test's workload and ungated policies
@@ -35,9 +36,11 @@ CONFIG = {
     "slurm": {"sbatch_extra": ["--exclusive"], "preempt_hold_s": 10, "poll_s": 0.5},
     "elastic": {
         "grace_s": 15,  # the elastic partition's GraceTime is 20 s
-        "trace": [{"at_step": 0, "workers": 2}, {"at_step": 3, "workers": 0, "after_s": 0.5}],
+        # the reclaim late enough that the resumed master's job runs by then (a resumed
+        # step whose trajectories were all logged takes no time)
+        "trace": [{"at_step": 0, "workers": 2}, {"at_step": 5, "workers": 0, "after_s": 0.5}],
     },
-    "run": {**LOCAL_CONFIG["run"], "steps": 5},
+    "run": {**LOCAL_CONFIG["run"], "steps": STEPS},
 }
 
 
@@ -101,7 +104,7 @@ def test_slurm_run_hetjob_preemption_master_killed_and_resumed(
 
     try:
         _wait("step 0 with the elastic workers admitted", step_done_with_elastic_serving, 600,
-              first_log)  # fmt: skip
+              first_log, poll_s=0.05)  # fmt: skip
         master_pid = read_run_state(run_dir)["pid"]
         os.kill(master_pid, signal.SIGKILL)
         _wait("the killed master's job to end", lambda: not _in_squeue(first), 60, first_log)
@@ -123,9 +126,9 @@ def test_slurm_run_hetjob_preemption_master_killed_and_resumed(
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     c = summary["counters"]
     # every step trained on its whole batch, across the kill, the grants and the preemption
-    assert [m["step"] for m in metrics] == list(range(5))
-    assert [m["trajectories"] for m in metrics] == [BATCH] * 5
-    assert [m["version"] for m in metrics] == [1, 2, 3, 4, 5]
+    assert [m["step"] for m in metrics] == list(range(STEPS))
+    assert [m["trajectories"] for m in metrics] == [BATCH] * STEPS
+    assert [m["version"] for m in metrics] == list(range(1, STEPS + 1))
     # the resumed master cancelled the dead master's elastic job it found by tag
     cancelled = [e for e in events if e["kind"] == "cancelled_leftovers"]
     assert cancelled and cancelled[0]["jobs"] == sorted({j.split("+")[0] for j in leftover})
@@ -148,7 +151,7 @@ def test_slurm_run_hetjob_preemption_master_killed_and_resumed(
     assert scancel["t_s"] - sig["t_s"] < 15
     assert c["grows"] >= 3 and c["reclaims"] >= 2  # 2 granted + 2 re-granted; 2 preempted
     assert c["borrow_cycles"] >= 1 and c["mode_changes"] >= 1
-    assert len(c["return_latency_s"]) == 5  # borrowed GPUs returned before every step
+    assert len(c["return_latency_s"]) == STEPS  # borrowed GPUs returned before every step
     status = subprocess.run(
         [sys.executable, "-m", "pearl_hpc.cli", "status", str(run_dir), "--json"],
         capture_output=True,

@@ -73,6 +73,40 @@ def run_tag_of(run_dir: Path) -> str:
     return "".join(c if c.isalnum() or c in "_.-" else "-" for c in run_dir.resolve().name)
 
 
+def elastic_job_spec(
+    s: SlurmSettings,
+    run_tag: str,
+    elastic_dir: Path,
+    spec: EngineSpec,
+    workers: int,
+    python: str,
+) -> JobSpec:
+    """One grow: a heterogeneous job of ``workers`` components, one engine worker each,
+    whose batch step is :mod:`pearl_hpc.backends.slurm_job` (pure)."""
+    component = HetComponent(
+        partition=s.partition,
+        gpus_per_node=s.gpus_per_worker,
+        cpus_per_task=s.cpus_per_worker,
+        time_limit=s.time_limit,
+        extra=tuple(s.sbatch_extra),
+    )
+    engine_args = [
+        f"--run-dir={elastic_dir.parent}",
+        f"--model={spec.model_dir}",
+        f"--device={spec.device}",
+        f"--max-model-len={spec.max_model_len}",
+        f"--kv-cache-gb={spec.kv_cache_gb}",
+    ]
+    return JobSpec(
+        name="pearl-elastic",
+        run_tag=run_tag,
+        components=(component,) * workers,
+        command=[python, "-m", "pearl_hpc.backends.slurm_job", *engine_args],
+        signal=s.signal,
+        output=str(elastic_dir / "job-%j.out"),
+    )
+
+
 class RemoteWorker:
     """An engine worker in a Slurm job step, with :class:`WorkerProcess`'s interface."""
 
@@ -233,37 +267,14 @@ class SlurmBackend:
                     await asyncio.to_thread(self.client.cancel, job_id)
 
     async def submit(self, workers: int) -> str:
-        s = self.settings
-        component = HetComponent(
-            partition=s.partition,
-            gpus_per_node=s.gpus_per_worker,
-            cpus_per_task=s.cpus_per_worker,
-            time_limit=s.time_limit,
-            extra=tuple(s.sbatch_extra),
-        )
-        job = JobSpec(
-            name="pearl-elastic",
-            run_tag=self.tag,
-            components=(component,) * workers,
-            command=[sys.executable, "-m", "pearl_hpc.backends.slurm_job", *self._engine_args()],
-            signal=s.signal,
-            output=str(self.dir.resolve() / "job-%j.out"),
+        job = elastic_job_spec(
+            self.settings, self.tag, self.dir.resolve(), self.spec, workers, sys.executable
         )
         job_id = await asyncio.to_thread(self.client.submit, job)
-        self.manager.submitted(job_id, job, s.gpus_per_worker, self.clock())
+        self.manager.submitted(job_id, job, self.settings.gpus_per_worker, self.clock())
         self.jobs.append(job_id)
         self.on_event("submitted", {"job": job_id, "components": workers})
         return job_id
-
-    def _engine_args(self) -> list[str]:
-        spec = self.spec
-        return [
-            f"--run-dir={self.dir.parent.resolve()}",
-            f"--model={spec.model_dir}",
-            f"--device={spec.device}",
-            f"--max-model-len={spec.max_model_len}",
-            f"--kv-cache-gb={spec.kv_cache_gb}",
-        ]
 
     async def preempt(self, job_id: str) -> None:
         """Make Slurm preempt ``job_id``: a job on the preempting partition on each of its

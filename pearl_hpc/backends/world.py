@@ -4,11 +4,20 @@
                           ──mpiexec -n N python -m pearl_hpc.worker rank──> the world:
                              rank 0 master, trainer ranks, engine ranks (base_layout)
 
-The world runs on this node, started by MPICH's ``mpiexec`` (the wheel beside this
-Python) with its fork launcher, also inside a Slurm batch job: the elastic capacity of
-the Slurm backend comes as heterogeneous jobs (:mod:`.slurm`). A rank that fails ends
-the world (rank 0 calls ``Abort``; Hydra ends every rank when one dies), so nothing of a
-run outlives its master; ``--resume`` starts a new world from the journal.
+Where the world runs:
+- a layout of one node (the local backend always): this node, started by MPICH's
+  ``mpiexec`` (the wheel beside this Python) with its fork launcher -- also inside a
+  Slurm batch job;
+- a layout over several nodes (backend slurm, inside the base job's allocation):
+  ``srun --mpi=pmi2 --distribution=arbitrary`` with ``SLURM_HOSTFILE`` naming each
+  rank's node in rank order (trainer ranks on the training nodes, reserved engine ranks
+  on the rollout nodes); :func:`base_job_options` gives the allocation it needs, and
+  ``pearl-hpc run CONFIG --dry-run`` prints it.
+Elastic capacity of the Slurm backend comes as heterogeneous jobs (:mod:`.slurm`).
+
+A rank that fails ends the world (rank 0 calls ``Abort``; Hydra, or srun's
+``--kill-on-bad-exit``, ends every rank when one dies), so nothing of a run outlives its
+master; ``--resume`` starts a new world from the journal.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from pearl_hpc.config.run import RunConfig, base_layout
+from pearl_hpc.config.run import RankSpec, RunConfig, base_layout
 from pearl_hpc.errors import ConfigError, PearlError
 from pearl_hpc.master.journal import drop_unrecorded_snapshots, read_run_state
 from pearl_hpc.worker.main import KEY_FILE
@@ -38,6 +47,11 @@ def mpiexec_path() -> str:
     return found
 
 
+def multi_node(cfg: RunConfig) -> bool:
+    """The world spans several nodes of a Slurm job (else: one node, ``mpiexec``)."""
+    return cfg.backend == "slurm" and cfg.layout.nodes > 1
+
+
 def world_argv(
     cfg: RunConfig,
     run_dir: Path,
@@ -46,15 +60,65 @@ def world_argv(
     resume: bool = False,
     live: bool = False,
     mpiexec: str = "mpiexec",
+    python: str = sys.executable,
 ) -> list[str]:
     """The command that starts the run's world (pure)."""
-    ranks = len(base_layout(cfg.workers))
+    ranks = len(base_layout(cfg.workers, cfg.layout))
+    if multi_node(cfg):
+        launcher = [
+            "srun", "--mpi=pmi2", "--distribution=arbitrary", f"--ntasks={ranks}",
+            "--kill-on-bad-exit=1",
+        ]  # fmt: skip
+    else:
+        launcher = [mpiexec, "-launcher", "fork", "-hosts", "localhost", "-n", str(ranks)]
     return [
-        mpiexec, "-launcher", "fork", "-hosts", "localhost", "-n", str(ranks),
-        sys.executable, "-m", "pearl_hpc.worker", "rank",
+        *launcher, python, "-m", "pearl_hpc.worker", "rank",
         "--run-dir", str(run_dir), "--model-dir", model_dir,
         *(["--resume"] if resume else []), *(["--live"] if live else []),
     ]  # fmt: skip
+
+
+def ranks_per_node(layout: list[RankSpec]) -> list[int]:
+    """How many ranks each node of the base job runs (pure)."""
+    counts = [0] * (1 + max(r.node for r in layout))
+    for r in layout:
+        counts[r.node] += 1
+    return counts
+
+
+def base_job_options(cfg: RunConfig) -> list[str]:
+    """The sbatch options of the base job a multi-node layout needs (pure): its nodes,
+    enough tasks on each for the busiest node, their GPUs."""
+    layout = base_layout(cfg.workers, cfg.layout)
+    return [
+        f"--nodes={cfg.layout.nodes}",
+        f"--ntasks-per-node={max(ranks_per_node(layout))}",
+        f"--cpus-per-task={cfg.layout.cpus_per_rank}",
+        f"--gres=gpu:{cfg.layout.gpus_per_node}",
+    ]
+
+
+def hostfile_text(layout: list[RankSpec], nodes: list[str]) -> str:
+    """``SLURM_HOSTFILE`` for ``srun --distribution=arbitrary``: rank r's node on line r."""
+    return "".join(nodes[r.node] + "\n" for r in layout)
+
+
+def _write_hostfile(cfg: RunConfig, run_dir: Path) -> Path:
+    """The allocation's nodes, one line per rank; a job without enough nodes is one
+    clear error naming the sbatch options it needs."""
+    from pearl_hpc.slurm.capacity import expand_hostlist
+
+    nodes = expand_hostlist(os.environ.get("SLURM_JOB_NODELIST", ""))
+    if "SLURM_JOB_ID" not in os.environ or len(nodes) < cfg.layout.nodes:
+        options = " ".join(base_job_options(cfg))
+        raise ConfigError(
+            f"layout: {cfg.layout.nodes} nodes, but this is "
+            + (f"a job of {len(nodes)}" if "SLURM_JOB_ID" in os.environ else "not a Slurm job")
+            + f"; submit the run as `sbatch {options} launch/run.sbatch CONFIG`"
+        )
+    path = run_dir / "hostfile"
+    path.write_text(hostfile_text(base_layout(cfg.workers, cfg.layout), nodes))
+    return path
 
 
 def prepare_run(cfg: RunConfig, run_dir: Path, *, resume: bool) -> str:
@@ -79,6 +143,8 @@ def prepare_run(cfg: RunConfig, run_dir: Path, *, resume: bool) -> str:
     if resume:
         state = read_run_state(run_dir)
         drop_unrecorded_snapshots(run_dir / "snapshots", int(state["version"]))
+    if multi_node(cfg):
+        os.environ["SLURM_HOSTFILE"] = str(_write_hostfile(cfg, run_dir))
     return model_dir
 
 
@@ -89,7 +155,7 @@ def exec_world(cfg: RunConfig, run_dir: Path, *, resume: bool, live: bool) -> No
     argv = world_argv(cfg, run_dir, model_dir, resume=resume, live=live, mpiexec=mpiexec_path())
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(argv[0], argv)
+    os.execvp(argv[0], argv)
 
 
 def run_world(cfg: RunConfig, run_dir: Path, *, resume: bool = False, **popen: Any) -> int:

@@ -54,6 +54,10 @@ def measured_latencies(events: list[dict[str, Any]]) -> dict[str, list[float]]:
         "intra-scale activation": [],
         "intra-scale deactivation": [],
         "mode switch (role change)": [],
+        "world start (launch -> every hello)": [],
+        "Comm.Split after a plan": [],
+        "weight group rebuild (new members)": [],
+        "weight broadcast, per engine": [],
     }
     ready_at: dict[int, float] = {}
     for ev in events:
@@ -70,6 +74,14 @@ def measured_latencies(events: list[dict[str, Any]]) -> dict[str, list[float]]:
             out["intra-scale deactivation"].append(ev["s"])
         elif kind == "rerole":
             out["mode switch (role change)"].append(ev["s"])
+        elif kind == "world":
+            out["world start (launch -> every hello)"].append(ev["start_s"])
+        elif kind == "split":
+            out["Comm.Split after a plan"].append(ev["s"])
+        elif kind == "publish" and ev["members"]:
+            if ev["form_s"]:
+                out["weight group rebuild (new members)"].append(ev["form_s"])
+            out["weight broadcast, per engine"].append(ev["s"] / ev["members"])
     return out
 
 
@@ -101,7 +113,10 @@ def run(config: str) -> dict[str, Any]:
 
 
 def _median(xs: list[float]) -> str:
-    return f"{statistics.median(xs):.2f}" if xs else "-"
+    if not xs:
+        return "-"
+    m = statistics.median(xs)
+    return f"{m:.2f}" if m >= 0.1 else f"{m * 1000:.1f} ms"
 
 
 def format_results(results: dict[str, Any]) -> str:

@@ -19,6 +19,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from pearl_hpc.config.run import load_run_config
     from pearl_hpc.master.journal import new_run_dir
 
+    if args.dry_run:
+        from pearl_hpc.cli.dryrun import dry_run
+
+        print(dry_run(load_run_config(args.config, need_slurm=False), args.config), end="")
+        return 0
     if args.submit:
         return _submit_run(args)
     if args.resume:
@@ -84,6 +89,12 @@ def add_parsers(sub: Any) -> None:
         action="store_true",
         help="submit the master as a Slurm job with submitit (requeued and resumed on "
         "preemption or time-out)",
+    )
+    run_p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the config and print the base job, which rank runs what where, the "
+        "elastic job and the controller's first decision; start nothing",
     )
     run_p.add_argument("--partition", help="with --submit: the master's partition")
     run_p.add_argument("--gpus", type=int, default=0, help="with --submit: GPUs of the master")

@@ -3,6 +3,7 @@
     name, runs_dir, model, profile, policy   what is trained, how the controller decides
     backend: local | slurm                   how elastic capacity comes to exist
     workers: training_gpus, reserved_rollout, overlap
+    layout:  nodes and GPUs of the base world (backend slurm: its batch job's nodes)
     elastic: trace | replay, grace_s          when capacity appears and disappears
     slurm:   the elastic jobs (backend slurm)
     run:     the workload (steps, env, batch, sampling, staleness)
@@ -34,6 +35,35 @@ class WorkersConfig:
     overlap: int = spec_field(
         "overlap workers that borrow training GPUs (<= training_gpus)", default=1, ge=0
     )
+
+
+@dataclass(frozen=True)
+class LayoutConfig:
+    """Where the base world's ranks run. The local backend runs every rank on this
+    machine; on Slurm a layout over several nodes is a batch job of that many nodes
+    (``pearl-hpc run CONFIG --dry-run`` prints its sbatch command)."""
+
+    gpus_per_node: int = spec_field("GPUs of one node of the base job", default=8, ge=1)
+    gpus_per_worker: int = spec_field(
+        "GPUs of one reserved or overlap engine worker (its tensor-parallel size)",
+        default=1,
+        ge=1,
+    )
+    training_nodes: int = spec_field(
+        "nodes of the trainer ranks, one per training GPU (the overlap engines share them)",
+        default=1,
+        ge=1,
+    )
+    rollout_nodes: int = spec_field(
+        "nodes of the reserved engine ranks (0: the training nodes' spare GPUs)",
+        default=0,
+        ge=0,
+    )
+    cpus_per_rank: int = spec_field("CPUs of each rank of a multi-node base job", default=1, ge=1)
+
+    @property
+    def nodes(self) -> int:
+        return self.training_nodes + self.rollout_nodes
 
 
 @dataclass(frozen=True)
@@ -146,13 +176,15 @@ class RunConfig:
         "workload profile YAML (relative: to configs/)", default="profiles/tiny-cpu.yaml"
     )
     policy: PolicyConfig = spec_field("controller policies", default=PolicyConfig())
-    workers: WorkersConfig = spec_field("worker layout", default=WorkersConfig())
+    workers: WorkersConfig = spec_field("worker counts", default=WorkersConfig())
+    layout: LayoutConfig = spec_field("nodes and GPUs of the base world", default=LayoutConfig())
     elastic: ElasticConfig = spec_field("elastic capacity", default=ElasticConfig())
     run: RunSettings = spec_field("the workload", default=RunSettings())
 
 
-def load_run_config(path: str | Path) -> RunConfig:
-    """Read and check a run config; every error names the field and the fix."""
+def load_run_config(path: str | Path, *, need_slurm: bool = True) -> RunConfig:
+    """Read and check a run config; every error names the field and the fix
+    (``need_slurm=False``: a Slurm run described, not started, e.g. ``--dry-run``)."""
     cfg = from_mapping(RunConfig, load_yaml(path), where=str(path))
     if cfg.workers.overlap > cfg.workers.training_gpus:
         raise ConfigError(
@@ -168,14 +200,51 @@ def load_run_config(path: str | Path) -> RunConfig:
         cfg.elastic.replay.load()  # a bad segment or file fails here, naming the fix
     if cfg.backend not in BACKENDS:
         raise ConfigError(f"{path}: backend {cfg.backend!r}: use local or slurm")
-    if cfg.backend == "slurm" and not shutil.which("sbatch"):
+    if need_slurm and cfg.backend == "slurm" and not shutil.which("sbatch"):
         raise ConfigError(
             f"{path}: backend slurm needs the Slurm commands (sbatch not on PATH); run on a "
             "Slurm cluster (slurm/local-cluster.sh up for a local one) or use backend: local"
         )
     if cfg.run.env not in ENV_NAMES:
         raise ConfigError(f"{path}: run.env {cfg.run.env!r}: use one of {list(ENV_NAMES)}")
+    problem = layout_problem(cfg.workers, cfg.layout)
+    if problem:
+        raise ConfigError(f"{path}: {problem}")
     return cfg
+
+
+def layout_problem(workers: WorkersConfig, layout: LayoutConfig) -> str:
+    """Why ``workers`` do not fit ``layout`` (pure; "" when they do)."""
+    gpn, gpw = layout.gpus_per_node, layout.gpus_per_worker
+    if gpn % gpw:
+        return f"layout.gpus_per_worker ({gpw}) must divide layout.gpus_per_node ({gpn})"
+    if workers.training_gpus > layout.training_nodes * gpn:
+        return (
+            f"workers.training_gpus ({workers.training_gpus}) > layout.training_nodes "
+            f"({layout.training_nodes}) x layout.gpus_per_node ({gpn}); add training nodes"
+        )
+    if workers.training_gpus % gpw:
+        return (
+            f"workers.training_gpus ({workers.training_gpus}) is not a multiple of "
+            f"layout.gpus_per_worker ({gpw}): overlap engines take whole workers of them"
+        )
+    if workers.overlap * gpw > workers.training_gpus:
+        return (
+            f"workers.overlap ({workers.overlap}) x layout.gpus_per_worker ({gpw}) > "
+            f"workers.training_gpus ({workers.training_gpus}); lower workers.overlap"
+        )
+    free = (
+        layout.rollout_nodes * gpn
+        if layout.rollout_nodes
+        else layout.training_nodes * gpn - workers.training_gpus
+    )
+    if workers.reserved_rollout * gpw > free:
+        where = "layout.rollout_nodes" if layout.rollout_nodes else "the training nodes' spare"
+        return (
+            f"workers.reserved_rollout ({workers.reserved_rollout}) x layout.gpus_per_worker "
+            f"({gpw}) GPUs do not fit {where} GPUs ({free}); add rollout nodes"
+        )
+    return ""
 
 
 # ------------------------------------------------------------------ the base MPI world
@@ -188,19 +257,38 @@ class RankSpec:
 
     rank: int
     kind: str  # MASTER | TRAINER | ENGINE
-    gpu_ids: tuple[str, ...]  # the GPUs it runs on (names on CPU)
+    gpu_ids: tuple[str, ...]  # the GPUs it runs on, as the role table names them
     index: int  # among the ranks of its kind
+    node: int = 0  # which node of the base job (0: the first; the local backend: this one)
+    devices: tuple[int, ...] = ()  # its GPUs' device numbers on that node
+
+    @property
+    def overlap(self) -> bool:
+        """An engine rank on training GPUs (time-shared with the trainer ranks there)."""
+        return self.kind == ENGINE and bool(self.gpu_ids) and self.gpu_ids[0].startswith("train")
 
 
-def base_layout(workers: WorkersConfig) -> list[RankSpec]:
-    """The base world (pure): rank 0 the master, then one trainer rank per training GPU,
-    then the reserved engines and the overlap engines (on the training GPUs, time-shared
-    with the trainer ranks there)."""
+def base_layout(workers: WorkersConfig, layout: LayoutConfig = LayoutConfig()) -> list[RankSpec]:
+    """The base world (pure): rank 0 the master (on the first node, no GPU), then one
+    trainer rank per training GPU (filling the training nodes in order), then the
+    reserved engines (on the rollout nodes, or the training nodes' spare GPUs), then the
+    overlap engines (on the training GPUs, ``gpus_per_worker`` each)."""
+    gpn, gpw = layout.gpus_per_node, layout.gpus_per_worker
+
+    def place(first: int) -> tuple[int, tuple[int, ...]]:  # a flat GPU index -> node, devices
+        return first // gpn, tuple(range(first % gpn, first % gpn + gpw))
+
     ranks = [RankSpec(0, MASTER, (), 0)]
     for i in range(workers.training_gpus):
-        ranks.append(RankSpec(len(ranks), TRAINER, (f"train:{i}",), i))
-    engines = [(f"rsv:{i}",) for i in range(workers.reserved_rollout)]
-    engines += [(f"train:{i}",) for i in range(workers.overlap)]
-    for i, gpu_ids in enumerate(engines):
-        ranks.append(RankSpec(len(ranks), ENGINE, gpu_ids, i))
+        ranks.append(RankSpec(len(ranks), TRAINER, (f"train:{i}",), i, i // gpn, (i % gpn,)))
+    base = layout.training_nodes * gpn if layout.rollout_nodes else workers.training_gpus
+    for j in range(workers.reserved_rollout):
+        node, devices = place(base + j * gpw)
+        gpu_ids = tuple(f"rsv:{j * gpw + k}" for k in range(gpw))
+        ranks.append(RankSpec(len(ranks), ENGINE, gpu_ids, j, node, devices))
+    for k in range(workers.overlap):
+        node, devices = place(k * gpw)
+        gpu_ids = tuple(f"train:{k * gpw + d}" for d in range(gpw))
+        index = workers.reserved_rollout + k
+        ranks.append(RankSpec(len(ranks), ENGINE, gpu_ids, index, node, devices))
     return ranks

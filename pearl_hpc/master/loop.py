@@ -40,7 +40,7 @@ from pearl_hpc.backends.local import LocalBackend
 from pearl_hpc.backends.trace import TraceDriver
 from pearl_hpc.comm.mpi import MasterPlane
 from pearl_hpc.config.files import REPO_CONFIGS, load_profile
-from pearl_hpc.config.run import ENGINE, TRAINER, RunConfig
+from pearl_hpc.config.run import ENGINE, TRAINER, RunConfig, base_layout
 from pearl_hpc.core.controller import Controller, Event
 from pearl_hpc.core.table import IN_SERVICE
 from pearl_hpc.core.types import Mode
@@ -68,13 +68,21 @@ async def run_master(
     resume: bool = False,
     on_step: Callable[[StepMetrics], None] | None = None,
     on_progress: Callable[..., None] | None = None,
+    started_s: float | None = None,
 ) -> dict[str, Any]:
     """One training run (or its continuation, ``resume``) as rank 0 of the world whose
     master side is ``plane``; returns the summary (also written to ``summary.json``).
     ``on_step`` sees each recorded step's metrics, ``on_progress(step, trajectory,
     batch_size, executor)`` each finished turn."""
     master = MasterRun(
-        cfg, run_dir, plane, model_dir=model_dir, key=key, resume=resume, on_step=on_step
+        cfg,
+        run_dir,
+        plane,
+        model_dir=model_dir,
+        key=key,
+        resume=resume,
+        on_step=on_step,
+        started_s=time.monotonic() if started_s is None else started_s,
     )
     return await master.run(on_progress)
 
@@ -118,10 +126,12 @@ class MasterRun:
         key: str,
         resume: bool,
         on_step: Callable[[StepMetrics], None] | None,
+        started_s: float,
     ) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
         self.plane = plane
+        self.started_s = started_s  # when this rank's process began (time.monotonic)
         self.model_dir = model_dir
         self.key = key
         self.resume = resume
@@ -146,7 +156,7 @@ class MasterRun:
         # 1. the world's members said hello: trainer ranks (their resumed version) and
         #    engine ranks (their sockets)
         self.members = Members(self.plane, self.events)
-        self.members.start()
+        self.members.start(since_s=self.started_s)
         self.trainer = RemoteTrainer(self.members)
         self.recorded_version = self.trainer.version
         # 2. the rollout workload (tokenizer, environment)
@@ -291,15 +301,17 @@ class MasterRun:
     async def _register_base_workers(self) -> None:
         """The training GPUs (with their overlap engines, released) and the reserved
         rollout workers: the engine ranks of the world, connected, released."""
-        workers = self.cfg.workers
         for member_id in self.members.of_kind(ENGINE):
             hello = self.members.hellos[member_id]
             gpu_ids = tuple(hello["gpu_ids"])
             await self.executor.add_engine_rank(gpu_ids, str(hello["host"]), int(hello["port"]))
-        train_gpus = tuple(f"train:{i}" for i in range(workers.training_gpus))
-        overlap_sets: list[tuple[str, ...]] = [(g,) for g in train_gpus[: workers.overlap]]
+        layout = base_layout(self.cfg.workers, self.cfg.layout)
+        train_gpus = tuple(g for r in layout if r.kind == TRAINER for g in r.gpu_ids)
+        overlap_sets = [r.gpu_ids for r in layout if r.overlap]
         self.controller.register_training(train_gpus, overlap_gpu_sets=overlap_sets)
-        self.controller.grant_reserved([(f"rsv:{i}",) for i in range(workers.reserved_rollout)])
+        self.controller.grant_reserved(
+            [r.gpu_ids for r in layout if r.kind == ENGINE and not r.overlap]
+        )
         self.executor.sync_router()
 
     # ------------------------------------------------------------------ the pump

@@ -13,6 +13,7 @@ answer within milliseconds, whatever their engine or trainer is doing).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -36,11 +37,20 @@ class Members:
         self._waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._expected: dict[int, dict[str, int]] = {}  # epoch -> member -> group size
 
-    def start(self) -> None:
-        """Every base rank said hello (blocking: before the loop serves anything)."""
+    def start(self, since_s: float) -> None:
+        """Every base rank said hello (blocking: before the loop serves anything);
+        ``since_s``: when this rank started (``time.monotonic``), for the world's start
+        latency."""
         for member in self.plane.start_base():
             self.hellos[member.member_id] = member.info
             self.rank_of[member.member_id] = member.link_rank
+        self.events(
+            "world",
+            ranks=1 + len(self.hellos),
+            trainers=len(self.of_kind("trainer")),
+            engines=len(self.of_kind("engine")),
+            start_s=round(time.monotonic() - since_s, 3),
+        )
 
     def of_kind(self, kind: str) -> list[str]:
         return sorted(
@@ -159,6 +169,13 @@ class RemoteTrainer:
         members = {name: [host, port] for name, (host, port) in serving.items()}
         ack = await self.members.call(self.lead, Op.PUBLISH, version=version, members=members)
         self.broadcast_members = set(serving)
+        self.members.events(
+            "publish",
+            version=version,
+            members=len(members),
+            s=round(float(ack["seconds"]), 4),
+            form_s=round(float(ack["form_s"]), 4),
+        )
         return float(ack["seconds"])
 
     async def catch_up(self, name: str, address: tuple[str, int]) -> float:

@@ -78,7 +78,8 @@ def _control(plane: WorkerPlane, loop: asyncio.AbstractEventLoop, service: Engin
             continue
         if cmd.op in COLLECTIVE:
             seconds = plane.enter(cmd)
-            size = plane.role_comm.allreduce(1)  # every group counts its members
+            # a new role group counts its members (the master checks the count)
+            size = plane.role_comm.allreduce(1) if cmd.op is Op.PARTITION else 0
             plane.report(
                 Kind.ACK, cmd.seq, op=cmd.op, seconds=seconds, epoch=plane.epoch, group_size=size
             )

@@ -17,11 +17,13 @@ import os
 import signal
 import socket
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
 
 KEY_FILE = "rpc.key"  # the run's engine-socket key (0600), written by the launcher
+STARTED_S = time.monotonic()  # this process's start, for the world's start latency
 
 
 def _rank(args: argparse.Namespace) -> int:
@@ -32,7 +34,7 @@ def _rank(args: argparse.Namespace) -> int:
 
     run_dir: Path = args.run_dir
     cfg = load_run_config(run_dir / "config.yaml")
-    layout = base_layout(cfg.workers)
+    layout = base_layout(cfg.workers, cfg.layout)
     world = MPI.COMM_WORLD
     if world.Get_size() != len(layout):
         if world.Get_rank() == 0:
@@ -102,6 +104,7 @@ def _master(
                 resume=args.resume,
                 on_step=lambda m: print(format_step(m), flush=True),
                 on_progress=live.update if live is not None else None,
+                started_s=STARTED_S,
             )
         )
     except BaseException as exc:

@@ -19,6 +19,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +86,8 @@ class TrainerRank:
                 continue
             if cmd.op in COLLECTIVE:
                 seconds = plane.enter(cmd)
-                size = plane.role_comm.allreduce(1)  # every group counts its members
+                # a new role group counts its members (the master checks the count)
+                size = plane.role_comm.allreduce(1) if cmd.op is Op.PARTITION else 0
                 self._ack(cmd, seconds=seconds, epoch=plane.epoch, group_size=size)
             elif cmd.op is Op.TRAIN:
                 self.pending.append((cmd, self.pool.submit(self._train, cmd.args)))
@@ -136,10 +138,13 @@ class TrainerRank:
             name: await self._client(name, host, int(port))
             for name, (host, port) in sorted(args["members"].items())
         }
-        if set(members) != set(self.sync.members):
+        form_s = 0.0
+        if set(members) != set(self.sync.members):  # a new epoch of the broadcast group
+            t0 = time.perf_counter()
             await self.sync.form(members)
+            form_s = time.perf_counter() - t0
         seconds = await self.sync.publish(self.trainer.state_dict(), int(args["version"]))
-        return {"seconds": seconds, "members": len(members)}
+        return {"seconds": seconds, "form_s": form_s, "members": len(members)}
 
     async def _catch_up(self, args: dict[str, Any]) -> dict[str, Any]:
         assert self.sync is not None

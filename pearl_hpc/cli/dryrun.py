@@ -1,0 +1,110 @@
+"""``pearl-hpc run CONFIG --dry-run``: what a run would start, without starting it.
+
+    the config, checked       (one line naming the field and the fix if it is bad)
+    the base job              its sbatch command (a multi-node layout) or "this node"
+    the world                 the launcher's command and which rank runs what, where
+    the elastic job           the sbatch text of one grow (backend slurm)
+    the first decision        the controller's own, on the base workers (a Controller
+                              driven with an executor that only records)
+
+Paths that exist only once the run starts are written ``RUN_DIR``; the output is the
+same on every machine for the same config (a golden file pins the 32-GPU one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pearl_hpc.config.files import REPO_CONFIGS, load_profile
+from pearl_hpc.config.run import ENGINE, TRAINER, RunConfig, base_layout
+from pearl_hpc.core.controller import Controller
+from pearl_hpc.core.orchestrator import WorkerAdd
+from pearl_hpc.core.table import ElasticSource
+from pearl_hpc.core.types import Role
+
+RUN_DIR = Path("RUN_DIR")
+
+
+class RecordingExecutor:
+    """The controller's executor for a dry run: every call is recorded, nothing runs."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def start_workers(self, adds: Sequence[WorkerAdd]) -> None:
+        self.calls += [f"start slot {a.slot_id} as {a.role} on {','.join(a.gpu_ids)}" for a in adds]
+
+    def admit(self, slot_ids: Sequence[int]) -> None:
+        self.calls.append(f"admit slots {list(slot_ids)}")
+
+    def change_roles(self, changes: Sequence[tuple[int, Role]]) -> None:
+        self.calls += [f"slot {slot} becomes {role}" for slot, role in changes]
+
+    def stop_workers(self, slot_ids: Sequence[int], deadline_s: float | None) -> None:
+        self.calls.append(f"stop slots {list(slot_ids)}")
+
+    def start_training(self, step: int) -> None:
+        self.calls.append(f"train step {step}")
+
+    def release_capacity(self, source: ElasticSource) -> None:
+        self.calls.append(f"release {source.tag}")
+
+
+def dry_run(cfg: RunConfig, config_path: str) -> str:
+    """The dry run's text (pure but for reading the profile file)."""
+    from pearl_hpc.backends.world import base_job_options, multi_node, world_argv
+
+    layout = base_layout(cfg.workers, cfg.layout)
+    out = [f"# pearl-hpc run {config_path} --dry-run: nothing is submitted or started", ""]
+    out.append("## base job")
+    if multi_node(cfg):
+        out.append(f"sbatch {' '.join(base_job_options(cfg))} launch/run.sbatch {config_path}")
+    else:
+        out.append(f"this node (or `sbatch launch/run.sbatch {config_path}`): {len(layout)} ranks")
+    out += ["", "## the world"]
+    argv = world_argv(cfg, RUN_DIR, "MODEL_DIR", mpiexec="mpiexec", python="python3")
+    out.append(" ".join(argv))
+    out.append(f"{'rank':>4}  {'process':<8} {'node':>4}  {'devices':<12} GPUs (role table)")
+    for r in layout:
+        devices = ",".join(map(str, r.devices)) or "-"
+        gpus = ",".join(r.gpu_ids) or "-"
+        note = "  (overlap: time-shared with the trainer ranks)" if r.overlap else ""
+        out.append(f"{r.rank:>4}  {r.kind:<8} {r.node:>4}  {devices:<12} {gpus}{note}")
+    if cfg.backend == "slurm":
+        out += ["", "## elastic job (one grow)", _elastic_text(cfg).rstrip()]
+    out += ["", "## the controller's first decision", *_first_decision(cfg, layout)]
+    return "\n".join(out) + "\n"
+
+
+def _elastic_text(cfg: RunConfig) -> str:
+    from pearl_hpc.backends.slurm import elastic_job_spec
+    from pearl_hpc.engine.vllm_engine import EngineSpec
+    from pearl_hpc.slurm.scripts import render_sbatch
+
+    grow = next((p.workers for p in cfg.elastic.trace if p.workers), 0)
+    if not grow:
+        grow = cfg.elastic.replay.max_workers if cfg.elastic.replay.enabled else 1
+    spec = EngineSpec(model_dir=cfg.model if cfg.model != "tiny" else "MODEL_DIR")
+    job = elastic_job_spec(cfg.slurm, "RUN_TAG", RUN_DIR / "elastic", spec, grow, "python3")
+    return render_sbatch(job)
+
+
+def _first_decision(cfg: RunConfig, layout: list[Any]) -> list[str]:
+    path = Path(cfg.profile)
+    profile = load_profile(path if path.is_absolute() else REPO_CONFIGS / path)
+    executor = RecordingExecutor()
+    controller = Controller(profile, executor, policy=cfg.policy, clock=lambda: 0.0)
+    train_gpus = tuple(g for r in layout if r.kind == TRAINER for g in r.gpu_ids)
+    controller.register_training(
+        train_gpus, overlap_gpu_sets=[r.gpu_ids for r in layout if r.overlap]
+    )
+    controller.grant_reserved([r.gpu_ids for r in layout if r.kind == ENGINE and not r.overlap])
+    lines = []
+    for record in controller.history:
+        lines.append(f"target {record.plan.target} ({record.cause}): {record.decision.reason}")
+        if record.borrow_gate is not None:
+            lines.append(f"borrowing: {record.borrow_gate.reason}")
+    lines += [f"- {call}" for call in executor.calls]
+    return lines

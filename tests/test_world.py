@@ -1,0 +1,114 @@
+"""The run's world, described without starting it: the base layout (which rank runs
+what on which node and GPUs), layout errors, the launcher's command, the hostfile of a
+multi-node job, and `pearl-hpc run --dry-run` pinned by a golden file for PEARL's
+32-GPU cluster."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pearl_hpc.backends.world import base_job_options, hostfile_text, ranks_per_node, world_argv
+from pearl_hpc.config.run import (
+    ENGINE,
+    MASTER,
+    TRAINER,
+    LayoutConfig,
+    WorkersConfig,
+    base_layout,
+    layout_problem,
+    load_run_config,
+)
+from pearl_hpc.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+GOLDEN = REPO / "tests" / "golden" / "pearl-32gpu.dryrun.txt"
+PEARL_32 = REPO / "configs" / "runs" / "pearl-32gpu.yaml"
+
+
+def test_the_default_world_is_master_two_trainers_and_two_engines() -> None:
+    cfg = load_run_config(REPO / "configs" / "runs" / "local.yaml")
+    layout = base_layout(cfg.workers, cfg.layout)
+    assert [(r.rank, r.kind) for r in layout] == [
+        (0, MASTER), (1, TRAINER), (2, TRAINER), (3, ENGINE), (4, ENGINE)
+    ]  # fmt: skip
+    assert [r.gpu_ids for r in layout[3:]] == [("rsv:0",), ("train:0",)]
+    assert not layout[3].overlap and layout[4].overlap
+    assert "mpiexec" in world_argv(cfg, Path("R"), "M")[0]  # one node: mpiexec
+
+
+def test_pearl_32_gpu_layout_places_every_rank() -> None:
+    cfg = load_run_config(PEARL_32, need_slurm=False)
+    layout = base_layout(cfg.workers, cfg.layout)
+    trainers = [r for r in layout if r.kind == TRAINER]
+    reserved = [r for r in layout if r.kind == ENGINE and not r.overlap]
+    overlap = [r for r in layout if r.overlap]
+    assert len(trainers) == 16 and {r.node for r in trainers} == {0, 1}
+    assert Counter(r.node for r in trainers) == {0: 8, 1: 8}  # 8 GPUs a node
+    assert [(r.node, r.devices) for r in reserved] == [(2, (0, 1)), (2, (2, 3))]
+    # an overlap engine sits on the GPUs of two trainer ranks of its node
+    for engine in overlap:
+        hosts = [t for t in trainers if t.gpu_ids[0] in engine.gpu_ids]
+        assert len(hosts) == 2 and {t.node for t in hosts} == {engine.node}
+        assert tuple(d for t in hosts for d in t.devices) == engine.devices
+    gpus = [g for r in layout if not r.overlap for g in r.gpu_ids]
+    assert len(gpus) == len(set(gpus)) == 20  # no GPU in two places (overlap aside)
+    assert ranks_per_node(layout) == [13, 12, 2]
+    assert base_job_options(cfg)[:2] == ["--nodes=3", "--ntasks-per-node=13"]
+    argv = world_argv(cfg, Path("R"), "M")
+    assert argv[:3] == ["srun", "--mpi=pmi2", "--distribution=arbitrary"]
+    hosts = hostfile_text(layout, ["a", "b", "c", "d"]).splitlines()
+    assert hosts[0] == "a" and hosts[9] == "b" and hosts[17] == "c" and len(hosts) == 27
+
+
+@pytest.mark.parametrize(
+    ("workers", "layout", "field"),
+    [
+        (WorkersConfig(17, 1, 0), LayoutConfig(8, 1, 2, 1), "training_nodes"),
+        (WorkersConfig(16, 5, 0), LayoutConfig(8, 2, 2, 1), "rollout nodes"),
+        (WorkersConfig(8, 1, 5), LayoutConfig(8, 2, 1, 1), "workers.overlap"),
+        (WorkersConfig(8, 1, 0), LayoutConfig(8, 3, 1, 1), "must divide"),
+        (WorkersConfig(7, 1, 0), LayoutConfig(8, 2, 1, 1), "multiple"),
+    ],
+)
+def test_a_layout_that_does_not_fit_names_the_field(
+    workers: WorkersConfig, layout: LayoutConfig, field: str
+) -> None:
+    assert field in layout_problem(workers, layout)
+
+
+def test_a_bad_layout_in_a_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    doc = yaml.safe_load(PEARL_32.read_text())
+    doc["layout"]["training_nodes"] = 1  # 16 training GPUs on one 8-GPU node
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError, match=r"layout\.training_nodes"):
+        load_run_config(bad, need_slurm=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pearl_hpc.cli", "run", str(bad), "--dry-run"],
+        capture_output=True, text=True, cwd=REPO, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert len(proc.stderr.strip().splitlines()) == 1 and "training_nodes" in proc.stderr
+
+
+def test_dry_run_of_pearl_32gpu_matches_the_golden_file() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "pearl_hpc.cli", "run", "configs/runs/pearl-32gpu.yaml",
+         "--dry-run"],
+        capture_output=True, text=True, cwd=REPO, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == GOLDEN.read_text(), (
+        "the dry run changed; if on purpose, regenerate the golden file with\n"
+        "  pearl-hpc run configs/runs/pearl-32gpu.yaml --dry-run > " + str(GOLDEN)
+    )
+    # what the golden file says, spelled out
+    assert "sbatch --nodes=3 --ntasks-per-node=13" in proc.stdout
+    assert "#SBATCH hetjob" in proc.stdout and "--gres=gpu:2" in proc.stdout
+    assert "target 6P4D" in proc.stdout
