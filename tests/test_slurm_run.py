@@ -209,3 +209,62 @@ def test_submitit_run_is_requeued_when_preempted_and_resumes(
     _wait("the job to leave squeue", lambda: not _in_squeue(str(job.job_id)), 60)
     stray = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
     assert stray.stdout.strip() == "", f"processes of the run left: {stray.stdout}"
+
+
+MULTI_NODE = {
+    **LOCAL_CONFIG,
+    "backend": "slurm",
+    "workers": {"training_gpus": 2, "reserved_rollout": 1, "overlap": 1},
+    "layout": {"gpus_per_node": 8, "training_nodes": 1, "rollout_nodes": 1},
+    "slurm": {"poll_s": 0.5},
+    "elastic": {"grace_s": 15, "trace": [{"at_step": 0, "workers": 2}]},
+    "run": {**LOCAL_CONFIG["run"], "steps": 3},
+}
+
+
+@pytest.mark.slurm
+@pytest.mark.vllm
+@pytest.mark.skipif(vllm_skip_reason() is not None, reason=str(vllm_skip_reason()))
+def test_a_base_job_over_two_nodes_trains_on_one_and_serves_on_the_other(
+    slurm_cluster: str, tmp_path: Path
+) -> None:
+    """The sbatch command `--dry-run` prints, submitted: the world is one srun step over
+    two nodes of the base job (pmi2), the master and the trainer and overlap ranks on
+    the training node, the reserved engine rank on the rollout node; elastic workers come
+    from a 2-component hetjob; every step trains its whole batch."""
+    from pearl_hpc.backends.world import base_job_options
+    from pearl_hpc.config.run import load_run_config
+
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({**MULTI_NODE, "runs_dir": str(tmp_path / "runs")}))
+    options = base_job_options(load_run_config(config))
+    assert options[:2] == ["--nodes=2", "--ntasks-per-node=4"]
+    env = {**os.environ, "PEARL_HPC_CACHE": str(tmp_path / "cache")}
+    log = tmp_path / "base.out"
+    job = _sbatch([*options, "-o", str(log), "launch/run.sbatch", str(config)], env)
+    try:
+        _wait("the base job to end", lambda: not _in_squeue(job), 900, log)
+    finally:
+        subprocess.run(["scancel", job], check=False)
+    run_dir = next((tmp_path / "runs").glob("t-*"))
+    assert (run_dir / "summary.json").exists(), log.read_text()[-3000:]
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["trajectories"] for m in metrics] == [BATCH] * 3
+    events = read_jsonl(run_dir / "events.jsonl")
+    world = next(e for e in events if e["kind"] == "world")
+    assert world["ranks"] == 5 and world["trainers"] == 2 and world["engines"] == 2
+    nodes = world["nodes"]  # rank -> the node its hello came from
+    training_node = nodes["1"]
+    assert nodes["2"] == nodes["4"] == training_node  # trainer 2, overlap engine 4
+    assert nodes["3"] != training_node  # the reserved engine rank: the rollout node
+    hostfile = (run_dir / "hostfile").read_text().split()
+    assert hostfile[0] == hostfile[1] == training_node and hostfile[3] == nodes["3"]
+    splits = [e for e in events if e["kind"] == "split"]
+    assert splits and all(s["groups"]["training"] == [1, 2] for s in splits)
+    submitted = [e for e in events if e["kind"] == "submitted"]
+    assert submitted and submitted[0]["components"] == 2
+    assert any(e["kind"] == "admit" and any(s > 2 for s in e["slots"]) for e in events)
+    tag = run_tag_of(run_dir)
+    _wait("the run's jobs to leave squeue", lambda: not _tagged(f"pearl:{tag}"), 60)
+    stray = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
+    assert stray.stdout.strip() == "", f"processes of the run left: {stray.stdout}"

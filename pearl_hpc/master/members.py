@@ -49,6 +49,7 @@ class Members:
             ranks=1 + len(self.hellos),
             trainers=len(self.of_kind("trainer")),
             engines=len(self.of_kind("engine")),
+            nodes={str(self.rank_of[m]): str(h.get("node", "")) for m, h in self.hellos.items()},
             start_s=round(time.monotonic() - since_s, 3),
         )
 

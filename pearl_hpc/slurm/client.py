@@ -8,6 +8,7 @@ failed ``squeue`` is logged, the last known state is kept and the next poll back
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -37,10 +38,20 @@ Runner = Callable[[Sequence[str], str | None], CommandResult]
 def run_command(
     argv: Sequence[str], stdin: str | None = None, timeout_s: float = 60.0
 ) -> CommandResult:
-    """Run one Slurm command (the default runner)."""
+    """Run one Slurm command (the default runner). The caller may itself be a task of a
+    job step: its ``SLURM_*`` variables (the step's distribution, hostfile, task counts)
+    are not passed on, or the jobs it submits would inherit that placement; only
+    ``SLURM_CONF`` (which cluster) is."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
     try:
         proc = subprocess.run(
-            list(argv), input=stdin, capture_output=True, text=True, timeout=timeout_s, check=False
+            list(argv),
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+            env=env,
         )
     except FileNotFoundError:
         return CommandResult(127, "", f"{argv[0]}: command not found (is Slurm installed?)")
