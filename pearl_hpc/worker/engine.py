@@ -40,34 +40,28 @@ def serve_engine(
     hello: dict[str, Any],
     host: str,
 ) -> int:
-    return asyncio.run(_serve(plane, spec, me, run_dir, key, hello, host))
+    """Serve until the master's SHUTDOWN: the engine socket on this thread's asyncio
+    loop, the control plane on a thread of its own."""
 
+    async def serve() -> int:
+        worker_id = engine_rank_id(me)
+        service = EngineService(spec, worker_id)
+        # Slurm's --signal without B: reaches every process of the step: the master acts
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+        bind = "0.0.0.0" if host != "127.0.0.1" else host
+        ready = await service.start(key, host=bind, port=0, role="none", advertise_host=host)
+        write_ready(run_dir / f"{worker_id}.ready.json", ready)
+        plane.report(Kind.HELLO, **hello, host=ready["host"], port=ready["port"])
+        loop = asyncio.get_running_loop()
+        control = threading.Thread(
+            target=_control, args=(plane, loop, service), name="control", daemon=True
+        )
+        control.start()
+        await service.serve_until_stopped()
+        await asyncio.to_thread(control.join, 10.0)
+        return 0
 
-async def _serve(
-    plane: WorkerPlane,
-    spec: EngineSpec,
-    me: RankSpec,
-    run_dir: Path,
-    key: str,
-    hello: dict[str, Any],
-    host: str,
-) -> int:
-    worker_id = engine_rank_id(me)
-    service = EngineService(spec, worker_id)
-    # Slurm's --signal without B: reaches every process of the step: the master handles it
-    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-    bind = "0.0.0.0" if host != "127.0.0.1" else host
-    ready = await service.start(key, host=bind, port=0, role="none", advertise_host=host)
-    write_ready(run_dir / f"{worker_id}.ready.json", ready)
-    plane.report(Kind.HELLO, **hello, host=ready["host"], port=ready["port"])
-    loop = asyncio.get_running_loop()
-    control = threading.Thread(
-        target=_control, args=(plane, loop, service), name="control", daemon=True
-    )
-    control.start()
-    await service.serve_until_stopped()
-    await asyncio.to_thread(control.join, 10.0)
-    return 0
+    return asyncio.run(serve())
 
 
 def _control(plane: WorkerPlane, loop: asyncio.AbstractEventLoop, service: EngineService) -> None:
