@@ -14,6 +14,7 @@ unfinished journal is always resumed.
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +32,19 @@ class RunJob(submitit.helpers.Checkpointable):
         path = Path(run_dir)
         cfg = load_run_config(path / "config.yaml")
         journal = path / "journal.json"
-        resume = journal.exists() and read_journal(journal).get("status") != "finished"
+        status = read_journal(journal).get("status") if journal.exists() else None
+        if status == "finished" and (path / "summary.json").exists():
+            # requeued after its last step (the preemption came late): nothing to do
+            print(f"pearl-hpc run: {path} already finished", flush=True)
+            done: dict[str, Any] = json.loads((path / "summary.json").read_text())
+            return done
+        resume = status is not None
         print(f"pearl-hpc run: {'resuming ' if resume else ''}{path}", flush=True)
         # the world's rank 0 prints the step lines and the summary into this job's output
+        # the preemption's SIGTERM is ignored (submitit only logs it) by this process and,
+        # inherited through exec, by the world and by the `scontrol requeue` submitit's
+        # USR2 handler runs: the requeue's own step teardown must not kill that command
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         rc = run_world(cfg, path, resume=resume)
         if rc != 0 or not (path / "summary.json").exists():
             raise RuntimeError(f"the run's world ended with status {rc}; see the job's output")

@@ -70,7 +70,9 @@ def test_collective_is_exactly_admit_shrink_partition() -> None:
     assert {Op.ADMIT, Op.SHRINK, Op.PARTITION} == COLLECTIVE
     assert {str(op) for op in COLLECTIVE} == {"admit", "shrink", "partition"}
     point_to_point = set(Op) - COLLECTIVE
-    assert point_to_point == {Op.ROLE, Op.DRAIN, Op.RELEASE, Op.TRAIN, Op.LEAVE, Op.SHUTDOWN}
+    assert point_to_point == {
+        Op.ROLE, Op.DRAIN, Op.RELEASE, Op.TRAIN, Op.PUBLISH, Op.CATCH_UP, Op.LEAVE, Op.SHUTDOWN
+    }  # fmt: skip
 
 
 def test_ops_and_kinds_are_their_wire_strings() -> None:

@@ -29,6 +29,7 @@ from tests.test_local_run import CONFIG as LOCAL_CONFIG
 REPO = Path(__file__).resolve().parents[1]
 BATCH = 4 * 4
 STEPS = 6
+STEPS_SUBMITIT = 10
 
 CONFIG = {
     **LOCAL_CONFIG,  # the local run test's workload and ungated policies
@@ -36,9 +37,9 @@ CONFIG = {
     "slurm": {"sbatch_extra": ["--exclusive"], "preempt_hold_s": 10, "poll_s": 0.5},
     "elastic": {
         "grace_s": 15,  # the elastic partition's GraceTime is 20 s
-        # the reclaim late enough that the resumed master's job runs by then (a resumed
-        # step whose trajectories were all logged takes no time)
-        "trace": [{"at_step": 0, "workers": 2}, {"at_step": 5, "workers": 0, "after_s": 0.5}],
+        # the reclaim late enough that the resumed master's new job runs by then, early
+        # enough that a step follows it (steps take about a second each here)
+        "trace": [{"at_step": 0, "workers": 2}, {"at_step": 4, "workers": 0, "after_s": 0.5}],
     },
     "run": {**LOCAL_CONFIG["run"], "steps": STEPS},
 }
@@ -97,14 +98,14 @@ def test_slurm_run_hetjob_preemption_master_killed_and_resumed(
     run_dir = run_dirs()[0]
     tag = run_tag_of(run_dir)
 
-    def step_done_with_elastic_serving() -> bool:
+    def elastic_serving() -> bool:
         events = read_jsonl(run_dir / "events.jsonl")
-        admitted = any(e["kind"] == "admit" and any(s > 2 for s in e["slots"]) for e in events)
-        return admitted and bool(read_jsonl(run_dir / "metrics.jsonl"))
+        return any(e["kind"] == "admit" and any(s > 2 for s in e["slots"]) for e in events)
 
     try:
-        _wait("step 0 with the elastic workers admitted", step_done_with_elastic_serving, 600,
-              first_log, poll_s=0.05)  # fmt: skip
+        # killed as soon as the elastic workers serve: the resumed master still has most
+        # steps to roll out (a step whose trajectories were all logged takes no time)
+        _wait("the elastic workers admitted", elastic_serving, 600, first_log, poll_s=0.05)
         master_pid = read_run_state(run_dir)["pid"]
         os.kill(master_pid, signal.SIGKILL)
         _wait("the killed master's job to end", lambda: not _in_squeue(first), 60, first_log)
@@ -182,8 +183,15 @@ def test_submitit_run_is_requeued_when_preempted_and_resumes(
         "backend": "local",
         "workers": {"training_gpus": 1, "reserved_rollout": 1, "overlap": 0},
         "elastic": {"grace_s": 15, "trace": []},
-        # steps of a few seconds: the preemption lands after step 0, well before the end
-        "run": {**CONFIG["run"], "steps": 4, "max_turns": 3, "max_tokens_per_turn": 64},
+        # synchronous steps of a few seconds each (trainer ranks train a step in well under
+        # a second): the preemption lands after step 0, well before the end
+        "run": {
+            **CONFIG["run"],
+            "steps": STEPS_SUBMITIT,
+            "max_turns": 3,
+            "max_tokens_per_turn": 64,
+            "max_staleness": 0,
+        },
         "runs_dir": str(tmp_path / "runs"),
     }
     path = tmp_path / "run.yaml"
@@ -197,14 +205,14 @@ def test_submitit_run_is_requeued_when_preempted_and_resumes(
     finally:
         subprocess.run(["scancel", str(job.job_id)], check=False)
     metrics = read_jsonl(run_dir / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == [0, 1, 2, 3]
-    assert [m["version"] for m in metrics] == [1, 2, 3, 4]
-    assert [m["trajectories"] for m in metrics] == [BATCH] * 4
-    assert summary["steps"] == 4
+    assert [m["step"] for m in metrics] == list(range(STEPS_SUBMITIT))
+    assert [m["version"] for m in metrics] == list(range(1, STEPS_SUBMITIT + 1))
+    assert [m["trajectories"] for m in metrics] == [BATCH] * STEPS_SUBMITIT
+    assert summary["steps"] == STEPS_SUBMITIT
     events = read_jsonl(run_dir / "events.jsonl")
     resumed = [e for e in events if e["kind"] == "resumed"]
     assert resumed, "the requeued job did not resume"
-    assert resumed[0]["step"] < 4, "the preemption came after the last step: nothing tested"
+    assert resumed[0]["step"] < STEPS_SUBMITIT, "the preemption came after the last step"
     assert read_run_state(run_dir)["status"] == "finished"
     _wait("the job to leave squeue", lambda: not _in_squeue(str(job.job_id)), 60)
     stray = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)

@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 GONE = ComponentState.GONE
 LEASE_S = 1.0  # the master touches its lease this often
-LEASE_STALE_S = 30.0  # an elastic job whose master was silent this long ends itself
+LEASE_STALE_S = 30.0  # `pearl-hpc status`: a master silent this long is dead
 
 
 def source_of_gpus(gpu_ids: tuple[str, ...]) -> ElasticSource | None:
@@ -96,6 +96,7 @@ def elastic_job_spec(
         f"--device={spec.device}",
         f"--max-model-len={spec.max_model_len}",
         f"--kv-cache-gb={spec.kv_cache_gb}",
+        f"--lease-timeout-s={s.lease_timeout_s:g}",
     ]
     return JobSpec(
         name="pearl-elastic",

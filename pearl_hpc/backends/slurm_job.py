@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pearl_hpc.backends.slurm import LEASE_STALE_S
 from pearl_hpc.engine.rpc import KEY_ENV
 
 
@@ -77,7 +76,7 @@ def _launch(args: argparse.Namespace) -> int:
     lease = edir / "master.lease"
     while any(proc.poll() is None for proc in procs):
         with contextlib.suppress(OSError):
-            if time.time() - lease.stat().st_mtime > LEASE_STALE_S:
+            if time.time() - lease.stat().st_mtime > args.lease_timeout_s:
                 print(f"elastic job {job}: the master's lease is stale; ending", flush=True)
                 end_steps()
                 break
@@ -94,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--kv-cache-gb", type=int, default=1)
+    p.add_argument("--lease-timeout-s", type=float, default=60.0)
     return _launch(p.parse_args(argv))
 
 

@@ -135,6 +135,12 @@ class SlurmSettings:
         default="high",
     )
     preempt_hold_s: int = spec_field("how long a preempting job holds its node", default=20, ge=1)
+    lease_timeout_s: float = spec_field(
+        "an elastic job whose master's lease is this old ends itself (a resume within it "
+        "finds the job and cancels it)",
+        default=60.0,
+        gt=0,
+    )
 
 
 @dataclass(frozen=True)

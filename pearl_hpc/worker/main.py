@@ -63,7 +63,9 @@ def _rank(args: argparse.Namespace) -> int:
     if me.kind == TRAINER:
         from pearl_hpc.worker.trainer import TrainerRank
 
-        rank = TrainerRank(plane_w, trainers, cfg, me, run_dir, args.model_dir, key, host)
+        rank = TrainerRank(
+            plane_w, trainers, cfg, me, run_dir, args.model_dir, key, host, args.resume
+        )
         return rank.serve(hello)
     from pearl_hpc.engine.vllm_engine import EngineSpec
     from pearl_hpc.worker.engine import serve_engine

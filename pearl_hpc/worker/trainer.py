@@ -45,6 +45,7 @@ class TrainerRank:
         model_dir: str,
         key: str,
         host: str,
+        resume: bool,
     ) -> None:
         from pearl_hpc.train.grpo import GRPOConfig, GRPOTrainer, latest_snapshot
         from pearl_hpc.train.loop import WeightSync
@@ -63,7 +64,9 @@ class TrainerRank:
             store = self.sync.store.store if self.sync is not None else None
             group = WeightGroup(addr[0], addr[1], "dp/", self.index, size, store=store)
         grpo = GRPOConfig(lr=cfg.run.lr, seed=cfg.run.seed)  # accepts batches one version old
-        snapshot = latest_snapshot(self.snapshots)
+        # a resumed run continues from its newest snapshot (the launcher dropped any newer
+        # than the journal); a new run starts from the model's weights
+        snapshot = latest_snapshot(self.snapshots) if resume else None
         if snapshot is not None:
             self.trainer = GRPOTrainer.from_snapshot(model_dir, snapshot, grpo, dp_group=group)
         else:
