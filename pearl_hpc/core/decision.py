@@ -17,6 +17,7 @@ forced and bypasses hysteresis. ``N_k = 1`` means colocated.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -104,6 +105,63 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
+@dataclass(frozen=True)
+class _Scores:
+    """Every candidate for ``n`` workers, scored once: colocation and each split N_P in
+    [1, n-1] with its makespan and feasibility (numpy arrays indexed by N_P - 1)."""
+
+    n: int
+    coloc_t: float
+    makespan: np.ndarray
+    feasible: np.ndarray
+    arrays: dict[str, Any]  # what the Decision carries for reports
+
+    @classmethod
+    def of(cls, profile: WorkloadProfile, n: int) -> _Scores:
+        coloc_t = float(predictor.t_coloc(profile, n))
+        num_p = np.arange(1, n, dtype=np.int64)
+        num_d = n - num_p
+        makespan = np.asarray(predictor.t_dis(profile, num_p, num_d), dtype=float)
+        kv_ok = np.asarray(predictor.kv_feasible(profile, num_d), dtype=bool)
+        pre_ok = np.asarray(predictor.prefill_feasible(profile, num_p, num_d), dtype=bool)
+        arrays = {
+            "coloc_makespan_s": coloc_t,
+            "_num_prefill": num_p,
+            "_makespan_s": makespan,
+            "_kv_ok": kv_ok,
+            "_prefill_ok": pre_ok,
+        }
+        return cls(n, coloc_t, makespan, kv_ok & pre_ok, arrays)
+
+    @property
+    def num_feasible(self) -> int:
+        return int(self.feasible.sum())
+
+    def best_disagg(self, lo: int, hi: int) -> tuple[PDConfig, float] | None:
+        """Best feasible split with ``lo <= N_P <= hi`` (smallest N_P on ties)."""
+        n = self.n
+        lo, hi = max(lo, 1), min(hi, n - 1)
+        if lo > hi:
+            return None
+        window = np.where(self.feasible[lo - 1 : hi], self.makespan[lo - 1 : hi], np.inf)
+        i = int(np.argmin(window))
+        if not np.isfinite(window[i]):
+            return None
+        return PDConfig(lo + i, n - lo - i, 0), float(window[i])
+
+    def incumbent(self, current: PDConfig) -> tuple[PDConfig, float] | None:
+        """The best configuration in ``current``'s mode with zero role changes for the
+        survivors (new workers take any role, removed ones leave from any role)."""
+        if current.mode is Mode.COLOCATED:
+            return PDConfig.colocated(self.n), self.coloc_t
+        delta = self.n - current.total
+        if delta >= 0:
+            lo, hi = current.num_prefill, current.num_prefill + delta
+        else:
+            lo, hi = current.num_prefill + delta, current.num_prefill
+        return self.best_disagg(lo, hi)
+
+
 def decide(
     profile: WorkloadProfile,
     num_workers: int,
@@ -135,55 +193,21 @@ def decide(
             current,
         )
 
-    coloc_t = float(predictor.t_coloc(profile, n))
-    num_p = np.arange(1, n, dtype=np.int64)
-    num_d = n - num_p
-    makespan = np.asarray(predictor.t_dis(profile, num_p, num_d), dtype=float)
-    kv_ok = np.asarray(predictor.kv_feasible(profile, num_d), dtype=bool)
-    pre_ok = np.asarray(predictor.prefill_feasible(profile, num_p, num_d), dtype=bool)
-    feasible = kv_ok & pre_ok
-    arrays = {
-        "coloc_makespan_s": coloc_t,
-        "_num_prefill": num_p,
-        "_makespan_s": makespan,
-        "_kv_ok": kv_ok,
-        "_prefill_ok": pre_ok,
-    }
-
-    def best_disagg(lo: int, hi: int) -> tuple[PDConfig, float] | None:
-        """Best feasible split with ``lo <= N_P <= hi`` (smallest N_P on ties)."""
-        lo, hi = max(lo, 1), min(hi, n - 1)
-        if lo > hi:
-            return None
-        window = np.where(feasible[lo - 1 : hi], makespan[lo - 1 : hi], np.inf)
-        i = int(np.argmin(window))
-        if not np.isfinite(window[i]):
-            return None
-        return PDConfig(lo + i, n - lo - i, 0), float(window[i])
+    scores = _Scores.of(profile, n)
+    coloc_t, arrays = scores.coloc_t, scores.arrays
 
     # Unconstrained best (colocation wins ties).
     best, best_t = PDConfig.colocated(n), coloc_t
-    num_feasible = int(feasible.sum())
-    dis = best_disagg(1, n - 1)
+    dis = scores.best_disagg(1, n - 1)
     if dis is not None and dis[1] < coloc_t:
         best, best_t = dis
-    scored = f"{n - 1} split(s), {num_feasible} feasible, + colocated"
+    scored = f"{n - 1} split(s), {scores.num_feasible} feasible, + colocated"
 
     if current is None or current.total == 0:
         reason = f"no current configuration: best of {scored} is {best} ({best_t:.1f} s)"
         return Decision(best, best_t, False, False, reason, None, **arrays)  # type: ignore[arg-type]
 
-    # The incumbent: current mode, zero role changes for survivors.
-    if current.mode is Mode.COLOCATED:
-        incumbent: tuple[PDConfig, float] | None = (PDConfig.colocated(n), coloc_t)
-    else:
-        delta = n - current.total
-        if delta >= 0:
-            lo, hi = current.num_prefill, current.num_prefill + delta
-        else:
-            lo, hi = current.num_prefill + delta, current.num_prefill
-        incumbent = best_disagg(lo, hi)
-
+    incumbent = scores.incumbent(current)
     if incumbent is None:
         why = (
             "a single worker can only run colocated"
