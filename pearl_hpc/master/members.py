@@ -145,7 +145,6 @@ class RemoteTrainer:
             raise PlaneError(f"trainer ranks resumed different versions: {sorted(versions)}")
         self.version = versions.pop()
         self.lead = self.ranks[0]
-        self.broadcast_members: set[str] = set()
 
     async def train(self, step: int, trajectories: list[Trajectory]) -> TrainResult:
         batch = [t.to_dict() for t in trajectories]
@@ -169,7 +168,6 @@ class RemoteTrainer:
         seconds (on trainer 0)."""
         members = {name: [host, port] for name, (host, port) in serving.items()}
         ack = await self.members.call(self.lead, Op.PUBLISH, version=version, members=members)
-        self.broadcast_members = set(serving)
         self.members.events(
             "publish",
             version=version,
