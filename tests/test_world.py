@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pearl_hpc.backends.world import base_job_options, hostfile_text, ranks_per_node, world_argv
+from pearl_hpc.backends.world import (
+    base_job_options,
+    hostfile_text,
+    ranks_per_node,
+    world_argv,
+    world_env,
+)
 from pearl_hpc.config.run import (
     ENGINE,
     MASTER,
@@ -39,7 +45,9 @@ def test_the_default_world_is_master_two_trainers_and_two_engines() -> None:
     ]  # fmt: skip
     assert [r.gpu_ids for r in layout[3:]] == [("rsv:0",), ("train:0",)]
     assert not layout[3].overlap and layout[4].overlap
-    assert "mpiexec" in world_argv(cfg, Path("R"), "M")[0]  # one node: mpiexec
+    argv = world_argv(cfg, Path("R"), "M")
+    assert "mpiexec" in argv[0] and argv[1:3] == ["-launcher", "fork"]  # one node
+    assert world_env(cfg) == {}
 
 
 def test_pearl_32_gpu_layout_places_every_rank() -> None:
@@ -60,10 +68,15 @@ def test_pearl_32_gpu_layout_places_every_rank() -> None:
     assert len(gpus) == len(set(gpus)) == 20  # no GPU in two places (overlap aside)
     assert ranks_per_node(layout) == [13, 12, 2]
     assert base_job_options(cfg)[:2] == ["--nodes=3", "--ntasks-per-node=13"]
+    # ranks numbered node by node: Hydra's hostfile gives each node its block
+    assert [r.node for r in layout] == sorted(r.node for r in layout)
     argv = world_argv(cfg, Path("R"), "M")
-    assert argv[:3] == ["srun", "--mpi=pmi2", "--distribution=arbitrary"]
-    hosts = hostfile_text(layout, ["a", "b", "c", "d"]).splitlines()
-    assert hosts[0] == "a" and hosts[9] == "b" and hosts[17] == "c" and len(hosts) == 27
+    assert argv[1:5] == ["-launcher", "slurm", "-f", str(Path("R") / "hostfile")]
+    assert argv[argv.index("-n") + 1] == "27"
+    assert hostfile_text(layout, ["a", "b", "c", "d"]).split() == ["a:13", "b:12", "c:2"]
+    assert world_env(cfg) == {
+        "HYDRA_LAUNCHER_EXTRA_ARGS": "--ntasks-per-node=1 --cpus-per-task=52"
+    }
 
 
 @pytest.mark.parametrize(

@@ -8,15 +8,18 @@ Where the world runs:
 - a layout of one node (the local backend always): this node, started by MPICH's
   ``mpiexec`` (the wheel beside this Python) with its fork launcher -- also inside a
   Slurm batch job;
-- a layout over several nodes (backend slurm, inside the base job's allocation):
-  ``srun --mpi=pmi2 --distribution=arbitrary`` with ``SLURM_HOSTFILE`` naming each
-  rank's node in rank order (trainer ranks on the training nodes, reserved engine ranks
-  on the rollout nodes); :func:`base_job_options` gives the allocation it needs, and
-  ``pearl-hpc run CONFIG --dry-run`` prints it.
+- a layout over several nodes (backend slurm, inside the base job's allocation): the
+  same ``mpiexec`` with Hydra's slurm launcher (``srun`` starts one proxy a node, the
+  proxies fork the ranks) and ``RUN_DIR/hostfile`` giving each node its block of ranks
+  (trainer ranks on the training nodes, reserved engine ranks on the rollout nodes);
+  :func:`base_job_options` gives the allocation it needs, and ``pearl-hpc run CONFIG
+  --dry-run`` prints it. (Not ``srun --mpi=pmi2`` for the ranks: the MPICH wheel's PMI
+  puts of its business cards overflow Slurm's pmi2 plugin on hosts with many network
+  interfaces, "value not properly terminated in client request".)
 Elastic capacity of the Slurm backend comes as heterogeneous jobs (:mod:`.slurm`).
 
-A rank that fails ends the world (rank 0 calls ``Abort``; Hydra, or srun's
-``--kill-on-bad-exit``, ends every rank when one dies), so nothing of a run outlives its
+A rank that fails ends the world (rank 0 calls ``Abort``; Hydra ends every rank when
+one dies), so nothing of a run outlives its
 master; ``--resume`` starts a new world from the journal.
 """
 
@@ -33,6 +36,8 @@ from pearl_hpc.config.run import RankSpec, RunConfig, base_layout
 from pearl_hpc.errors import ConfigError, PearlError
 from pearl_hpc.master.journal import drop_unrecorded_snapshots, read_run_state
 from pearl_hpc.worker.main import KEY_FILE
+
+HOSTFILE = "hostfile"  # RUN_DIR/hostfile: Hydra's, for a world over several nodes
 
 
 def mpiexec_path() -> str:
@@ -64,18 +69,26 @@ def world_argv(
 ) -> list[str]:
     """The command that starts the run's world (pure)."""
     ranks = len(base_layout(cfg.workers, cfg.layout))
-    if multi_node(cfg):
-        launcher = [
-            "srun", "--mpi=pmi2", "--distribution=arbitrary", f"--ntasks={ranks}",
-            "--kill-on-bad-exit=1",
-        ]  # fmt: skip
+    if multi_node(cfg):  # Hydra's proxies started by srun, one a node; PMI is Hydra's
+        placement = ["-launcher", "slurm", "-f", str(run_dir / HOSTFILE)]
     else:
-        launcher = [mpiexec, "-launcher", "fork", "-hosts", "localhost", "-n", str(ranks)]
+        placement = ["-launcher", "fork", "-hosts", "localhost"]
     return [
-        *launcher, python, "-m", "pearl_hpc.worker", "rank",
+        mpiexec, *placement, "-n", str(ranks), python, "-m", "pearl_hpc.worker", "rank",
         "--run-dir", str(run_dir), "--model-dir", model_dir,
         *(["--resume"] if resume else []), *(["--live"] if live else []),
     ]  # fmt: skip
+
+
+def world_env(cfg: RunConfig) -> dict[str, str]:
+    """What the launcher's environment adds (pure): on several nodes, the CPUs of each
+    node's Hydra proxy (the srun step its ranks run in) -- the busiest node's ranks'
+    worth, not the one CPU a task gets by default."""
+    if not multi_node(cfg):
+        return {}
+    busiest = max(ranks_per_node(base_layout(cfg.workers, cfg.layout)))
+    cpus = busiest * cfg.layout.cpus_per_rank
+    return {"HYDRA_LAUNCHER_EXTRA_ARGS": f"--ntasks-per-node=1 --cpus-per-task={cpus}"}
 
 
 def ranks_per_node(layout: list[RankSpec]) -> list[int]:
@@ -99,8 +112,10 @@ def base_job_options(cfg: RunConfig) -> list[str]:
 
 
 def hostfile_text(layout: list[RankSpec], nodes: list[str]) -> str:
-    """``SLURM_HOSTFILE`` for ``srun --distribution=arbitrary``: rank r's node on line r."""
-    return "".join(nodes[r.node] + "\n" for r in layout)
+    """Hydra's hostfile (pure): each node of the layout with its number of ranks, in
+    rank order (:func:`base_layout` numbers ranks node by node)."""
+    counts = ranks_per_node(layout)
+    return "".join(f"{nodes[n]}:{count}\n" for n, count in enumerate(counts) if count)
 
 
 def _write_hostfile(cfg: RunConfig, run_dir: Path) -> Path:
@@ -116,7 +131,7 @@ def _write_hostfile(cfg: RunConfig, run_dir: Path) -> Path:
             + (f"a job of {len(nodes)}" if "SLURM_JOB_ID" in os.environ else "not a Slurm job")
             + f"; submit the run as `sbatch {options} launch/run.sbatch CONFIG`"
         )
-    path = run_dir / "hostfile"
+    path = run_dir / HOSTFILE
     path.write_text(hostfile_text(base_layout(cfg.workers, cfg.layout), nodes))
     return path
 
@@ -144,7 +159,7 @@ def prepare_run(cfg: RunConfig, run_dir: Path, *, resume: bool) -> str:
         state = read_run_state(run_dir)
         drop_unrecorded_snapshots(run_dir / "snapshots", int(state["version"]))
     if multi_node(cfg):
-        os.environ["SLURM_HOSTFILE"] = str(_write_hostfile(cfg, run_dir))
+        _write_hostfile(cfg, run_dir)
     return model_dir
 
 
@@ -155,14 +170,15 @@ def exec_world(cfg: RunConfig, run_dir: Path, *, resume: bool, live: bool) -> No
     argv = world_argv(cfg, run_dir, model_dir, resume=resume, live=live, mpiexec=mpiexec_path())
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execvp(argv[0], argv)
+    os.execvpe(argv[0], argv, {**os.environ, **world_env(cfg)})
 
 
 def run_world(cfg: RunConfig, run_dir: Path, *, resume: bool = False, **popen: Any) -> int:
     """Run the world to its end (a child ``mpiexec``); returns its exit status."""
     model_dir = prepare_run(cfg, run_dir, resume=resume)
     argv = world_argv(cfg, run_dir, model_dir, resume=resume, mpiexec=mpiexec_path())
-    return subprocess.run(argv, check=False, **popen).returncode
+    env = {**popen.pop("env", os.environ), **world_env(cfg)}
+    return subprocess.run(argv, check=False, env=env, **popen).returncode
 
 
 def write_run_config(cfg: RunConfig, run_dir: Path) -> None:

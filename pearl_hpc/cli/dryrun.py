@@ -54,7 +54,14 @@ class RecordingExecutor:
 
 def dry_run(cfg: RunConfig, config_path: str) -> str:
     """The dry run's text (pure but for reading the profile file)."""
-    from pearl_hpc.backends.world import base_job_options, multi_node, world_argv
+    from pearl_hpc.backends.world import (
+        HOSTFILE,
+        base_job_options,
+        hostfile_text,
+        multi_node,
+        world_argv,
+        world_env,
+    )
 
     layout = base_layout(cfg.workers, cfg.layout)
     out = [f"# pearl-hpc run {config_path} --dry-run: nothing is submitted or started", ""]
@@ -65,7 +72,12 @@ def dry_run(cfg: RunConfig, config_path: str) -> str:
         out.append(f"this node (or `sbatch launch/run.sbatch {config_path}`): {len(layout)} ranks")
     out += ["", "## the world"]
     argv = world_argv(cfg, RUN_DIR, "MODEL_DIR", mpiexec="mpiexec", python="python3")
-    out.append(" ".join(argv))
+    env = [f"{k}='{v}'" for k, v in world_env(cfg).items()]
+    out.append(" ".join([*env, *argv]))
+    if multi_node(cfg):
+        nodes = [f"NODE{n}" for n in range(cfg.layout.nodes)]
+        hosts = hostfile_text(layout, nodes).split()
+        out.append(f"{RUN_DIR}/{HOSTFILE} (the job's nodes in order): {' '.join(hosts)}")
     out.append(f"{'rank':>4}  {'process':<8} {'node':>4}  {'devices':<12} GPUs (role table)")
     for r in layout:
         devices = ",".join(map(str, r.devices)) or "-"

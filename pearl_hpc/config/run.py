@@ -15,7 +15,7 @@ Strict: an unknown key, a value out of range or an inconsistent pair is a
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pearl_hpc.config.files import load_yaml
@@ -278,7 +278,9 @@ def base_layout(workers: WorkersConfig, layout: LayoutConfig = LayoutConfig()) -
     """The base world (pure): rank 0 the master (on the first node, no GPU), then one
     trainer rank per training GPU (filling the training nodes in order), then the
     reserved engines (on the rollout nodes, or the training nodes' spare GPUs), then the
-    overlap engines (on the training GPUs, ``gpus_per_worker`` each)."""
+    overlap engines (on the training GPUs, ``gpus_per_worker`` each); ranks are then
+    numbered node by node, so each node runs a contiguous block of ranks (what Hydra's
+    hostfile places)."""
     gpn, gpw = layout.gpus_per_node, layout.gpus_per_worker
 
     def place(first: int) -> tuple[int, tuple[int, ...]]:  # a flat GPU index -> node, devices
@@ -297,4 +299,5 @@ def base_layout(workers: WorkersConfig, layout: LayoutConfig = LayoutConfig()) -
         gpu_ids = tuple(f"train:{k * gpw + d}" for d in range(gpw))
         index = workers.reserved_rollout + k
         ranks.append(RankSpec(len(ranks), ENGINE, gpu_ids, index, node, devices))
-    return ranks
+    by_node = sorted(ranks, key=lambda r: r.node)  # stable: rank 0 stays first
+    return [replace(r, rank=i) for i, r in enumerate(by_node)]

@@ -50,8 +50,6 @@ def _rank(args: argparse.Namespace) -> int:
     # Slurm's --signal without B: (submitit's USR2 before a time-out) reaches every process
     # of the job step: the job's own handler acts on it, the ranks carry on
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-    # the placement of this world's ranks: sbatch would apply it to the elastic jobs too
-    os.environ.pop("SLURM_HOSTFILE", None)
     trainers = world.Split(0 if me.kind == TRAINER else MPI.UNDEFINED, world.Get_rank())
     key = (run_dir / KEY_FILE).read_text().strip()
     host = "127.0.0.1" if cfg.backend == "local" else socket.gethostname()
