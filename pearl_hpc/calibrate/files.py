@@ -23,6 +23,7 @@ from pearl_hpc.calibrate.nccl import (
     busbw_factor,
     parse_nccl_tests,
 )
+from pearl_hpc.config.files import parse_yaml
 from pearl_hpc.core.profile import WorkloadProfile
 from pearl_hpc.errors import CalibrationError, ConfigError
 
@@ -250,7 +251,7 @@ def profile_with_transfer(text: str, bytes_per_s: float, *, note: str, where: st
 
 def profile_mapping(text: str, where: str) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(text)
+        data = parse_yaml(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{where}: malformed YAML: {str(exc).splitlines()[0]}") from None
     if not isinstance(data, dict):
@@ -281,7 +282,7 @@ def check_out_path(out: Path) -> None:
     if not out.exists():
         return
     try:
-        data = yaml.safe_load(out.read_text())
+        data = parse_yaml(out.read_text())
     except (OSError, yaml.YAMLError):
         data = None
     if not (isinstance(data, dict) and data.get("source") in SOURCES and "p2p_bytes_per_s" in data):

@@ -1,0 +1,123 @@
+"""Config files read numbers the way users write them (YAML 1.2 core schema scalars):
+every finite float written with ``repr()`` and every int round-trips through each config
+loader; YAML 1.1's look-alikes (``yes``, ``on``, ``0x1F``, ``1:30``, ``017``, dates) read
+as :mod:`pearl_hpc.config.files` documents."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pearl_hpc.config.files import load_policy, load_profile, load_yaml, parse_yaml
+from pearl_hpc.config.run import load_run_config
+from pearl_hpc.errors import ConfigError
+from pearl_hpc.sim.workload import WorkloadConfig
+
+REPO = Path(__file__).resolve().parents[1]
+PROFILE = REPO / "configs" / "profiles" / "tiny-cpu.yaml"
+RUN = REPO / "configs" / "runs" / "local.yaml"
+POLICY = REPO / "configs" / "controller.yaml"
+WORKLOAD = REPO / "configs" / "workloads" / "swe-bench.yaml"
+
+finite = st.floats(allow_nan=False, allow_infinity=False)
+positive = st.floats(min_value=1e-300, max_value=1e300, allow_nan=False)
+
+
+def _with(source: Path, tmp: Path, line: str) -> Path:
+    """A copy of ``source`` whose top-level key of ``line`` is set by ``line``."""
+    key = line.split(":", 1)[0]
+    kept = [ln for ln in source.read_text().splitlines() if not ln.startswith(f"{key}:")]
+    out = tmp / source.name
+    out.write_text("\n".join([*kept, line]) + "\n")
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(finite, st.integers()))
+def test_every_repr_float_and_int_reads_back_equal(value: float | int) -> None:
+    read = parse_yaml(f"x: {value!r}\nlist: [{value!r}]")
+    assert type(read["x"]) is type(value) and read["x"] == value
+    assert read["list"] == [value]
+
+
+@settings(max_examples=60, deadline=None)
+@given(positive)
+def test_a_repr_float_reads_back_through_each_config_loader(tmp_path_factory, value) -> None:  # type: ignore[no-untyped-def]
+    tmp = tmp_path_factory.mktemp("cfg")
+    profile = load_profile(_with(PROFILE, tmp, f"prefill_s_per_token: {value!r}"))
+    assert profile.prefill_s_per_token == value
+    policy = load_policy(_with(POLICY, tmp, f"toggle_cost_s: {value!r}"))
+    assert policy.toggle_cost_s == value
+    workload = WorkloadConfig.load(_with(WORKLOAD, tmp, f"env_s_max: {value!r}"))
+    assert workload.env_s_max == value
+    doc = yaml.safe_load(RUN.read_text())
+    run = tmp / "run.yaml"
+    run.write_text(yaml.safe_dump({**doc, "elastic": {}}) + f"elastic:\n  grace_s: {value!r}\n")
+    assert load_run_config(run).elastic.grace_s == value
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(min_value=1, max_value=10**6))
+def test_an_int_reads_back_through_a_config_loader(tmp_path_factory, value) -> None:  # type: ignore[no-untyped-def]
+    tmp = tmp_path_factory.mktemp("cfg")
+    assert load_profile(_with(PROFILE, tmp, f"batch_size: {value}")).batch_size == value
+    grouped = f"{value:_}"  # 1_000_000, as Python writes it
+    assert load_profile(_with(PROFILE, tmp, f"batch_size: {grouped}")).batch_size == value
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("2e-5", 2e-5), ("1E9", 1e9), (".5", 0.5), ("-3.", -3.0), ("+1.5e+3", 1500.0),
+        ("1_000", 1000), ("1_000.5", 1000.5), ("0x1F", 31), ("0o17", 15), ("017", 17),
+        ("true", True), ("False", False), ("TRUE", True), ("~", None), ("null", None),
+    ],
+)  # fmt: skip
+def test_yaml_12_scalars(text: str, value: object) -> None:
+    read = parse_yaml(f"x: {text}")["x"]
+    assert read == value and type(read) is type(value)
+
+
+@pytest.mark.parametrize(
+    "text", ["yes", "no", "on", "off", "y", "n", "Yes", "1:30", "1:30:00", "2026-12-01", "1e", "_1"]
+)
+def test_yaml_11_look_alikes_are_strings(text: str) -> None:
+    assert parse_yaml(f"x: {text}")["x"] == text
+
+
+def test_an_unquoted_slurm_time_limit_is_a_time_not_a_number(tmp_path: Path) -> None:
+    doc = yaml.safe_load((REPO / "configs" / "runs" / "slurm-local.yaml").read_text())
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump({**doc, "slurm": {}}) + "slurm:\n  time_limit: 1:30:00\n")
+    assert load_run_config(run).slurm.time_limit == "1:30:00"  # YAML 1.1: the int 5400
+
+
+def test_a_run_named_yes_is_named_yes(tmp_path: Path) -> None:
+    doc = yaml.safe_load(RUN.read_text())
+    doc.pop("name")
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump(doc) + "name: yes\n")  # YAML 1.1: the bool True
+    assert load_run_config(run).name == "yes"
+
+
+def test_a_yaml_11_boolean_where_a_choice_is_expected_names_the_choices(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"borrowing: 'off' is not one of none, ungated"):
+        load_policy(_with(POLICY, tmp_path, "borrowing: off"))
+
+
+@pytest.mark.parametrize("text", [".inf", "-.inf", ".nan", "1e999"])
+def test_non_finite_numbers_are_refused_by_the_range_checks(tmp_path: Path, text: str) -> None:
+    assert not math.isfinite(parse_yaml(f"x: {text}")["x"])
+    with pytest.raises(ConfigError, match="prefill_s_per_token"):
+        load_profile(_with(PROFILE, tmp_path, f"prefill_s_per_token: {text}"))
+
+
+def test_load_yaml_reads_a_file_with_these_rules(tmp_path: Path) -> None:
+    path = tmp_path / "x.yaml"
+    path.write_text("a: 2e-5\nb: on\n")
+    assert load_yaml(path) == {"a": 2e-5, "b": "on"}
