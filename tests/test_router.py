@@ -300,10 +300,8 @@ def test_rpc_calls_errors_and_refuses_a_wrong_key():
         await client.close()
 
         intruder = RpcClient("intruder")
-        await intruder.connect("127.0.0.1", port, new_key())
         with pytest.raises(EngineError):
-            await asyncio.wait_for(intruder.call("echo", x=1), timeout=5)
-        await intruder.close()
+            await intruder.connect("127.0.0.1", port, new_key())
         server.close()
 
     asyncio.run(main())

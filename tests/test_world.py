@@ -74,9 +74,7 @@ def test_pearl_32_gpu_layout_places_every_rank() -> None:
     assert argv[1:5] == ["-launcher", "slurm", "-f", str(Path("R") / "hostfile")]
     assert argv[argv.index("-n") + 1] == "27"
     assert hostfile_text(layout, ["a", "b", "c", "d"]).split() == ["a:13", "b:12", "c:2"]
-    assert world_env(cfg) == {
-        "HYDRA_LAUNCHER_EXTRA_ARGS": "--ntasks-per-node=1 --cpus-per-task=52"
-    }
+    assert world_env(cfg) == {"HYDRA_LAUNCHER_EXTRA_ARGS": "--ntasks-per-node=1 --cpus-per-task=52"}
 
 
 @pytest.mark.parametrize(

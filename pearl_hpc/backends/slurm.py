@@ -45,6 +45,7 @@ from pearl_hpc.config.run import SlurmSettings
 from pearl_hpc.core.controller import CapacityGranted, CapacityReclaimed, Event
 from pearl_hpc.core.table import ElasticSource
 from pearl_hpc.engine.client import EngineClient
+from pearl_hpc.engine.rpc import write_key
 from pearl_hpc.engine.types import EngineError
 from pearl_hpc.engine.vllm_engine import EngineSpec
 from pearl_hpc.slurm.capacity import CapacityManager, Component, ComponentState
@@ -151,9 +152,7 @@ class SlurmBackend:
         self.spec = spec
         self.dir = run_dir / "elastic"
         self.dir.mkdir(parents=True, exist_ok=True)
-        key_file = self.dir / "key"
-        key_file.touch(mode=0o600)
-        key_file.write_text(key)
+        write_key(self.dir / "key", key)  # the elastic jobs' engine servers read it
         self.tag = run_tag_of(run_dir)
         self.client = SlurmClient(min_backoff_s=settings.poll_s)
         self.manager = CapacityManager(

@@ -22,8 +22,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pearl_hpc.engine.rpc import KEY_ENV
-
 
 def _launch(args: argparse.Namespace) -> int:
     """The batch step of an elastic job: one engine server per component, each in its own
@@ -39,7 +37,6 @@ def _launch(args: argparse.Namespace) -> int:
     het = "SLURM_HET_SIZE" in os.environ
     size = int(os.environ.get("SLURM_HET_SIZE", "1"))
     edir = args.run_dir / "elastic"
-    env = {**os.environ, KEY_ENV: (edir / "key").read_text().strip()}
     procs = []
     for k in range(size):
         argv = ["srun", "-n1", *([f"--het-group={k}"] if het else [])]
@@ -47,11 +44,12 @@ def _launch(args: argparse.Namespace) -> int:
             sys.executable, "-m", "pearl_hpc.engine.server",
             "--model", args.model, "--worker-id", f"{job}+{k}", "--role", "none",
             "--ready-file", str(edir / f"{job}+{k}.ready.json"),
+            "--key-file", str(edir / "key"),
             "--host", "0.0.0.0", "--advertise-host", "auto",
             "--device", args.device, "--max-model-len", str(args.max_model_len),
             "--kv-cache-gb", str(args.kv_cache_gb),
         ]  # fmt: skip
-        procs.append(subprocess.Popen(argv, env=env))
+        procs.append(subprocess.Popen(argv))
 
     def on_signal(signum: int, _frame: Any) -> None:
         note = {"signal": signal.Signals(signum).name, "time": time.time()}

@@ -141,14 +141,10 @@ def prepare_run(cfg: RunConfig, run_dir: Path, *, resume: bool) -> str:
     socket key (0600), the model directory (the tiny model built once, not by every
     rank), and -- on resume -- no snapshot newer than the journal (a step trained but
     never recorded is trained again). Returns the model directory."""
-    from pearl_hpc.engine.rpc import new_key
+    from pearl_hpc.engine.rpc import new_key, write_key
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    key_file = run_dir / KEY_FILE
-    key_file.unlink(missing_ok=True)
-    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(new_key())
+    write_key(run_dir / KEY_FILE, new_key())
     if cfg.model == "tiny":
         from pearl_hpc.engine.tinymodel import build_tiny_model, default_model_dir
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -46,7 +46,7 @@ _BOOL = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
 class ConfigLoader(yaml.SafeLoader):
     """PyYAML's safe loader with YAML 1.2 core-schema scalars (see the module doc)."""
 
-    yaml_implicit_resolvers = {
+    yaml_implicit_resolvers: ClassVar[dict[str, list[tuple[str, re.Pattern[str]]]]] = {
         first: [(tag, rx) for tag, rx in resolvers if tag.rsplit(":", 1)[-1] in ("null", "merge")]
         for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
     }
@@ -78,7 +78,7 @@ ConfigLoader.add_constructor("tag:yaml.org,2002:bool", ConfigLoader.construct_ya
 
 def parse_yaml(text: str) -> Any:
     """One YAML document, read as every config file is (:class:`ConfigLoader`)."""
-    return yaml.load(text, Loader=ConfigLoader)  # noqa: S506 (a SafeLoader)
+    return yaml.load(text, Loader=ConfigLoader)  # a SafeLoader: plain values only
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from typing import Any
 
 from pearl_hpc.core.tracker import IterationRecord
 from pearl_hpc.core.types import Role
-from pearl_hpc.engine.rpc import KEY_ENV, RpcClient
+from pearl_hpc.engine.rpc import RpcClient, write_key
 from pearl_hpc.engine.types import EngineError, Timing, TurnRequest, TurnResult, WorkerStats
 from pearl_hpc.engine.vllm_engine import EngineSpec
 
@@ -38,44 +38,48 @@ class EngineClient:
         await self._rpc.connect(host, port, key)
 
     async def generate(self, request: TurnRequest) -> TurnResult:
-        result: TurnResult = await self._rpc.call("generate", request=request)
+        result: TurnResult = await self._rpc.call("generate", TurnResult, request=request)
         return result
 
     async def drain(self) -> list[TurnResult]:
-        partial: list[TurnResult] = await self._rpc.call("drain")
+        partial: list[TurnResult] = await self._rpc.call("drain", list[TurnResult])
         return partial
 
     async def admit(self) -> None:
         await self._rpc.call("admit")
 
     async def set_role(self, role: Role) -> Timing:
-        timing: Timing = await self._rpc.call("set_role", role=str(role))
+        timing: Timing = await self._rpc.call("set_role", Timing, role=str(role))
         return timing
 
     async def release(self) -> Timing:
-        timing: Timing = await self._rpc.call("release")
+        timing: Timing = await self._rpc.call("release", Timing)
         return timing
 
     async def restore(self, role: Role) -> Timing:
-        timing: Timing = await self._rpc.call("restore", role=str(role))
+        timing: Timing = await self._rpc.call("restore", Timing, role=str(role))
         return timing
 
     async def activate(
         self, role: Role, weights: bytes | None = None, version: int | None = None
     ) -> Timing:
         timing: Timing = await self._rpc.call(
-            "activate", role=str(role), weights=weights, version=version
+            "activate", Timing, role=str(role), weights=weights, version=version
         )
         return timing
 
     async def deactivate(self) -> tuple[Timing, list[TurnResult]]:
-        out: tuple[Timing, list[TurnResult]] = await self._rpc.call("deactivate")
+        out: tuple[Timing, list[TurnResult]] = await self._rpc.call(
+            "deactivate", tuple[Timing, list[TurnResult]]
+        )
         return out
 
     async def load_weights(
         self, version: int, data: bytes | None = None, path: str | None = None
     ) -> Timing:
-        timing: Timing = await self._rpc.call("load_weights", version=version, data=data, path=path)
+        timing: Timing = await self._rpc.call(
+            "load_weights", Timing, version=version, data=data, path=path
+        )
         return timing
 
     async def join_weights_group(
@@ -103,15 +107,15 @@ class EngineClient:
         await self._rpc.call("leave_weights_group", name=name)
 
     async def receive_weights(self, group: str, p2p: bool = False) -> Timing:
-        timing: Timing = await self._rpc.call("receive_weights", group=group, p2p=p2p)
+        timing: Timing = await self._rpc.call("receive_weights", Timing, group=group, p2p=p2p)
         return timing
 
     async def stats(self) -> WorkerStats:
-        stats: WorkerStats = await self._rpc.call("stats")
+        stats: WorkerStats = await self._rpc.call("stats", WorkerStats)
         return stats
 
     async def telemetry(self) -> list[IterationRecord]:
-        records: list[IterationRecord] = await self._rpc.call("telemetry")
+        records: list[IterationRecord] = await self._rpc.call("telemetry", list[IterationRecord])
         return records
 
     async def shutdown(self) -> None:
@@ -173,10 +177,13 @@ async def spawn_worker(
     ready_file = run_dir / f"{worker_id}.ready.json"
     ready_file.unlink(missing_ok=True)
     log_path = run_dir / f"{worker_id}.log"
+    key_file = write_key(run_dir / f"{worker_id}.key", key)
     cmd = [
         sys.executable,
         "-m",
         "pearl_hpc.engine.server",
+        "--key-file",
+        str(key_file),
         "--model",
         spec.model_dir,
         "--worker-id",
@@ -204,7 +211,7 @@ async def spawn_worker(
     ]
     # a child of an MPI rank must not take its launcher's PMI wiring for its own
     inherited = {k: v for k, v in os.environ.items() if not k.startswith(_MPI_ENV)}
-    child_env = {**inherited, **(env or {}), KEY_ENV: key}
+    child_env = {**inherited, **(env or {})}
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env)
     deadline = time.monotonic() + START_TIMEOUT_S

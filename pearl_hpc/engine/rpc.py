@@ -1,11 +1,22 @@
 """A small authenticated RPC over asyncio TCP streams (router/agent loop <-> engine worker).
 
-Frames are a 4-byte big-endian length and a pickle. Pickle from a socket runs code, so
-every connection first proves it knows the run's key: the server sends a random nonce,
-the client answers ``HMAC-SHA256(key, nonce)``, anything else is dropped. The key is
-generated per run and handed to workers through the environment, never on a command line.
+    client                                   server
+      <──────────── nonce_s ───────────────
+      ── nonce_c, HMAC(K, "client"|nonce_s|nonce_c) ──>    (wrong: connection dropped)
+      <──── HMAC(K, "server"|nonce_s|nonce_c) ─────────    (wrong: EngineError, no call sent)
+      session key S = HMAC(K, "session"|nonce_s|nonce_c)
+      ── frame: len | msgpack | HMAC(S, "c"|seq|msgpack) ──>   seq counts per direction
+      <── frame: len | msgpack | HMAC(S, "s"|seq|msgpack) ──
 
-Calls are multiplexed: ``(call_id, op, kwargs)`` goes out, ``(call_id, ok, value)`` comes
+Both ends prove they hold the run's key ``K`` (a file, 0600: ``RUN_DIR/rpc.key``), and
+every frame carries a MAC over its direction and sequence number, so a tampered, replayed,
+reordered or reflected frame ends the connection before anything in it is decoded. The
+payload is msgpack (msgspec) of plain values -- maps, arrays, strings, numbers, raw bytes
+(weights travel as safetensors bytes) -- decoded into the types each side declares
+(``msgspec.convert``: a handler's parameter annotations on the server, the expected reply
+type on the client). Nothing received can name a type to build or code to run.
+
+Calls are multiplexed: ``[call_id, op, kwargs]`` goes out, ``[call_id, ok, value]`` comes
 back, in any order, so one connection carries every in-flight turn of a worker.
 """
 
@@ -18,39 +29,137 @@ import hmac
 import itertools
 import logging
 import os
-import pickle
 import struct
+import typing
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from pearl_hpc.engine.types import Draining, EngineError
 
 log = logging.getLogger(__name__)
 
-KEY_ENV = "PEARL_ENGINE_KEY"  # hex key shared by a run's processes
 _HEADER = struct.Struct(">I")
+_SEQ = struct.Struct(">Q")
 _MAX_FRAME = 1 << 30
 _NONCE_BYTES = 16
+_MAC_BYTES = 32
+_HANDSHAKE_TIMEOUT_S = 10.0
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder()  # plain values only: no extension types
+
+
+class RpcAuthError(EngineError):
+    """A peer that did not prove the run's key, or a frame whose MAC is wrong."""
 
 
 def new_key() -> str:
     return os.urandom(32).hex()
 
 
-async def _read_frame(reader: asyncio.StreamReader) -> Any:
-    (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
-    if size > _MAX_FRAME:
-        raise EngineError(f"rpc frame of {size} bytes is over the {_MAX_FRAME} limit")
-    return pickle.loads(await reader.readexactly(size))
+def write_key(path: str | Path, key: str) -> Path:
+    """Write a run's key to a file only its owner can read (replacing any old one)."""
+    path = Path(path)
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key)
+    return path
 
 
-def _write_frame(writer: asyncio.StreamWriter, obj: Any) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    writer.write(_HEADER.pack(len(data)) + data)
+def read_key(path: str | Path) -> str:
+    """A run's key from its file (refused unless only its owner may read it)."""
+    path = Path(path)
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        raise EngineError(f"{path}: the key file is readable by others (mode {mode:o}); chmod 600")
+    return path.read_text().strip()
 
 
-def _digest(key: str, nonce: bytes) -> bytes:
-    return hmac.new(bytes.fromhex(key), nonce, hashlib.sha256).digest()
+def _mac(key: bytes, *parts: bytes) -> bytes:
+    return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
+
+
+class _Channel:
+    """Framing of one authenticated connection: a MAC and a sequence number per frame."""
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        session: bytes,
+        *,
+        client: bool,
+    ) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.session = session
+        self.out_label, self.in_label = (b"c", b"s") if client else (b"s", b"c")
+        self.sent = 0
+        self.received = 0
+
+    def send(self, obj: Any) -> None:
+        payload = _ENCODER.encode(obj)
+        mac = _mac(self.session, self.out_label, _SEQ.pack(self.sent), payload)
+        self.sent += 1
+        self.writer.write(_HEADER.pack(len(payload)) + payload + mac)
+
+    async def recv(self) -> Any:
+        (size,) = _HEADER.unpack(await self.reader.readexactly(_HEADER.size))
+        if size > _MAX_FRAME:
+            raise RpcAuthError(f"rpc frame of {size} bytes is over the {_MAX_FRAME} limit")
+        payload = await self.reader.readexactly(size)
+        mac = await self.reader.readexactly(_MAC_BYTES)
+        expected = _mac(self.session, self.in_label, _SEQ.pack(self.received), payload)
+        if not hmac.compare_digest(mac, expected):
+            raise RpcAuthError("rpc frame with a wrong MAC (tampered, replayed or reordered)")
+        self.received += 1
+        try:
+            return _DECODER.decode(payload)
+        except msgspec.DecodeError as exc:
+            raise RpcAuthError(f"rpc frame is not msgpack: {exc}") from None
+
+
+async def _server_handshake(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes
+) -> _Channel:
+    nonce_s = os.urandom(_NONCE_BYTES)
+    writer.write(nonce_s)
+    answer = await reader.readexactly(_NONCE_BYTES + _MAC_BYTES)
+    nonce_c, proof = answer[:_NONCE_BYTES], answer[_NONCE_BYTES:]
+    if not hmac.compare_digest(proof, _mac(key, b"client", nonce_s, nonce_c)):
+        raise RpcAuthError("a client without the run's key")
+    writer.write(_mac(key, b"server", nonce_s, nonce_c))
+    await writer.drain()
+    return _Channel(reader, writer, _mac(key, b"session", nonce_s, nonce_c), client=False)
+
+
+async def _client_handshake(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes, name: str
+) -> _Channel:
+    nonce_s = await reader.readexactly(_NONCE_BYTES)
+    nonce_c = os.urandom(_NONCE_BYTES)
+    writer.write(nonce_c + _mac(key, b"client", nonce_s, nonce_c))
+    await writer.drain()
+    try:
+        proof = await reader.readexactly(_MAC_BYTES)
+    except (asyncio.IncompleteReadError, ConnectionError):
+        raise RpcAuthError(f"{name}: the server refused the run's key") from None
+    if not hmac.compare_digest(proof, _mac(key, b"server", nonce_s, nonce_c)):
+        raise RpcAuthError(f"{name}: the server did not prove it holds the run's key")
+    return _Channel(reader, writer, _mac(key, b"session", nonce_s, nonce_c), client=True)
+
+
+def _typed(value: Any, hint: Any) -> Any:
+    """``value`` (plain msgpack data) as the declared type."""
+    if hint is Any:
+        return value
+    try:
+        return msgspec.convert(value, hint)
+    except msgspec.ValidationError as exc:
+        raise EngineError(f"rpc value is not a {hint}: {exc}") from None
 
 
 Handler = Callable[..., Awaitable[Any]]
@@ -59,41 +168,41 @@ Handler = Callable[..., Awaitable[Any]]
 async def serve(
     handlers: dict[str, Handler], key: str, host: str = "127.0.0.1", port: int = 0
 ) -> asyncio.Server:
-    """Serve ``handlers[op](**kwargs)``; each call runs in its own task."""
+    """Serve ``handlers[op](**kwargs)``, each argument converted to the handler's
+    annotation; each call runs in its own task."""
+    secret = bytes.fromhex(key)
+    hints = {op: typing.get_type_hints(h) for op, h in handlers.items()}
+
+    async def run_call(channel: _Channel, call_id: int, op: str, kwargs: dict[str, Any]) -> None:
+        try:
+            handler = handlers.get(op)
+            if handler is None:
+                raise EngineError(f"unknown rpc op {op!r}; known: {sorted(handlers)}")
+            args = {k: _typed(v, hints[op].get(k, Any)) for k, v in kwargs.items()}
+            reply = [call_id, True, await handler(**args)]
+        except Exception as exc:
+            reply = [call_id, False, [type(exc).__name__, str(exc)]]
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            channel.send(reply)
+            await channel.writer.drain()
 
     async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonce = os.urandom(_NONCE_BYTES)
-        writer.write(nonce)
-        try:
-            answer = await asyncio.wait_for(reader.readexactly(32), timeout=10)
-        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
-            writer.close()
-            return
-        if not hmac.compare_digest(answer, _digest(key, nonce)):
-            log.warning("rpc: refused a connection with a bad key")
-            writer.close()
-            return
         tasks: set[asyncio.Task[None]] = set()
-
-        async def run_call(call_id: int, op: str, kwargs: dict[str, Any]) -> None:
-            try:
-                handler = handlers.get(op)
-                if handler is None:
-                    raise EngineError(f"unknown rpc op {op!r}; known: {sorted(handlers)}")
-                reply: tuple[int, bool, Any] = (call_id, True, await handler(**kwargs))
-            except Exception as exc:
-                reply = (call_id, False, (type(exc).__name__, str(exc)))
-            with contextlib.suppress(ConnectionError, RuntimeError):
-                _write_frame(writer, reply)
-                await writer.drain()
-
         try:
+            channel = await asyncio.wait_for(
+                _server_handshake(reader, writer, secret), _HANDSHAKE_TIMEOUT_S
+            )
             while True:
-                call_id, op, kwargs = await _read_frame(reader)
-                task = asyncio.create_task(run_call(call_id, op, kwargs))
+                frame = await channel.recv()
+                call_id, op, kwargs = _typed(frame, tuple[int, str, dict[str, Any]])
+                task = asyncio.create_task(run_call(channel, call_id, op, kwargs))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
-        except (asyncio.IncompleteReadError, ConnectionError):
+        except RpcAuthError as exc:
+            log.warning("rpc: dropped a connection: %s", exc)
+        except EngineError as exc:
+            log.warning("rpc: dropped a connection with a malformed call: %s", exc)
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
             writer.close()
@@ -106,59 +215,67 @@ class RpcClient:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
-        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._channel: _Channel | None = None
+        self._pending: dict[int, tuple[asyncio.Future[Any], Any]] = {}
         self._ids = itertools.count()
         self._reader_task: asyncio.Task[None] | None = None
 
     async def connect(self, host: str, port: int, key: str) -> None:
-        self._reader, self._writer = await asyncio.open_connection(host, port)
-        nonce = await self._reader.readexactly(_NONCE_BYTES)
-        self._writer.write(_digest(key, nonce))
-        await self._writer.drain()
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            self._channel = await asyncio.wait_for(
+                _client_handshake(reader, writer, bytes.fromhex(key), self.name),
+                _HANDSHAKE_TIMEOUT_S,
+            )
+        except BaseException:
+            writer.close()
+            raise
         self._reader_task = asyncio.create_task(self._read_replies())
 
     async def _read_replies(self) -> None:
-        assert self._reader is not None
+        assert self._channel is not None
         error: Exception = EngineError(f"{self.name}: connection closed")
         try:
             while True:
-                call_id, ok, value = await _read_frame(self._reader)
-                fut = self._pending.pop(call_id, None)
+                call_id, ok, value = _typed(await self._channel.recv(), tuple[int, bool, Any])
+                fut, returns = self._pending.pop(call_id, (None, Any))
                 if fut is None or fut.done():
                     continue
                 if ok:
-                    fut.set_result(value)
-                else:
-                    kind, message = value
-                    cls = Draining if kind == "Draining" else EngineError
-                    fut.set_exception(
-                        cls(f"{self.name}: {message}" if kind != "Draining" else message)
-                    )
+                    try:
+                        fut.set_result(_typed(value, returns))
+                    except EngineError as exc:
+                        fut.set_exception(EngineError(f"{self.name}: {exc}"))
+                    continue
+                kind, message = _typed(value, tuple[str, str])
+                cls = Draining if kind == "Draining" else EngineError
+                fut.set_exception(cls(f"{self.name}: {message}" if kind != "Draining" else message))
+        except RpcAuthError as exc:
+            error = EngineError(f"{self.name}: {exc}")
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             error = EngineError(f"{self.name}: connection lost ({exc.__class__.__name__})")
         finally:
-            for fut in self._pending.values():
+            for fut, _ in self._pending.values():
                 if not fut.done():
                     fut.set_exception(error)
             self._pending.clear()
 
-    async def call(self, op: str, **kwargs: Any) -> Any:
-        if self._writer is None or self._reader_task is None or self._reader_task.done():
+    async def call(self, op: str, returns: Any = Any, /, **kwargs: Any) -> Any:
+        """``op(**kwargs)`` on the worker; the reply converted to ``returns``."""
+        if self._channel is None or self._reader_task is None or self._reader_task.done():
             raise EngineError(f"{self.name}: not connected")
         call_id = next(self._ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._pending[call_id] = fut
-        _write_frame(self._writer, (call_id, op, kwargs))
-        await self._writer.drain()
+        self._pending[call_id] = (fut, returns)
+        self._channel.send([call_id, op, kwargs])
+        await self._channel.writer.drain()
         return await fut
 
     async def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
+        if self._channel is not None:
+            self._channel.writer.close()
             with contextlib.suppress(Exception):
-                await self._writer.wait_closed()
+                await self._channel.writer.wait_closed()
         if self._reader_task is not None:
             self._reader_task.cancel()
             with contextlib.suppress(BaseException):

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from pearl_hpc.core.types import Role
-from pearl_hpc.engine.rpc import KEY_ENV, serve
+from pearl_hpc.engine.rpc import read_key, serve
 from pearl_hpc.engine.types import (
     ENGINE_ROLES,
     Draining,
@@ -113,7 +113,7 @@ class EngineWorker:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def set_role(self, role: Role | str) -> Timing:
+    async def set_role(self, role: str) -> Timing:
         role = _role(role)
         async with self._ops:
             t0 = time.perf_counter()
@@ -141,7 +141,7 @@ class EngineWorker:
             await self._wait(self.runner.stop())
         return self._timed("release", t0, role=str(role))
 
-    async def restore(self, role: Role | str) -> Timing:
+    async def restore(self, role: str) -> Timing:
         async with self._ops:
             return await self._restore(_role(role))
 
@@ -158,7 +158,7 @@ class EngineWorker:
         return self._timed("restore", t0, role=str(role))
 
     async def activate(
-        self, role: Role | str, weights: bytes | None = None, version: int | None = None
+        self, role: str, weights: bytes | None = None, version: int | None = None
     ) -> Timing:
         """Overlap worker joins rollout: restore, load the latest weights, admit."""
         async with self._ops:
@@ -351,12 +351,10 @@ def write_ready(path: str | Path, ready: dict[str, Any]) -> None:
 
 
 async def _main(args: argparse.Namespace) -> int:
-    key = os.environ.get(KEY_ENV)
-    if not key:
-        print(
-            f"engine worker: {KEY_ENV} is not set (the launcher passes the run's key)",
-            file=sys.stderr,
-        )
+    try:
+        key = read_key(args.key_file)
+    except (OSError, EngineError) as exc:
+        print(f"engine worker: --key-file {args.key_file}: {exc}", file=sys.stderr)
         return 2
     if args.parent_pid:
         _exit_with_parent(args.parent_pid)
@@ -405,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slot-id", type=int, default=0)
     p.add_argument("--role", default="colocated", choices=[*map(str, ENGINE_ROLES), "none"])
     p.add_argument("--ready-file", required=True)
+    p.add_argument("--key-file", required=True, help="the run's RPC key (mode 0600)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument(

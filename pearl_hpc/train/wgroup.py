@@ -9,18 +9,19 @@ prefixed ``TCPStore`` — the approach vLLM's own stateless groups take — so a
 them can live beside the engine, one per membership epoch.
 
 The trainer owns the store (:class:`WeightStore`); each group is a fresh key prefix with
-ranks ``0 .. size-1`` where 0 is the trainer. Weights travel as the header (pickled
-:class:`~pearl_hpc.train.weights.WeightsHeader` dict, length first) and then one flat
-buffer (:func:`~pearl_hpc.train.weights.pack`).
+ranks ``0 .. size-1`` where 0 is the trainer. Weights travel as the header (the
+:class:`~pearl_hpc.train.weights.WeightsHeader` dict of plain values as msgpack, length
+first: a receiver decodes data, never code) and then one flat buffer
+(:func:`~pearl_hpc.train.weights.pack`).
 """
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
+import msgspec
 import torch
 import torch.distributed as dist
 
@@ -98,7 +99,7 @@ class WeightGroup:
     # ------------------------------------------------------------------ objects
 
     def _object_tensors(self, obj: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        data = pickle.dumps(obj)
+        data = msgspec.msgpack.encode(obj)
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
         return torch.tensor([len(data)], dtype=torch.int64, device=self.device), payload
 
@@ -112,7 +113,7 @@ class WeightGroup:
         self.broadcast(size, src)
         payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
         self.broadcast(payload, src)
-        return pickle.loads(payload.cpu().numpy().tobytes())
+        return msgspec.msgpack.decode(payload.cpu().numpy().tobytes())
 
     def send_object(self, obj: Any, dst: int) -> None:
         size, payload = self._object_tensors(obj)
@@ -124,7 +125,7 @@ class WeightGroup:
         self.recv(size, src)
         payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
         self.recv(payload, src)
-        return pickle.loads(payload.cpu().numpy().tobytes())
+        return msgspec.msgpack.decode(payload.cpu().numpy().tobytes())
 
 
 def group_broadcast_weights(

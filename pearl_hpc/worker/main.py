@@ -31,6 +31,7 @@ def _rank(args: argparse.Namespace) -> int:
 
     from pearl_hpc.comm.mpi import MasterPlane, WorkerPlane, member_info
     from pearl_hpc.config.run import MASTER, TRAINER, base_layout, load_run_config
+    from pearl_hpc.engine.rpc import read_key
 
     run_dir: Path = args.run_dir
     cfg = load_run_config(run_dir / "config.yaml")
@@ -51,7 +52,7 @@ def _rank(args: argparse.Namespace) -> int:
     # of the job step: the job's own handler acts on it, the ranks carry on
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     trainers = world.Split(0 if me.kind == TRAINER else MPI.UNDEFINED, world.Get_rank())
-    key = (run_dir / KEY_FILE).read_text().strip()
+    key = read_key(run_dir / KEY_FILE)
     host = "127.0.0.1" if cfg.backend == "local" else socket.gethostname()
     if me.kind == MASTER:
         plane = MasterPlane(run_dir, hello_timeout_s=600.0, heartbeat_timeout_s=60.0)

@@ -1,0 +1,201 @@
+"""The engine RPC refuses everything but authenticated msgpack calls: a pickled payload,
+a replayed frame, a tampered frame, a wrong key, a missing key and a server impersonator
+are each refused with nothing executed; typed values round-trip."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pearl_hpc.engine import rpc
+from pearl_hpc.engine.rpc import RpcAuthError, RpcClient, new_key, read_key, serve, write_key
+from pearl_hpc.engine.types import EngineError, Timing, TurnRequest, TurnResult
+
+
+class _Boom:
+    """Unpickling this runs a command (what a pickle-based RPC would execute)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+async def _server(calls: list[Any], key: str) -> tuple[asyncio.Server, int]:
+    async def echo(x: int) -> int:
+        calls.append(x)
+        return x * 2
+
+    async def turn(request: TurnRequest) -> TurnResult:
+        calls.append(request)
+        return TurnResult(request.request_id, "w", (7, 8), "stop", 3, 2, 0, {"k": [1, 2]}, 0.5)
+
+    async def timing(op: str) -> Timing:
+        return Timing(op, 1.5, {"bytes": 10})
+
+    server = await serve({"echo": echo, "turn": turn, "timing": timing}, key)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def _handshaken(port: int, key: str) -> rpc._Channel:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    return await rpc._client_handshake(reader, writer, bytes.fromhex(key), "test")
+
+
+async def _closed_by_server(channel: rpc._Channel) -> bool:
+    try:
+        data = await asyncio.wait_for(channel.reader.read(1), timeout=5)
+    except ConnectionError:
+        return True
+    return data == b""
+
+
+def test_typed_calls_round_trip_dataclasses_and_errors() -> None:
+    async def main() -> None:
+        key, calls = new_key(), []
+        server, port = await _server(calls, key)
+        client = RpcClient("w")
+        await client.connect("127.0.0.1", port, key)
+        request = TurnRequest("r1", (1, 2, 3), 4, temperature=0.5, kv_transfer_params={"a": 1})
+        result = await client.call("turn", TurnResult, request=request)
+        assert calls == [request]  # the server got a TurnRequest, equal to the one sent
+        assert isinstance(result, TurnResult) and result.token_ids == (7, 8)
+        assert result.kv_transfer_params == {"k": [1, 2]}
+        assert await client.call("timing", Timing, op="x") == Timing("x", 1.5, {"bytes": 10})
+        with pytest.raises(EngineError, match="is not a"):  # a wrong-shaped argument
+            await client.call("echo", x="not an int")
+        with pytest.raises(EngineError, match="unknown rpc op"):
+            await client.call("nope")
+        assert await client.call("echo", int, x=21) == 42  # the connection survived
+        await client.close()
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_a_pickled_payload_is_never_unpickled(tmp_path: Path) -> None:
+    marker = tmp_path / "executed"
+    payload = pickle.dumps(_Boom(marker))
+
+    async def main() -> None:
+        key, calls = new_key(), []
+        server, port = await _server(calls, key)
+        # without the key: the bytes end the handshake
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        await reader.readexactly(16)
+        writer.write(rpc._HEADER.pack(len(payload)) + payload)
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(1), timeout=5) == b""
+        # with the key and a valid MAC: the frame is not msgpack, the connection ends
+        channel = await _handshaken(port, key)
+        mac = rpc._mac(channel.session, b"c", rpc._SEQ.pack(0), payload)
+        channel.writer.write(rpc._HEADER.pack(len(payload)) + payload + mac)
+        await channel.writer.drain()
+        assert await _closed_by_server(channel)
+        server.close()
+        assert calls == []
+
+    asyncio.run(main())
+    assert not marker.exists()
+
+
+def test_a_replayed_frame_is_refused() -> None:
+    async def main() -> None:
+        key, calls = new_key(), []
+        server, port = await _server(calls, key)
+        channel = await _handshaken(port, key)
+        sent: list[bytes] = []
+        write = channel.writer.write
+        channel.writer.write = lambda data: (sent.append(data), write(data))  # type: ignore[method-assign]
+        channel.send([0, "echo", {"x": 1}])
+        assert (await channel.recv())[1] is True
+        write(sent[0])  # the same frame again, on the same connection
+        await channel.writer.drain()
+        assert await _closed_by_server(channel)
+        # and on a new connection (another session key)
+        other = await _handshaken(port, key)
+        other.writer.write(sent[0])
+        await other.writer.drain()
+        assert await _closed_by_server(other)
+        server.close()
+        assert calls == [1]  # run once, by the original frame
+
+    asyncio.run(main())
+
+
+def test_a_tampered_frame_is_refused() -> None:
+    async def main() -> None:
+        key, calls = new_key(), []
+        server, port = await _server(calls, key)
+        channel = await _handshaken(port, key)
+        payload = rpc._ENCODER.encode([0, "echo", {"x": 1}])
+        mac = rpc._mac(channel.session, b"c", rpc._SEQ.pack(0), payload)
+        forged = payload.replace(b"\x01", b"\x05")  # x=5 under x=1's MAC
+        channel.writer.write(rpc._HEADER.pack(len(forged)) + forged + mac)
+        await channel.writer.drain()
+        assert await _closed_by_server(channel)
+        server.close()
+        assert calls == []
+
+    asyncio.run(main())
+
+
+def test_a_wrong_key_is_refused_at_connect() -> None:
+    async def main() -> None:
+        key, calls = new_key(), []
+        server, port = await _server(calls, key)
+        intruder = RpcClient("intruder")
+        with pytest.raises(RpcAuthError, match="refused"):
+            await intruder.connect("127.0.0.1", port, new_key())
+        server.close()
+        assert calls == []
+
+    asyncio.run(main())
+
+
+def test_a_server_that_cannot_prove_the_key_gets_no_call() -> None:
+    received: list[bytes] = []
+
+    async def main() -> None:
+        async def impostor(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(os.urandom(16))  # a nonce, then a made-up proof
+            received.append(await reader.readexactly(48))
+            writer.write(os.urandom(32))
+            await writer.drain()
+            received.append(await reader.read(1 << 16))  # whatever the client sends next
+
+        server = await asyncio.start_server(impostor, "127.0.0.1", 0)
+        client = RpcClient("victim")
+        with pytest.raises(RpcAuthError, match="did not prove"):
+            await client.connect("127.0.0.1", server.sockets[0].getsockname()[1], new_key())
+        await asyncio.sleep(0.2)
+        server.close()
+
+    asyncio.run(main())
+    assert received[1:] in ([], [b""])  # no call, no frame after the handshake
+
+
+def test_the_key_is_a_private_file_and_an_engine_without_one_exits_2(tmp_path: Path) -> None:
+    path = write_key(tmp_path / "rpc.key", "ab" * 32)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and read_key(path) == "ab" * 32
+    path.chmod(0o644)
+    with pytest.raises(EngineError, match="chmod 600"):
+        read_key(path)
+    base = [sys.executable, "-m", "pearl_hpc.engine.server", "--model", "m", "--worker-id", "w"]
+    base += ["--ready-file", str(tmp_path / "ready.json")]
+    missing = subprocess.run(base, capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "--key-file" in missing.stderr
+    shared = subprocess.run(
+        [*base, "--key-file", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert shared.returncode == 2 and "chmod 600" in shared.stderr
+    assert not (tmp_path / "ready.json").exists()
