@@ -63,7 +63,13 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
 from pearl_hpc.errors import ConfigError
-from pearl_hpc.rollout.sandbox import DEFAULT_LIMITS, SandboxLimits, SandboxResult, run_python
+from pearl_hpc.rollout.sandbox import (
+    DEFAULT_LIMITS,
+    SandboxLimits,
+    SandboxResult,
+    require_sandbox,
+    run_python,
+)
 
 SleepFn = Callable[[float], Awaitable[Any]]
 
@@ -258,6 +264,7 @@ class CalcEnv:
     name = "calc"
 
     def __init__(self, config: CalcConfig | None = None) -> None:
+        require_sandbox()  # no bubblewrap: one line saying what to install
         self.config = config or CalcConfig()
         self.max_turns = self.config.max_turns
         self._task: CalcTask | None = None

@@ -1,25 +1,30 @@
-"""Run a model-written Python snippet in a contained child process.
+"""Run a model-written Python snippet in an OS sandbox (bubblewrap).
 
 The agent environments execute tool calls (``<python>``, ``<calc>``) that a policy
-wrote, dozens at a time from one event loop. Each call gets:
+wrote, dozens at a time from one event loop. Each call is one ``bwrap`` process:
 
-- a fresh ``python -I -S`` child (isolated mode, no site-packages: stdlib only), started
-  with ``asyncio.create_subprocess_exec`` in its own session, stdin closed, an almost
-  empty environment and a fresh temporary directory as cwd (removed afterwards);
-- resource limits set by a small preamble before the snippet runs: ``RLIMIT_AS``
-  (memory), ``RLIMIT_CPU``, ``RLIMIT_FSIZE`` (1 MiB), ``RLIMIT_NPROC`` 0 (no fork for a
-  non-root user), no core files, few open files;
-- no network: a private network namespace (``unshare --net``, only a down loopback
-  inside) when this machine allows it, probed once; in every case the preamble also
-  installs an audit hook that refuses ``socket.*`` events;
-- a wall-clock timeout after which the whole process group is killed; output beyond
-  ``max_output_bytes`` is dropped and a flood of output ends the child early, so a
-  snippet never stalls the caller's event loop.
+    bwrap --unshare-{pid,net,ipc,uts,cgroup} --die-with-parent --new-session
+          --seccomp: no new namespaces, mounts, ptrace, keyring, bpf (:mod:`.seccomp`)
+          /usr, the interpreter's prefix: read-only    /proc: its own    /dev: minimal
+          /tmp: a private tmpfs (16 MiB), the cwd      /sandbox/snippet.py: read-only
+          --clearenv (PATH, HOME, TMPDIR, LC_ALL only)
+      python -I -S -c PREAMBLE     (stdlib only; no site-packages)
+        PREAMBLE: become uid/gid 65534 with no groups and no capabilities (when bwrap ran
+        as root; otherwise a user namespace maps the caller to 65534), set RLIMIT_AS,
+        RLIMIT_CPU, RLIMIT_FSIZE (1 MiB), RLIMIT_NPROC 0 (no fork, no thread), no core
+        files, few open files; then run the snippet as ``__main__``.
 
-The audit hook also refuses fork/exec/kill, ``ctypes``, raising resource limits and
-writes outside the temporary directory. That stops the accidents a model-written
-snippet makes (``rm -rf``, a fork loop) even when the caller runs as root; it is not a
-security boundary against deliberately hostile code, which needs a container.
+So a snippet sees no host file but the read-only system and interpreter (no /etc, no
+/root, no run directory, no key), no other process (its own pid namespace; its pid is
+2), no network (an empty network namespace: even 127.0.0.1 refuses), and cannot write
+outside its private /tmp. The caller kills the whole tree at the wall-clock timeout or
+on a flood of output (bwrap's process group, and the pid namespace with it), drops
+output beyond ``max_output_bytes``, and never stalls its event loop on a snippet.
+
+Nothing runs without bubblewrap: :func:`sandbox_problem` says, in one line, what to
+install (``apt-get install bubblewrap``) or why it cannot start here, and the ``calc``
+environment refuses to start with it. There is no in-process fallback: an audit hook in
+the snippet's own interpreter is not a boundary (code can reach it through ``gc``).
 """
 
 from __future__ import annotations
@@ -36,20 +41,33 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 from pearl_hpc.errors import ConfigError
+from pearl_hpc.rollout.seccomp import filter_program
 
-SNIPPET_FILE = "snippet.py"  # the snippet's file name inside the temporary directory
+SNIPPET_FILE = "snippet.py"  # the snippet's file name (in tracebacks)
+SANDBOX_SNIPPET = "/sandbox/snippet.py"  # where the snippet is inside the sandbox
+SANDBOX_UID = 65534  # nobody
 FILE_SIZE_LIMIT_BYTES = 1 << 20  # RLIMIT_FSIZE: largest file a snippet may write
+TMPFS_BYTES = 16 << 20  # the sandbox's /tmp
 FLOOD_FACTOR = 64  # output beyond FLOOD_FACTOR * max_output_bytes (>= 1 MiB) kills the child
 DRAIN_AFTER_EXIT_S = 1.0  # how long to wait for pipes to close once the child is gone
 _READ_CHUNK_BYTES = 1 << 16
+INSTALL_HINT = "apt-get install bubblewrap"
 
-# The preamble runs as ``python -I -S -c PREAMBLE SNIPPET MEM_BYTES CPU_S FSIZE_BYTES``. It
-# sets the limits, installs the audit hook and runs the snippet as ``__main__``, printing
-# the snippet's traceback without the preamble's frame.
-_PREAMBLE = r"""
+# ``python -I -S -c PREAMBLE MEM_BYTES CPU_S FSIZE_BYTES UID SNIPPET NAME`` in the sandbox: drop to
+# nobody, set the limits, run the snippet as ``__main__`` (its traceback without the
+# preamble's frame). "pearl-sandbox" marks the process for tests.
+_PREAMBLE = r"""# pearl-sandbox
 import os, resource, sys, traceback
+
+_mem, _cpu, _fsize, _uid = (int(a) for a in sys.argv[1:5])
+_path, _name = sys.argv[5], sys.argv[6]
+if os.getuid() == 0:  # bwrap ran as root: nobody, no groups (capabilities go with uid 0)
+    os.setgroups([])
+    os.setgid(_uid)
+    os.setuid(_uid)
 
 def _limit(kind, soft, hard):
     _, cap = resource.getrlimit(kind)
@@ -57,63 +75,29 @@ def _limit(kind, soft, hard):
         soft, hard = min(soft, cap), min(hard, cap)
     resource.setrlimit(kind, (soft, hard))
 
-_path, _mem, _cpu, _fsize = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 _limit(resource.RLIMIT_AS, _mem, _mem)
 _limit(resource.RLIMIT_CPU, _cpu, _cpu + 1)  # SIGXCPU at the soft limit, SIGKILL at the hard
 _limit(resource.RLIMIT_FSIZE, _fsize, _fsize)
-_limit(resource.RLIMIT_NPROC, 0, 0)  # no fork for a non-root user (root ignores it)
+_limit(resource.RLIMIT_NPROC, 0, 0)  # no fork, no thread (uid nobody)
 _limit(resource.RLIMIT_CORE, 0, 0)
 _limit(resource.RLIMIT_NOFILE, 64, 64)
 with open(_path, encoding="utf-8") as _f:
     _source = _f.read()
 sys.dont_write_bytecode = True
-
-def _install_hook(root, realpath=os.path.realpath, join=os.path.join, fspath=os.fspath,
-                  PermissionError=PermissionError, isinstance=isinstance):
-    refused = ("socket.", "ctypes.")
-    refused_exact = frozenset((
-        "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
-        "subprocess.Popen", "os.kill", "os.killpg", "signal.pthread_kill",
-        "resource.setrlimit", "resource.prlimit"))
-    path_args = {"os.remove": (0,), "os.rmdir": (0,), "os.mkdir": (0,), "os.rename": (0, 1),
-                 "os.link": (0, 1), "os.symlink": (1,), "os.chmod": (0,), "os.chown": (0,),
-                 "os.truncate": (0,), "os.utime": (0,), "shutil.rmtree": (0,)}
-    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-    prefix = join(root, "")
-
-    def outside(path):
-        if not isinstance(path, (str, bytes, os.PathLike)):
-            return False  # a file descriptor: the open that made it was checked
-        path = fspath(path)
-        if isinstance(path, bytes):
-            path = path.decode("utf-8", "surrogateescape")
-        resolved = realpath(join(root, path))
-        return resolved != root and not resolved.startswith(prefix)
-
-    def hook(event, args):
-        if event.startswith(refused) or event in refused_exact:
-            raise PermissionError(f"{event} is not allowed in the sandbox")
-        if event == "import" and args[0] == "_posixsubprocess":
-            raise PermissionError("subprocesses are not allowed in the sandbox")
-        if event == "open" and args[2] and args[2] & write_flags and outside(args[0]):
-            raise PermissionError(f"writing {args[0]!r} is not allowed in the sandbox")
-        for i in path_args.get(event, ()):
-            if len(args) > i and outside(args[i]):
-                raise PermissionError(f"{event} on {args[i]!r} is not allowed in the sandbox")
-
-    sys.addaudithook(hook)
-
-_install_hook(os.getcwd())
-sys.argv = [_path]
+sys.argv = [_name]
 __builtins__.exit = __builtins__.quit = sys.exit  # -S skips site, which defines them
 try:
-    exec(compile(_source, _path, "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    exec(compile(_source, _name, "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
 except SystemExit:
     raise
 except BaseException as _e:
     traceback.print_exception(type(_e), _e, _e.__traceback__.tb_next)
     raise SystemExit(1) from None
 """
+
+
+class SandboxUnavailable(ConfigError):
+    """bubblewrap is missing or cannot build a sandbox on this machine."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +142,7 @@ class SandboxResult:
     stdout: str  # decoded UTF-8 (invalid bytes replaced), at most max_output_bytes + a note
     stderr: str  # the snippet's traceback, or a note from the sandbox (timeout, flood)
     exit_code: int | None  # negative: killed by that signal; None if it could not start
+    # (a snippet exiting with 128 + N reads as killed by signal N, as bwrap reports it)
     timed_out: bool  # killed after limits.timeout_s of wall clock
     wall_s: float  # from start to the child's exit, as seen by the caller
 
@@ -166,70 +151,136 @@ class SandboxResult:
         return self.exit_code == 0 and not self.timed_out
 
 
-@functools.cache
-def network_isolation() -> str:
-    """``"netns"`` when ``unshare --net`` works here (probed once), else ``"audit-hook"``.
-
-    A network namespace needs CAP_SYS_ADMIN (root, or a user namespace); on a machine
-    without it the audit hook, which is always installed, is the only guard.
-    """
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        return "audit-hook"
-    try:
-        probe = subprocess.run(
-            [unshare, "--net", "--", "true"], capture_output=True, timeout=10, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return "audit-hook"
-    return "netns" if probe.returncode == 0 else "audit-hook"
-
-
-def build_argv(limits: SandboxLimits, *, netns: bool, python: str = sys.executable) -> list[str]:
-    """The child's command line; the snippet is read from ``SNIPPET_FILE`` in its cwd."""
-    argv = [python, "-I", "-S", "-c", _PREAMBLE, SNIPPET_FILE]
-    argv += [str(limits.memory_mb << 20), str(limits.cpu_s), str(FILE_SIZE_LIMIT_BYTES)]
-    if netns:
-        unshare = shutil.which("unshare") or "unshare"
-        argv = [unshare, "--net", "--", *argv]
+def _system_mounts() -> list[str]:
+    """/usr read-only; /bin, /lib, /lib64, /sbin as they are here (links into /usr on
+    Debian 12, directories elsewhere)."""
+    argv = ["--ro-bind", "/usr", "/usr"]
+    for name in ("/bin", "/lib", "/lib64", "/sbin"):
+        if os.path.islink(name):
+            argv += ["--symlink", os.readlink(name), name]
+        elif os.path.isdir(name):
+            argv += ["--ro-bind", name, name]
     return argv
 
 
-def child_env(workdir: str) -> dict[str, str]:
-    """A minimal environment: nothing of the caller's (tokens, proxies, CUDA settings)."""
-    return {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
+def _interpreter_mounts(prefix: str) -> list[str]:
+    """The interpreter's prefix read-only at its own path; the folders above it made
+    traversable (bwrap creates them 0700)."""
+    if prefix == "/usr" or prefix.startswith("/usr/"):
+        return []
+    argv = []
+    for parent in reversed(Path(prefix).parents[:-1]):  # /root, /root/.pyenv, ...
+        argv += ["--perms", "0755", "--dir", str(parent)]
+    return [*argv, "--ro-bind", prefix, prefix]
+
+
+def build_argv(
+    limits: SandboxLimits,
+    snippet: str,
+    seccomp_fd: int,
+    *,
+    python: str = sys.executable,
+    bwrap: str = "bwrap",
+) -> list[str]:
+    """The sandbox's command line (pure but for reading this machine's root links);
+    ``snippet``: the host file bound read-only at :data:`SANDBOX_SNIPPET`;
+    ``seccomp_fd``: an open file of :func:`~.seccomp.filter_program`."""
+    argv = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts"]
+    argv += ["--unshare-cgroup-try", "--die-with-parent", "--new-session"]
+    argv += ["--seccomp", str(seccomp_fd)]
+    if os.getuid() != 0:  # unprivileged: a user namespace maps the caller to nobody
+        argv += ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
+    argv += _system_mounts() + _interpreter_mounts(sys.base_prefix)
+    argv += ["--proc", "/proc", "--dev", "/dev"]
+    argv += ["--perms", "1777", "--size", str(TMPFS_BYTES), "--tmpfs", "/tmp"]
+    argv += ["--perms", "0755", "--dir", os.path.dirname(SANDBOX_SNIPPET)]
+    argv += ["--ro-bind", snippet, SANDBOX_SNIPPET, "--chdir", "/tmp", "--clearenv"]
+    for key, value in SANDBOX_ENV.items():
+        argv += ["--setenv", key, value]
+    argv += ["--", os.path.realpath(python), "-I", "-S", "-c", _PREAMBLE]
+    argv += [str(limits.memory_mb << 20), str(limits.cpu_s), str(FILE_SIZE_LIMIT_BYTES)]
+    return [*argv, str(SANDBOX_UID), SANDBOX_SNIPPET, SNIPPET_FILE]
+
+
+def _seccomp_fd(workdir: str) -> int:
+    """An open file of the seccomp filter, for ``bwrap --seccomp`` (the caller closes it)."""
+    path = os.path.join(workdir, "seccomp.bpf")
+    Path(path).write_bytes(filter_program())
+    return os.open(path, os.O_RDONLY)
+
+
+SANDBOX_ENV = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8", "HOME": "/tmp", "TMPDIR": "/tmp"}
+
+
+@functools.cache
+def sandbox_problem() -> str | None:
+    """Why snippets cannot run here (one line), or None; probed once."""
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        return f"the tool sandbox needs bubblewrap (bwrap), not found on PATH: {INSTALL_HINT}"
+    with tempfile.TemporaryDirectory(prefix="pearl-sandbox-") as workdir:
+        snippet = os.path.join(workdir, SNIPPET_FILE)
+        Path(snippet).write_text("print(6 * 7)\n")
+        try:
+            fd = _seccomp_fd(workdir)
+        except ValueError as exc:
+            return f"the tool sandbox cannot filter system calls here: {exc}"
+        try:
+            probe = subprocess.run(
+                build_argv(SandboxLimits(), snippet, fd, bwrap=bwrap),
+                capture_output=True, text=True, timeout=30, env=SANDBOX_ENV, check=False,
+                pass_fds=(fd,),
+            )  # fmt: skip
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"bubblewrap could not start a sandbox here: {exc}"
+        finally:
+            os.close(fd)
+    if probe.returncode != 0 or probe.stdout != "42\n":
+        said = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        return (
+            f"bubblewrap could not start a sandbox here ({said}); it needs root or "
+            "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1)"
+        )
+    return None
+
+
+def require_sandbox() -> None:
+    """Refuse (one line, :class:`SandboxUnavailable`) where snippets cannot run."""
+    problem = sandbox_problem()
+    if problem is not None:
+        raise SandboxUnavailable(problem)
 
 
 async def run_python(code: str, limits: SandboxLimits = DEFAULT_LIMITS) -> SandboxResult:
-    """Run ``code`` in a fresh sandboxed interpreter and report what it printed.
+    """Run ``code`` in a fresh sandbox and report what it printed.
 
     Never raises for anything the snippet does (errors, timeouts, floods are in the
-    result); cancelling the caller kills the child and removes its directory.
+    result); :class:`SandboxUnavailable` where no sandbox can run. Cancelling the caller
+    kills the sandbox and removes its directory.
     """
-    return await _run(code, limits, netns=network_isolation() == "netns")
-
-
-async def _run(code: str, limits: SandboxLimits, *, netns: bool) -> SandboxResult:
+    require_sandbox()
     workdir = tempfile.mkdtemp(prefix="pearl-sandbox-")
     started_s = time.perf_counter()
     try:
-        with open(os.path.join(workdir, SNIPPET_FILE), "w", encoding="utf-8") as f:
+        snippet = os.path.join(workdir, SNIPPET_FILE)
+        with open(snippet, "w", encoding="utf-8") as f:
             f.write(code)
+        fd = _seccomp_fd(workdir)
         try:
             proc = await asyncio.create_subprocess_exec(
-                *build_argv(limits, netns=netns),
+                *build_argv(limits, snippet, fd, bwrap=shutil.which("bwrap") or "bwrap"),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
-                cwd=workdir,
-                env=child_env(workdir),
+                env=SANDBOX_ENV,
                 start_new_session=True,  # its own process group, killed as a whole
+                pass_fds=(fd,),
             )
         except OSError as e:
             elapsed_s = time.perf_counter() - started_s
-            return SandboxResult(
-                "", f"sandbox: could not start python: {e}", None, False, elapsed_s
-            )
+            return SandboxResult("", f"sandbox: could not start: {e}", None, False, elapsed_s)
+        finally:
+            os.close(fd)
         try:
             return await _supervise(proc, limits, started_s)
         finally:
@@ -283,6 +334,8 @@ async def _supervise(
         timed_out = not exited.done() and not flooded.is_set()
         _kill_group(proc.pid)  # also ends anything the snippet left running
         exit_code = await exited
+        if exit_code is not None and 128 < exit_code < 128 + 65:
+            exit_code = 128 - exit_code  # bwrap's 128 + N: the snippet died of signal N
         wall_s = time.perf_counter() - started_s
         _, pending = await asyncio.wait(drains, timeout=DRAIN_AFTER_EXIT_S)
     finally:
