@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pearl_hpc.errors import PearlError
-from pearl_hpc.master.journal import read_run_state
+from pearl_hpc.master.journal import lock_held, read_run_state
 from pearl_hpc.master.records import read_jsonl
 
 _ROLE_LETTER = {"prefill": "P", "decode": "D", "colocated": "C"}
@@ -223,4 +223,7 @@ def _master_alive(run_dir: Path, pid: int) -> bool:
     lease = run_dir / "elastic" / "master.lease"
     if lease.exists():
         return time.time() - lease.stat().st_mtime < LEASE_STALE_S
-    return _alive(pid)
+    held = lock_held(run_dir)  # the live master's flock; the kernel drops a dead one's
+    if held is not None:
+        return held
+    return pid > 0 and _alive(pid)

@@ -17,7 +17,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     (rank 0, the master, prints a line per step and the summary)."""
     from pearl_hpc.backends.world import exec_world, mpiexec_path
     from pearl_hpc.config.run import load_run_config
-    from pearl_hpc.master.journal import new_run_dir
+    from pearl_hpc.master.journal import lock_run_dir, new_run_dir
 
     if args.dry_run:
         from pearl_hpc.cli.dryrun import dry_run
@@ -29,6 +29,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.resume:
         run_dir = Path(args.resume)
         cfg = load_run_config(run_dir / "config.yaml")
+        lock_run_dir(run_dir).close()  # a live master still there: one line, exit 2
     else:
         cfg = load_run_config(args.config)
     mpiexec_path()  # no MPI: one clear line before a run directory is made

@@ -14,6 +14,7 @@ Strict: an unknown key, a value out of range or an inconsistent pair is a
 
 from __future__ import annotations
 
+import re
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -188,6 +189,9 @@ class RunConfig:
     run: RunSettings = spec_field("the workload", default=RunSettings())
 
 
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")  # a run directory's stem
+
+
 def load_run_config(path: str | Path, *, need_slurm: bool = True) -> RunConfig:
     """Read and check a run config; every error names the field and the fix
     (``need_slurm=False``: a Slurm run described, not started, e.g. ``--dry-run``)."""
@@ -206,6 +210,11 @@ def load_run_config(path: str | Path, *, need_slurm: bool = True) -> RunConfig:
         cfg.elastic.replay.load()  # a bad segment or file fails here, naming the fix
     if cfg.backend not in BACKENDS:
         raise ConfigError(f"{path}: backend {cfg.backend!r}: use local or slurm")
+    if not _PLAIN_NAME.fullmatch(cfg.name):
+        raise ConfigError(
+            f"{path}: name {cfg.name!r}: a plain name (letters, digits, '.', '_', '-'; "
+            "not starting with '.'), e.g. my-run"
+        )
     if need_slurm and cfg.backend == "slurm" and not shutil.which("sbatch"):
         raise ConfigError(
             f"{path}: backend slurm needs the Slurm commands (sbatch not on PATH); run on a "

@@ -1,6 +1,7 @@
 """The master's durable state: the journal, the trajectory log, the run directory.
 
     RUN_DIR/config.yaml            the run config (what ``--resume`` reads)
+            lock                   flock of the live master (its pid inside)
             journal.json           status, pid, next step, version, counters, controller
             trajectories/step-N    every trajectory after each of its turns
             snapshots/vN           weights after step N-1 (the newest two kept)
@@ -81,11 +82,69 @@ def read_run_state(run_dir: Path) -> dict[str, Any]:
 
 
 def new_run_dir(runs_dir: str | Path, name: str, config_path: Path) -> Path:
-    """``RUNS_DIR/NAME-DATE`` with a copy of the run YAML (what ``--resume`` reads)."""
-    run_dir = Path(runs_dir) / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(Path(config_path).read_text())
-    return run_dir
+    """``RUNS_DIR/NAME-DATE`` (``-2``, ``-3``... when a run of that name started in the
+    same second) with a copy of the run YAML (what ``--resume`` reads)."""
+    runs = Path(runs_dir)
+    if runs.exists() and not runs.is_dir():
+        raise ConfigError(f"runs_dir {runs}: is a file; set runs_dir to a directory")
+    try:
+        runs.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"runs_dir {runs}: cannot create it ({exc.strerror})") from None
+    stem = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    for n in range(1, 1000):
+        run_dir = runs / (stem if n == 1 else f"{stem}-{n}")
+        try:
+            run_dir.mkdir()
+        except FileExistsError:
+            continue
+        (run_dir / "config.yaml").write_text(Path(config_path).read_text())
+        return run_dir
+    raise ConfigError(f"runs_dir {runs}: 999 runs named {stem} already; pick another name")
+
+
+def lock_held(run_dir: Path) -> bool | None:
+    """Does a live process hold ``RUN_DIR/lock``? (None: the run has no lock file.)"""
+    import fcntl
+
+    try:
+        lock = (run_dir / "lock").open("r")
+    except OSError:
+        return None
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        return False
+
+
+class RunDirBusy(ConfigError):
+    """Another live master holds the run directory."""
+
+
+def lock_run_dir(run_dir: Path) -> Any:
+    """Hold ``RUN_DIR/lock`` (an exclusive ``flock``) for this process's life; returns
+    the open file (keep it). The kernel drops a dead holder's lock, so a killed master's
+    directory is free to resume at once; a live one's is refused with one line."""
+    import fcntl
+
+    lock = (run_dir / "lock").open("a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "?"
+        lock.close()
+        raise RunDirBusy(
+            f"{run_dir}: in use by a live master (pid {holder}); wait for it to end, or "
+            f"stop it (pearl-hpc status {run_dir})"
+        ) from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
 
 
 class TrajectoryLog:

@@ -88,9 +88,16 @@ def _master(
     """Rank 0: the run, its step lines and summary; a failure ends the whole world."""
     import asyncio
 
+    from pearl_hpc.master.journal import RunDirBusy, lock_run_dir
     from pearl_hpc.master.loop import run_master
     from pearl_hpc.master.records import format_step, format_summary
 
+    try:
+        lock = lock_run_dir(run_dir)  # held until this process ends
+    except RunDirBusy as exc:
+        print(f"pearl-hpc run: {exc}", file=sys.stderr, flush=True)
+        world.Abort(2)
+        return 2
     live = None
     if args.live:
         from pearl_hpc.master.live import LiveRollout
@@ -128,6 +135,7 @@ def _master(
     if live is not None:
         live.stop()
     print(format_summary(summary), flush=True)
+    lock.close()
     print(f"status: pearl-hpc status {run_dir}; plots: pearl-hpc report {run_dir}", flush=True)
     return 0
 

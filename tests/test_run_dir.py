@@ -1,0 +1,77 @@
+"""The run directory: one per run even when two start in the same second, plain run
+names only, an exclusive lock held by the live master (a dead master's lock is free at
+once, and ``--resume`` of a live run is one line, exit 2)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pearl_hpc.config.run import load_run_config
+from pearl_hpc.errors import ConfigError
+from pearl_hpc.master.journal import RunDirBusy, lock_held, lock_run_dir, new_run_dir
+
+REPO = Path(__file__).resolve().parents[1]
+LOCAL = REPO / "configs" / "runs" / "local.yaml"
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from pearl_hpc.master.journal import lock_run_dir
+lock = lock_run_dir(Path(sys.argv[1]))
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def test_two_runs_in_one_second_get_two_directories(tmp_path: Path) -> None:
+    dirs = {new_run_dir(tmp_path / "runs", "t", LOCAL) for _ in range(3)}
+    assert len(dirs) == 3 and all((d / "config.yaml").exists() for d in dirs)
+
+
+def test_runs_dir_that_is_a_file_is_one_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "runs").write_text("")
+    with pytest.raises(ConfigError, match="runs_dir .*is a file"):
+        new_run_dir(tmp_path / "runs", "t", LOCAL)
+
+
+@pytest.mark.parametrize("name", ["../../x", "a/b", ".hidden", "", "x" * 101, "a b"])
+def test_a_run_name_is_a_plain_name(tmp_path: Path, name: str) -> None:
+    doc = yaml.safe_load(LOCAL.read_text())
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({**doc, "name": name}))
+    with pytest.raises(ConfigError, match="a plain name"):
+        load_run_config(path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pearl_hpc.cli", "run", str(path), "--dry-run"],
+        capture_output=True, text=True, cwd=REPO, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_the_lock_is_exclusive_and_dies_with_its_holder(tmp_path: Path) -> None:
+    run_dir = new_run_dir(tmp_path / "runs", "t", LOCAL)
+    assert lock_held(run_dir) is None  # no master ever ran
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        assert lock_held(run_dir) is True
+        with pytest.raises(RunDirBusy, match=f"pid {holder.pid}"):
+            lock_run_dir(run_dir)
+        proc = subprocess.run(
+            [sys.executable, "-m", "pearl_hpc.cli", "run", "--resume", str(run_dir)],
+            capture_output=True, text=True, cwd=REPO, timeout=60,
+        )  # fmt: skip
+        assert proc.returncode == 2 and "in use by a live master" in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+    finally:
+        holder.kill()
+        holder.wait()
+    assert lock_held(run_dir) is False  # SIGKILLed: the kernel dropped its lock
+    lock_run_dir(run_dir).close()
