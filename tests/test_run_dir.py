@@ -35,7 +35,7 @@ def test_two_runs_in_one_second_get_two_directories(tmp_path: Path) -> None:
 
 def test_runs_dir_that_is_a_file_is_one_clear_error(tmp_path: Path) -> None:
     (tmp_path / "runs").write_text("")
-    with pytest.raises(ConfigError, match="runs_dir .*is a file"):
+    with pytest.raises(ConfigError, match=r"runs_dir .*is a file"):
         new_run_dir(tmp_path / "runs", "t", LOCAL)
 
 
