@@ -7,6 +7,7 @@ with status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -40,6 +41,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("pearl-hpc: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `pearl-hpc plan --json | head`: the reader has gone
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes
+        return 0
 
 
 if __name__ == "__main__":
