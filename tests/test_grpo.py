@@ -288,6 +288,7 @@ def test_snapshot_round_trip_resumes_weights_version_and_optimizer(
     path = trainer.save_snapshot(tmp_path / "snaps")
     assert path == tmp_path / "snaps" / "v000002"
     assert {p.name for p in path.iterdir()} == {"model.safetensors", "meta.json", "optimizer.pt"}
+    assert {p.stat().st_mode & 0o777 for p in path.iterdir()} == {0o600}  # private, all
     (tmp_path / "snaps" / ".tmp-v000009-1").mkdir()  # an unfinished write is ignored
     assert latest_snapshot(tmp_path / "snaps") == path
     with pytest.raises(TrainError, match="already exists; snapshots are immutable"):

@@ -605,7 +605,8 @@ class GRPOTrainer:
                 "has_optimizer": not self.sharded,
             }
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-            for path in tmp.iterdir():  # durable before it becomes visible
+            for path in tmp.iterdir():  # private (as the weights) and durable before visible
+                path.chmod(0o600)
                 with path.open("rb") as handle:
                     os.fsync(handle.fileno())
             tmp.rename(final)
