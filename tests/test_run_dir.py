@@ -75,3 +75,32 @@ def test_the_lock_is_exclusive_and_dies_with_its_holder(tmp_path: Path) -> None:
         holder.wait()
     assert lock_held(run_dir) is False  # SIGKILLed: the kernel dropped its lock
     lock_run_dir(run_dir).close()
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        (b"\xff\xfe not utf-8", "not UTF-8"),
+        (b"[1, 2]", "journal format"),
+        (b'{"format": "pearl-hpc-journal/1", "state": 3}', "no state mapping"),
+        (b'{"format": "pearl-hpc-journal/1", "state": {"pid": "x"}}', "pid"),
+        (b'{"format": "pearl-hpc-journal/1", "state": {"pid": 1e400}}', "pid"),
+        (b'{"format": "pearl-hpc-journal/1", "state": {"pid": 99999999999999999999}}', "range"),
+    ],
+)
+def test_a_bad_journal_is_one_line_from_status(tmp_path: Path, text: bytes, said: str) -> None:
+    run_dir = new_run_dir(tmp_path / "runs", "t", LOCAL)
+    (run_dir / "journal.json").write_bytes(text)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pearl_hpc.cli", "status", str(run_dir)],
+        capture_output=True, text=True, cwd=REPO, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and said in proc.stderr
+
+
+def test_a_non_utf8_config_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_bytes(b"name: \xff\xfe\n")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_run_config(path)

@@ -90,6 +90,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: no such file") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
     try:
         data = parse_yaml(text)
     except yaml.YAMLError as exc:

@@ -60,14 +60,31 @@ def read_journal(path: str | Path) -> dict[str, Any]:
         doc = json.loads(path.read_text())
     except FileNotFoundError:
         raise JournalError(f"{path}: no journal here (was the run started?)") from None
+    except UnicodeDecodeError:
+        raise JournalError(f"{path}: corrupt journal (not UTF-8 text)") from None
     except json.JSONDecodeError as exc:
         raise JournalError(f"{path}: corrupt journal ({exc.msg} at line {exc.lineno})") from None
     if not isinstance(doc, dict) or doc.get("format") != JOURNAL_FORMAT:
         found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
         raise JournalError(f"{path}: journal format {found!r} is not {JOURNAL_FORMAT!r}")
-    state = doc["state"]
-    assert isinstance(state, dict)
+    state = doc.get("state")
+    if not isinstance(state, dict):
+        raise JournalError(f"{path}: corrupt journal (no state mapping)")
+    for key, kind in _STATE_FIELDS.items():
+        value = state.get(key)
+        accepted = (int, float) if kind is float else kind
+        if key in state and (isinstance(value, bool) or not isinstance(value, accepted)):
+            raise JournalError(f"{path}: corrupt journal ({key}: {value!r} is not {kind.__name__})")
+        if kind is int and key in state and not 0 <= value < 1 << 62:
+            raise JournalError(f"{path}: corrupt journal ({key}: {value!r} is out of range)")
     return state
+
+
+# what ``status`` and ``--resume`` read of a run's state, and its type
+_STATE_FIELDS: dict[str, type] = {
+    "status": str, "pid": int, "next_step": int, "steps": int, "version": int, "t_s": float,
+    "elastic_workers": int, "controller": dict,
+}  # fmt: skip
 
 
 def read_run_state(run_dir: Path) -> dict[str, Any]:

@@ -90,9 +90,11 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     out = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text(errors="replace").splitlines():
         with contextlib.suppress(ValueError):
-            out.append(json.loads(line))
+            record = json.loads(line)
+            if isinstance(record, dict):  # a line of another shape is not a record
+                out.append(record)
     return out
 
 
