@@ -71,11 +71,13 @@ def read_journal(path: str | Path) -> dict[str, Any]:
     if not isinstance(state, dict):
         raise JournalError(f"{path}: corrupt journal (no state mapping)")
     for key, kind in _STATE_FIELDS.items():
-        value = state.get(key)
+        if key not in state:
+            continue
+        value = state[key]
         accepted = (int, float) if kind is float else kind
-        if key in state and (isinstance(value, bool) or not isinstance(value, accepted)):
+        if isinstance(value, bool) or not isinstance(value, accepted):
             raise JournalError(f"{path}: corrupt journal ({key}: {value!r} is not {kind.__name__})")
-        if kind is int and key in state and not 0 <= value < 1 << 62:
+        if kind is int and not 0 <= value < 1 << 62:
             raise JournalError(f"{path}: corrupt journal ({key}: {value!r} is out of range)")
     return state
 
