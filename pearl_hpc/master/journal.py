@@ -77,7 +77,7 @@ def read_journal(path: str | Path) -> dict[str, Any]:
         accepted = (int, float) if kind is float else kind
         if isinstance(value, bool) or not isinstance(value, accepted):
             raise JournalError(f"{path}: corrupt journal ({key}: {value!r} is not {kind.__name__})")
-        if kind is int and not 0 <= value < 1 << 62:
+        if isinstance(value, int) and not 0 <= value < 1 << 62:
             raise JournalError(f"{path}: corrupt journal ({key}: {value!r} is out of range)")
     return state
 
