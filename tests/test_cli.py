@@ -156,3 +156,26 @@ def test_bench_prints_every_size() -> None:
     rows = json.loads(result.stdout)
     assert {r["workers"] for r in rows} == {64, 256, 1024, 4096}
     assert all(r["median_ms"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["plan", "--profile", str(PROFILE), "--rollout-workers", "99999999"],
+        ["plan", "--profile", str(PROFILE), "--rollout-workers", "4", "--current", "99999999P1D"],
+        ["plan", "--profile", str(PROFILE), "--rollout-workers", "4",
+         "--borrowable-workers", "99999999"],
+        ["simulate", "--batch-size", "99999999"],
+    ],
+)  # fmt: skip
+def test_sizes_no_machine_can_finish_are_one_line_not_a_hang(args: list[str]) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "pearl_hpc.cli", *args],
+        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert (
+        len(proc.stderr.strip().splitlines()) == 1
+        and "at most" in proc.stderr
+        or ("must be <=" in proc.stderr)
+    )

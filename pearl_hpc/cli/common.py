@@ -18,8 +18,9 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
-def number(kind: type, minimum: float) -> Any:
-    """An argparse type: ``kind`` (int or float) that must be >= ``minimum`` and finite."""
+def number(kind: type, minimum: float, maximum: float | None = None) -> Any:
+    """An argparse type: ``kind`` (int or float), finite, >= ``minimum`` and, when given,
+    <= ``maximum`` (what a machine can hold and finish)."""
 
     def parse(text: str) -> Any:
         try:
@@ -29,14 +30,20 @@ def number(kind: type, minimum: float) -> Any:
             raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
         if not (value >= minimum and value != float("inf")):
             raise argparse.ArgumentTypeError(f"must be >= {minimum:g}, got {text}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be <= {maximum:g}, got {text}")
         return value
 
     return parse
 
 
+MAX_WORKERS = 4096  # rollout / borrowable workers of one plan (a 4096-worker plan: ~2 s)
+MAX_BATCH = 1 << 16  # trajectories of one simulated batch
 positive_int = number(int, 1)
 non_negative_int = number(int, 0)
 non_negative_float = number(float, 0.0)
+worker_count = number(int, 1, MAX_WORKERS)
+borrowable_count = number(int, 0, MAX_WORKERS)
 
 
 def resolve_profile(name_or_path: str) -> Path:

@@ -8,10 +8,12 @@ import time
 from typing import Any
 
 from pearl_hpc.cli.common import (
+    MAX_WORKERS,
+    borrowable_count,
     non_negative_float,
     non_negative_int,
-    positive_int,
     resolve_profile,
+    worker_count,
 )
 from pearl_hpc.config import load_profile
 from pearl_hpc.core.decision import decide
@@ -20,6 +22,7 @@ from pearl_hpc.core.policies import PolicyConfig, gate_borrowing_of, make_polici
 from pearl_hpc.core.profile import WorkloadProfile
 from pearl_hpc.core.table import RoleTable
 from pearl_hpc.core.types import PDConfig, Role, Status, Zone, parse_spec
+from pearl_hpc.errors import SpecError
 
 
 # --------------------------------------------------------------------------- plan
@@ -151,6 +154,8 @@ def _print_plan(doc: dict[str, Any]) -> None:
 def _cmd_plan(args: argparse.Namespace) -> int:
     profile = load_profile(resolve_profile(args.profile))
     current = parse_spec(args.current) if args.current else None
+    if current is not None and current.total > MAX_WORKERS:
+        raise SpecError(f"--current {args.current}: at most {MAX_WORKERS} workers")
     doc = run_plan(
         profile,
         rollout_workers=args.rollout_workers,
@@ -181,14 +186,14 @@ def add_parsers(sub: Any) -> None:
     )
     plan.add_argument(
         "--rollout-workers",
-        type=positive_int,
+        type=worker_count,
         required=True,
         help="dedicated rollout workers available now (N)",
     )
     plan.add_argument("--current", help="current configuration, e.g. 8C or 3P5D")
     plan.add_argument(
         "--borrowable-workers",
-        type=non_negative_int,
+        type=borrowable_count,
         default=0,
         help="idle training-GPU workers that may be borrowed (M)",
     )

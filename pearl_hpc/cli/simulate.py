@@ -9,8 +9,10 @@ import sys
 from typing import Any
 
 from pearl_hpc.cli.common import (
+    MAX_BATCH,
     non_negative_float,
     non_negative_int,
+    number,
     positive_int,
 )
 from pearl_hpc.errors import ConfigError
@@ -109,7 +111,7 @@ def add_parsers(sub: Any) -> None:
     )
     sim.add_argument("--model", default="qwen3-8b", help="qwen3-8b | qwen3-30b-a3b")
     sim.add_argument("--gpu", default="h800", help="h800 | h100 | a100")
-    sim.add_argument("--tp", type=positive_int, default=2, help="GPUs per rollout worker")
+    sim.add_argument("--tp", type=number(int, 1, 64), default=2, help="GPUs per rollout worker")
     sim.add_argument(
         "--segment",
         type=int,
@@ -141,9 +143,9 @@ def add_parsers(sub: Any) -> None:
         help="fixed dedicated rollout GPUs (with --no-elastic)",
     )
     sim.add_argument("--no-elastic", action="store_true", help="no trace: fixed resources")
-    sim.add_argument("--training-gpus", type=positive_int, default=16)
-    sim.add_argument("--batch-size", type=positive_int, default=None)
-    sim.add_argument("--max-trajectory-tokens", type=positive_int, default=None)
+    sim.add_argument("--training-gpus", type=number(int, 1, 1 << 16), default=16)
+    sim.add_argument("--batch-size", type=number(int, 1, MAX_BATCH), default=None)
+    sim.add_argument("--max-trajectory-tokens", type=number(int, 1, 1 << 22), default=None)
     sim.add_argument("--seed", type=non_negative_int, default=0)
     sim.add_argument(
         "--sweep-static",
