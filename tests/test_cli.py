@@ -174,6 +174,5 @@ def test_sizes_no_machine_can_finish_are_one_line_not_a_hang(args: list[str]) ->
         capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
     )  # fmt: skip
     assert proc.returncode == 2 and proc.stdout == ""
-    assert (len(proc.stderr.strip().splitlines()) == 1 and "at most" in proc.stderr) or (
-        "must be <=" in proc.stderr
-    )
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert "at most" in proc.stderr or "must be <=" in proc.stderr
