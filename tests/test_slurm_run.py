@@ -37,7 +37,14 @@ STEPS_SUBMITIT = 10
 CONFIG = {
     **LOCAL_CONFIG,  # the local run test's workload and ungated policies
     "backend": "slurm",
-    "slurm": {"sbatch_extra": ["--exclusive"], "preempt_hold_s": 10, "poll_s": 0.5},
+    # the dead master's elastic job outlives it until the resumed master cancels it (its
+    # lease would end it after lease_timeout_s; a loaded machine takes minutes to resume)
+    "slurm": {
+        "sbatch_extra": ["--exclusive"],
+        "preempt_hold_s": 10,
+        "poll_s": 0.5,
+        "lease_timeout_s": 600,
+    },
     "elastic": {
         "grace_s": 15,  # the elastic partition's GraceTime is 20 s
         # the reclaim late enough that the resumed master's new job runs by then, early

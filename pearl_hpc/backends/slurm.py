@@ -321,24 +321,33 @@ class SlurmBackend:
         self.on_event("scancel", {"target": "+".join(str(t) for t in target if t is not None)})
 
     async def watch(self, stop: asyncio.Event) -> None:
-        """squeue and the jobs' signal files -> capacity events, until ``stop``."""
+        """squeue and the jobs' signal files -> capacity events, until ``stop``; a poll
+        that fails is logged (``watch_error``) and the next one tried."""
         while not stop.is_set():
-            rows = await asyncio.to_thread(self.client.poll, self.tag)
-            now = self.clock()
-            for reclaim in self._signals(now):
-                await self._put(reclaim)
-            actions = self.manager.observe(rows, now)
-            for job_id, component in actions.cancel:
-                with contextlib.suppress(SlurmError):
-                    await asyncio.to_thread(self.client.cancel, job_id, component)
-            for event in actions.events:
-                if isinstance(event, CapacityGranted):
-                    self._held.setdefault(event.source.job_id, []).append(event)
-                else:
-                    await self._put(event)
-            await self._release_grants()
+            try:
+                await self._watch_once()
+            except Exception as exc:  # the watch must outlive any one bad poll
+                log.exception("elastic job watch")
+                self.on_event("watch_error", {"error": f"{type(exc).__name__}: {exc}"[:300]})
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.settings.poll_s)
+
+    async def _watch_once(self) -> None:
+        """One squeue poll and the signal files, folded into capacity events."""
+        rows = await asyncio.to_thread(self.client.poll, self.tag)
+        now = self.clock()
+        for reclaim in self._signals(now):
+            await self._put(reclaim)
+        actions = self.manager.observe(rows, now)
+        for job_id, component in actions.cancel:
+            with contextlib.suppress(SlurmError):
+                await asyncio.to_thread(self.client.cancel, job_id, component)
+        for event in actions.events:
+            if isinstance(event, CapacityGranted):
+                self._held.setdefault(event.source.job_id, []).append(event)
+            else:
+                await self._put(event)
+        await self._release_grants()
 
     async def _release_grants(self) -> None:
         """Grants of a heterogeneous job go to the controller as one event, once every

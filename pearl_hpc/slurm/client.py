@@ -57,6 +57,8 @@ def run_command(
         return CommandResult(127, "", f"{argv[0]}: command not found (is Slurm installed?)")
     except subprocess.TimeoutExpired:
         return CommandResult(124, "", f"{argv[0]}: no answer within {timeout_s:g} s")
+    except OSError as exc:  # e.g. fork failing on a loaded machine: a failed call, retried
+        return CommandResult(126, "", f"{argv[0]}: could not run ({exc})")
     return CommandResult(proc.returncode, proc.stdout, proc.stderr)
 
 
