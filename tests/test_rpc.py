@@ -199,3 +199,14 @@ def test_the_key_is_a_private_file_and_an_engine_without_one_exits_2(tmp_path: P
     )
     assert shared.returncode == 2 and "chmod 600" in shared.stderr
     assert not (tmp_path / "ready.json").exists()
+
+
+def test_the_bind_address_is_one_interface_never_all() -> None:
+    from pearl_hpc.comm.net import bind_address
+    from pearl_hpc.errors import ConfigError
+
+    assert bind_address("lo") == "127.0.0.1"
+    assert bind_address("10.1.2.3") == "10.1.2.3"
+    assert bind_address("hostname") not in ("0.0.0.0", "")
+    with pytest.raises(ConfigError, match="no such interface"):
+        bind_address("no-such-if0")

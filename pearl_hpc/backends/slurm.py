@@ -98,6 +98,7 @@ def elastic_job_spec(
         f"--max-model-len={spec.max_model_len}",
         f"--kv-cache-gb={spec.kv_cache_gb}",
         f"--lease-timeout-s={s.lease_timeout_s:g}",
+        f"--interface={s.engine_interface}",
     ]
     return JobSpec(
         name="pearl-elastic",

@@ -45,7 +45,7 @@ def _launch(args: argparse.Namespace) -> int:
             "--model", args.model, "--worker-id", f"{job}+{k}", "--role", "none",
             "--ready-file", str(edir / f"{job}+{k}.ready.json"),
             "--key-file", str(edir / "key"),
-            "--host", "0.0.0.0", "--advertise-host", "auto",
+            "--host", args.interface,
             "--device", args.device, "--max-model-len", str(args.max_model_len),
             "--kv-cache-gb", str(args.kv_cache_gb),
         ]  # fmt: skip
@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--kv-cache-gb", type=int, default=1)
     p.add_argument("--lease-timeout-s", type=float, default=60.0)
+    p.add_argument("--interface", default="hostname", help="what the engine servers bind")
     return _launch(p.parse_args(argv))
 
 

@@ -127,6 +127,11 @@ class SlurmSettings:
         "sbatch --signal of elastic jobs (delivered at preemption)", default="B:USR2@60"
     )
     poll_s: float = spec_field("squeue poll interval, seconds", default=1.0, gt=0)
+    engine_interface: str = spec_field(
+        "what engine and trainer sockets bind on each node: 'hostname' (what the node's "
+        "name resolves to), an interface (e.g. ib0, eth0) or an IPv4 address",
+        default="hostname",
+    )
     pending_timeout_s: float = spec_field(
         "cancel an elastic job still pending after this long", default=600.0, gt=0
     )

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pearl_hpc.comm.net import bind_address
 from pearl_hpc.core.types import Role
 from pearl_hpc.engine.rpc import read_key, serve
 from pearl_hpc.engine.types import (
@@ -50,6 +51,7 @@ from pearl_hpc.engine.types import (
     WorkerStats,
 )
 from pearl_hpc.engine.vllm_engine import EngineRunner, EngineSpec, configure_process_env, rss_bytes
+from pearl_hpc.errors import ConfigError
 
 log = logging.getLogger("pearl_hpc.engine.server")
 
@@ -304,11 +306,10 @@ class EngineService:
         self.stopped = asyncio.Event()
         self.server: asyncio.Server | None = None
 
-    async def start(
-        self, key: str, *, host: str, port: int, role: str, advertise_host: str = ""
-    ) -> dict[str, Any]:
-        """Listen (and start an engine in ``role`` unless ``none``); returns the ready
-        record: host, port, pid, KV side-channel port, engine start seconds."""
+    async def start(self, key: str, *, host: str, port: int, role: str) -> dict[str, Any]:
+        """Listen on ``host`` (one address, never every interface) and start an engine in
+        ``role`` unless ``none``; returns the ready record: host, port, pid, KV
+        side-channel port, engine start seconds."""
 
         async def shutdown() -> None:
             self.stopped.set()
@@ -321,8 +322,6 @@ class EngineService:
             start = await self.worker.restore(role)
             self.worker.admitting = True
         bound_host, bound_port = self.server.sockets[0].getsockname()[:2]
-        if advertise_host:  # bound to every interface: peers use the node's name
-            bound_host = socket.gethostname() if advertise_host == "auto" else advertise_host
         return {
             "host": bound_host,
             "port": bound_port,
@@ -374,9 +373,12 @@ async def _main(args: argparse.Namespace) -> int:
     # Slurm's --signal without B: (submitit's USR2 before a time-out) reaches every process
     # of the step: the master handles it and stops this worker itself
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-    ready = await service.start(
-        key, host=args.host, port=args.port, role=args.role, advertise_host=args.advertise_host
-    )
+    try:
+        host = bind_address(args.host)
+    except ConfigError as exc:
+        print(f"engine worker: --host {args.host}: {exc}", file=sys.stderr)
+        return 2
+    ready = await service.start(key, host=host, port=args.port, role=args.role)
     write_ready(args.ready_file, ready)
     await service.serve_until_stopped()
     return 0
@@ -404,12 +406,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--role", default="colocated", choices=[*map(str, ENGINE_ROLES), "none"])
     p.add_argument("--ready-file", required=True)
     p.add_argument("--key-file", required=True, help="the run's RPC key (mode 0600)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
     p.add_argument(
-        "--advertise-host",
-        default="",
-        help="host name written to the ready file ('auto': this node's)",
+        "--host",
+        default="127.0.0.1",
+        help="the address to listen on: an IPv4 address, an interface name or 'hostname'",
     )
     p.add_argument("--kv-port", type=int, default=0)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])

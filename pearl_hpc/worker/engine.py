@@ -48,8 +48,7 @@ def serve_engine(
         service = EngineService(spec, worker_id)
         # Slurm's --signal without B: reaches every process of the step: the master acts
         signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-        bind = "0.0.0.0" if host != "127.0.0.1" else host
-        ready = await service.start(key, host=bind, port=0, role="none", advertise_host=host)
+        ready = await service.start(key, host=host, port=0, role="none")
         write_ready(run_dir / f"{worker_id}.ready.json", ready)
         plane.report(Kind.HELLO, **hello, host=ready["host"], port=ready["port"])
         loop = asyncio.get_running_loop()

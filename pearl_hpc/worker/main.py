@@ -15,7 +15,6 @@ import argparse
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -30,6 +29,7 @@ def _rank(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     from pearl_hpc.comm.mpi import MasterPlane, WorkerPlane, member_info
+    from pearl_hpc.comm.net import bind_address
     from pearl_hpc.config.run import MASTER, TRAINER, base_layout, load_run_config
     from pearl_hpc.engine.rpc import read_key
 
@@ -53,7 +53,8 @@ def _rank(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     trainers = world.Split(0 if me.kind == TRAINER else MPI.UNDEFINED, world.Get_rank())
     key = read_key(run_dir / KEY_FILE)
-    host = "127.0.0.1" if cfg.backend == "local" else socket.gethostname()
+    # what this rank's sockets bind: loopback on one machine, the configured interface
+    host = "127.0.0.1" if cfg.backend == "local" else bind_address(cfg.slurm.engine_interface)
     if me.kind == MASTER:
         plane = MasterPlane(run_dir, hello_timeout_s=600.0, heartbeat_timeout_s=60.0)
         return _master(cfg, run_dir, plane, args, key, world)
