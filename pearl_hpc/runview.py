@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pearl_hpc.errors import PearlError
-from pearl_hpc.master.journal import lock_held, read_run_state
+from pearl_hpc.master.journal import JournalError, lock_held, read_run_state
 from pearl_hpc.master.records import read_jsonl
 
 _ROLE_LETTER = {"prefill": "P", "decode": "D", "colocated": "C"}
@@ -42,6 +42,15 @@ def _alive(pid: int) -> bool:
 def run_status(run_dir: Path) -> dict[str, Any]:
     """The run's state as one dict (what ``status`` prints)."""
     state = read_run_state(run_dir)
+    try:
+        return _status_of(run_dir, state)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise JournalError(
+            f"{run_dir}/journal.json: corrupt journal ({type(exc).__name__}: {exc})"[:400]
+        ) from None
+
+
+def _status_of(run_dir: Path, state: dict[str, Any]) -> dict[str, Any]:
     status = state["status"]
     if status == "running" and not _master_alive(run_dir, int(state["pid"])):
         status = "dead"

@@ -4,6 +4,7 @@ once, and ``--resume`` of a live run is one line, exit 2)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -77,15 +78,23 @@ def test_the_lock_is_exclusive_and_dies_with_its_holder(tmp_path: Path) -> None:
     lock_run_dir(run_dir).close()
 
 
+def _journal(**state: object) -> bytes:
+    base = {"status": "running", "pid": 1, "next_step": 0, "steps": 6, "version": 0, "t_s": 0.0}
+    base |= {"elastic_workers": 0, "controller": {}, "counters": {}}
+    return json.dumps({"format": "pearl-hpc-journal/1", "state": {**base, **state}}).encode()
+
+
 @pytest.mark.parametrize(
     ("text", "said"),
     [
         (b"\xff\xfe not utf-8", "not UTF-8"),
         (b"[1, 2]", "journal format"),
         (b'{"format": "pearl-hpc-journal/1", "state": 3}', "no state mapping"),
-        (b'{"format": "pearl-hpc-journal/1", "state": {"pid": "x"}}', "pid"),
-        (b'{"format": "pearl-hpc-journal/1", "state": {"pid": 1e400}}', "pid"),
-        (b'{"format": "pearl-hpc-journal/1", "state": {"pid": 99999999999999999999}}', "range"),
+        (b'{"format": "pearl-hpc-journal/1", "state": {"pid": 1}}', "no status"),
+        (_journal(pid="x"), "pid"),
+        (_journal(pid=1e300), "pid"),
+        (_journal(pid=99999999999999999999), "range"),
+        (_journal(controller={"table": 3}), "corrupt journal"),
     ],
 )
 def test_a_bad_journal_is_one_line_from_status(tmp_path: Path, text: bytes, said: str) -> None:

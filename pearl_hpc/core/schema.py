@@ -80,12 +80,19 @@ def from_mapping(cls: type[T], data: Any, *, where: str = "") -> T:
         raise ConfigError(f"{prefix}{exc}") from None
 
 
+MAX_INT = 1 << 63  # no config number needs more; bigger ones are typos or attacks
+
+
 def _check_range(f: dataclasses.Field[Any], value: Any, path: str) -> None:
     if not isinstance(value, int | float) or isinstance(value, bool):
         return
     doc = f.metadata.get("doc", "")
     hint = f" ({doc})" if doc else ""
     gt, ge, le = f.metadata.get("gt"), f.metadata.get("ge"), f.metadata.get("le")
+    if isinstance(value, int) and abs(value) >= MAX_INT:  # also beyond any float
+        raise ConfigError(
+            f"{path}: must be below 2**63, got an integer of {value.bit_length()} bits{hint}"
+        )
     if not math.isfinite(value):
         raise ConfigError(f"{path}: must be a finite number, got {value}{hint}")
     if gt is not None and not value > gt:

@@ -72,7 +72,7 @@ def read_journal(path: str | Path) -> dict[str, Any]:
         raise JournalError(f"{path}: corrupt journal (no state mapping)")
     for key, kind in _STATE_FIELDS.items():
         if key not in state:
-            continue
+            raise JournalError(f"{path}: corrupt journal (no {key})")
         value = state[key]
         accepted = (int, float) if kind is float else kind
         if isinstance(value, bool) or not isinstance(value, accepted):
@@ -85,7 +85,7 @@ def read_journal(path: str | Path) -> dict[str, Any]:
 # what ``status`` and ``--resume`` read of a run's state, and its type
 _STATE_FIELDS: dict[str, type] = {
     "status": str, "pid": int, "next_step": int, "steps": int, "version": int, "t_s": float,
-    "elastic_workers": int, "controller": dict,
+    "elastic_workers": int, "controller": dict, "counters": dict,
 }  # fmt: skip
 
 
