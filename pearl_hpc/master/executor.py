@@ -111,14 +111,18 @@ class WorkerExecutor:
         router.on_failure = self._on_router_failure
 
     def _on_router_failure(self, worker_id: str, reason: str) -> None:
-        if worker_id.startswith("s") and worker_id[1:].isdigit():
-            slot_id = int(worker_id[1:])
-            self.log_event("worker_failed", slot=slot_id, reason=reason[:200])
-            worker = self._worker_of(slot_id)
-            if worker is not None:  # its process is of no further use: gone with the slot
-                worker.proc.kill()
-                self.workers.pop(worker.gpu_ids, None)
-            self.queue.put_nowait(WorkerFailed(slot_id, reason))
+        """A worker the router sent turns to failed: reported once (every turn in flight
+        on it fails too, and says so), its process dropped with the slot."""
+        if not (worker_id.startswith("s") and worker_id[1:].isdigit()):
+            return
+        slot_id = int(worker_id[1:])
+        worker = self._worker_of(slot_id)
+        if worker is None:  # already reported: the other turns it had in flight
+            return
+        self.log_event("worker_failed", slot=slot_id, reason=reason[:200])
+        worker.proc.kill()
+        self.workers.pop(worker.gpu_ids, None)
+        self.queue.put_nowait(WorkerFailed(slot_id, reason))
 
     # ------------------------------------------------------------------ views
     def spawn(self, coro: Any) -> None:
