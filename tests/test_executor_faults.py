@@ -13,10 +13,9 @@ from pearl_hpc.rollout.router import Router
 
 
 class _DeadProc:
-    client: Any = None
-    ready: dict[str, Any] = {}
-
     def __init__(self) -> None:
+        self.client: Any = None
+        self.ready: dict[str, Any] = {}
         self.kills = 0
 
     async def stop(self, timeout_s: float = 60.0) -> None:
