@@ -151,6 +151,8 @@ class StepPipeline:
         borrowed_before = len(counters.activation_s)
         moved_before = counters.moved_turns
         journaled = self.tlog.load(step)  # a resumed step (two with the rollout ahead)
+        # counted now: the rollout continues these trajectories in place
+        resumed_tokens = sum(t.num_generated() for t in journaled.values())
         start_config, predicted = serving_prediction(self.controller)
         t0 = time.perf_counter()
         trajectories = await rollout_batch(
@@ -190,7 +192,7 @@ class StepPipeline:
             borrowed,
             counters.moved_turns - moved_before,
             len(journaled),
-            sum(t.num_generated() for t in journaled.values()),
+            resumed_tokens,
             predicted,
             start_config,
         )
