@@ -255,6 +255,7 @@ def test_a_master_killed_mid_step_resumes_without_losing_anything(tmp_path: Path
     assert [m["version"] for m in metrics] == [1, 2, 3]
     assert [m["trajectories"] for m in metrics] == [16] * 3
     assert metrics[1]["resumed"] == len(before) > 0
+    assert metrics[1]["tokens_per_s"] > 0  # the tokens this master generated, counted
     after = {}
     for line in (run_dir / "trajectories" / "step-00001.jsonl").read_text().splitlines():
         rec = json.loads(line)
