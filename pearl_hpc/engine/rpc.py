@@ -79,7 +79,10 @@ def read_key(path: str | Path) -> str:
 
 
 def _mac(key: bytes, *parts: bytes) -> bytes:
-    return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
+    mac = hmac.new(key, digestmod=hashlib.sha256)
+    for part in parts:  # no joined copy of a large payload
+        mac.update(part)
+    return mac.digest()
 
 
 class _Channel:
@@ -104,7 +107,7 @@ class _Channel:
         payload = _ENCODER.encode(obj)
         mac = _mac(self.session, self.out_label, _SEQ.pack(self.sent), payload)
         self.sent += 1
-        self.writer.write(_HEADER.pack(len(payload)) + payload + mac)
+        self.writer.writelines((_HEADER.pack(len(payload)), payload, mac))
 
     async def recv(self) -> Any:
         (size,) = _HEADER.unpack(await self.reader.readexactly(_HEADER.size))
