@@ -113,17 +113,17 @@ def test_a_replayed_frame_is_refused() -> None:
         key, calls = new_key(), []
         server, port = await _server(calls, key)
         channel = await _handshaken(port, key)
-        sent: list[bytes] = []
-        write = channel.writer.write
-        channel.writer.write = lambda data: (sent.append(data), write(data))  # type: ignore[method-assign]
-        channel.send([0, "echo", {"x": 1}])
+        payload = rpc._ENCODER.encode([0, "echo", {"x": 1}])
+        mac = rpc._mac(channel.session, b"c", rpc._SEQ.pack(0), payload)
+        frame = rpc._HEADER.pack(len(payload)) + payload + mac  # a valid first frame
+        channel.writer.write(frame)
         assert (await channel.recv())[1] is True
-        write(sent[0])  # the same frame again, on the same connection
+        channel.writer.write(frame)  # the same frame again, on the same connection
         await channel.writer.drain()
         assert await _closed_by_server(channel)
         # and on a new connection (another session key)
         other = await _handshaken(port, key)
-        other.writer.write(sent[0])
+        other.writer.write(frame)
         await other.writer.drain()
         assert await _closed_by_server(other)
         server.close()
