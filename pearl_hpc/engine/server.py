@@ -411,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         default="127.0.0.1",
         help="the address to listen on: an IPv4 address, an interface name or 'hostname'",
     )
+    p.add_argument("--port", type=int, default=0)
     p.add_argument("--kv-port", type=int, default=0)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--max-model-len", type=int, default=1024)
