@@ -70,15 +70,6 @@ def read_journal(path: str | Path) -> dict[str, Any]:
     state = doc.get("state")
     if not isinstance(state, dict):
         raise JournalError(f"{path}: corrupt journal (no state mapping)")
-    for key, kind in _STATE_FIELDS.items():
-        if key not in state:
-            raise JournalError(f"{path}: corrupt journal (no {key})")
-        value = state[key]
-        accepted = (int, float) if kind is float else kind
-        if isinstance(value, bool) or not isinstance(value, accepted):
-            raise JournalError(f"{path}: corrupt journal ({key}: {value!r} is not {kind.__name__})")
-        if isinstance(value, int) and not 0 <= value < 1 << 62:
-            raise JournalError(f"{path}: corrupt journal ({key}: {value!r} is out of range)")
     return state
 
 
@@ -97,7 +88,22 @@ def read_run_state(run_dir: Path) -> dict[str, Any]:
             f"{run_dir}: no journal.json; pass the run directory that `pearl-hpc run` "
             "printed (runs/NAME-DATE)"
         )
-    return read_journal(path)
+    state = read_journal(path)
+    _check_run_state(path, state)
+    return state
+
+
+def _check_run_state(path: Path, state: dict[str, Any]) -> None:
+    """What ``status`` and ``--resume`` read of a run's state: there, of its type."""
+    for key, kind in _STATE_FIELDS.items():
+        if key not in state:
+            raise JournalError(f"{path}: corrupt journal (no {key})")
+        value = state[key]
+        accepted = (int, float) if kind is float else kind
+        if isinstance(value, bool) or not isinstance(value, accepted):
+            raise JournalError(f"{path}: corrupt journal ({key}: {value!r} is not {kind.__name__})")
+        if isinstance(value, int) and not 0 <= value < 1 << 62:
+            raise JournalError(f"{path}: corrupt journal ({key}: {value!r} is out of range)")
 
 
 def new_run_dir(runs_dir: str | Path, name: str, config_path: Path) -> Path:
