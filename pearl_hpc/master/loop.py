@@ -289,6 +289,9 @@ class MasterRun:
             self.controller.toggle.restore(self.state["controller"]["toggle"])
             for key, value in self.state["counters"].items():
                 setattr(counters, key, value)
+            # one return latency per training step: the steps the journal recorded (the
+            # dead master may have begun training the step this one trains again)
+            counters.return_latency_s = counters.return_latency_s[: self.first_step]
             self.metrics = [m for m in read_metrics(self.run_dir) if m.step < self.first_step]
             write_lines(
                 self.run_dir / "metrics.jsonl", [json.dumps(asdict(m)) for m in self.metrics]
