@@ -51,6 +51,14 @@ async def _handshaken(port: int, key: str) -> rpc._Channel:
     return await rpc._client_handshake(reader, writer, bytes.fromhex(key), "test")
 
 
+def _frame(channel: rpc._Channel, payload: bytes, mac_of: bytes | None = None) -> bytes:
+    """Client frame 0 of ``channel`` carrying ``payload``, MACed over ``mac_of`` (default:
+    the payload itself)."""
+    signed = payload if mac_of is None else mac_of
+    mac = rpc._mac(channel.session, b"c", rpc._SEQ.pack(0), signed)
+    return rpc._HEADER.pack(len(payload)) + payload + mac
+
+
 async def _closed_by_server(channel: rpc._Channel) -> bool:
     try:
         data = await asyncio.wait_for(channel.reader.read(1), timeout=5)
@@ -97,8 +105,7 @@ def test_a_pickled_payload_is_never_unpickled(tmp_path: Path) -> None:
         assert await asyncio.wait_for(reader.read(1), timeout=5) == b""
         # with the key and a valid MAC: the frame is not msgpack, the connection ends
         channel = await _handshaken(port, key)
-        mac = rpc._mac(channel.session, b"c", rpc._SEQ.pack(0), payload)
-        channel.writer.write(rpc._HEADER.pack(len(payload)) + payload + mac)
+        channel.writer.write(_frame(channel, payload))
         await channel.writer.drain()
         assert await _closed_by_server(channel)
         server.close()
@@ -113,9 +120,7 @@ def test_a_replayed_frame_is_refused() -> None:
         key, calls = new_key(), []
         server, port = await _server(calls, key)
         channel = await _handshaken(port, key)
-        payload = rpc._ENCODER.encode([0, "echo", {"x": 1}])
-        mac = rpc._mac(channel.session, b"c", rpc._SEQ.pack(0), payload)
-        frame = rpc._HEADER.pack(len(payload)) + payload + mac  # a valid first frame
+        frame = _frame(channel, rpc._ENCODER.encode([0, "echo", {"x": 1}]))  # valid, first
         channel.writer.write(frame)
         assert (await channel.recv())[1] is True
         channel.writer.write(frame)  # the same frame again, on the same connection
@@ -138,9 +143,8 @@ def test_a_tampered_frame_is_refused() -> None:
         server, port = await _server(calls, key)
         channel = await _handshaken(port, key)
         payload = rpc._ENCODER.encode([0, "echo", {"x": 1}])
-        mac = rpc._mac(channel.session, b"c", rpc._SEQ.pack(0), payload)
         forged = payload.replace(b"\x01", b"\x05")  # x=5 under x=1's MAC
-        channel.writer.write(rpc._HEADER.pack(len(forged)) + forged + mac)
+        channel.writer.write(_frame(channel, forged, mac_of=payload))
         await channel.writer.drain()
         assert await _closed_by_server(channel)
         server.close()

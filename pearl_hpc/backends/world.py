@@ -13,14 +13,14 @@ Where the world runs:
   proxies fork the ranks) and ``RUN_DIR/hostfile`` giving each node its block of ranks
   (trainer ranks on the training nodes, reserved engine ranks on the rollout nodes);
   :func:`base_job_options` gives the allocation it needs, and ``pearl-hpc run CONFIG
-  --dry-run`` prints it. (Not ``srun --mpi=pmi2`` for the ranks: the MPICH wheel's PMI
-  puts of its business cards overflow Slurm's pmi2 plugin on hosts with many network
-  interfaces, "value not properly terminated in client request".)
+  --dry-run`` prints it. (Not ``srun --mpi=pmi2`` for the ranks: on the CI machine the
+  MPICH wheel's PMI exchange of a 2-node world broke Slurm's pmi2 plugin, "value not
+  properly terminated in client request"; Hydra's own PMI carries it.)
 Elastic capacity of the Slurm backend comes as heterogeneous jobs (:mod:`.slurm`).
 
 A rank that fails ends the world (rank 0 calls ``Abort``; Hydra ends every rank when
-one dies), so nothing of a run outlives its
-master; ``--resume`` starts a new world from the journal.
+one dies), so nothing of a run outlives its master; ``--resume`` starts a new world from
+the journal.
 """
 
 from __future__ import annotations

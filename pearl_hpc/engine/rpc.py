@@ -37,6 +37,7 @@ from typing import Any
 
 import msgspec
 
+from pearl_hpc.comm.mpi import write_private
 from pearl_hpc.engine.types import Draining, EngineError
 
 log = logging.getLogger(__name__)
@@ -62,10 +63,7 @@ def new_key() -> str:
 def write_key(path: str | Path, key: str) -> Path:
     """Write a run's key to a file only its owner can read (replacing any old one)."""
     path = Path(path)
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(key)
+    write_private(path, key)
     return path
 
 
