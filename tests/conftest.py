@@ -25,6 +25,15 @@ def slurm_cluster() -> str:
     return conf
 
 
+@pytest.fixture(autouse=True)
+def _nodes_resumed(request: pytest.FixtureRequest) -> None:
+    """Before every test on the cluster: an earlier test's killed step may have drained
+    its node, and a job would wait for it forever."""
+    if "slurm_cluster" in request.fixturenames:
+        request.getfixturevalue("slurm_cluster")
+        resume_drained_nodes()
+
+
 def resume_drained_nodes() -> None:
     """A step that outlived its kill signals (e.g. a test that stopped slurmctld while a
     job ended) drains its node ("Kill task failed"); a test cluster takes it back."""

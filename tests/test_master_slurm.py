@@ -68,7 +68,7 @@ def write_config(tmp_path: Path, **sections: Any) -> Path:
 
 def squeue_tagged(tag: str) -> list[str]:
     out = subprocess.run(
-        ["squeue", "-h", "-o", "%i|%T|%k"], capture_output=True, text=True, check=True
+        ["squeue", "-h", "-o", "%i|%T|%r|%k"], capture_output=True, text=True, check=True
     ).stdout
     return [line for line in out.splitlines() if line.endswith(f"pearl:{tag}")]
 
@@ -155,14 +155,26 @@ def wait_settled(run_dir: Path, members: set[str], timeout_s: float = 60) -> Non
         time.sleep(0.1)
 
 
-def wait_event(run_dir: Path, what: str, timeout_s: float = 90) -> dict[str, Any]:
+def wait_event(run_dir: Path, what: str, timeout_s: float = 180) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for event in events(run_dir):
             if event["what"] == what:
                 return event
         time.sleep(0.2)
-    raise AssertionError(f"no {what!r} event within {timeout_s} s: {events(run_dir)[-5:]}")
+    raise AssertionError(
+        f"no {what!r} event within {timeout_s} s: {events(run_dir)[-5:]}\n{_diagnosis(run_dir)}"
+    )
+
+
+def _diagnosis(run_dir: Path) -> str:
+    """Where the run stands in Slurm and what its master logged (for a failed wait)."""
+    sinfo = subprocess.run(
+        ["sinfo", "-h", "-N", "-o", "%N %T %E"], capture_output=True, text=True
+    ).stdout
+    logs = sorted((run_dir / "submitit").glob("*_log.*")) if run_dir.exists() else []
+    tails = "\n".join(f"--- {p.name}\n{_tail(p, 20)}" for p in logs)
+    return f"squeue: {squeue_tagged(run_dir.name)}\nsinfo:\n{sinfo}{tails}"
 
 
 def _tail(path: Path, n: int = 40) -> str:
