@@ -43,6 +43,14 @@ def test_a_worker_failing_many_turns_is_one_failure_event(tmp_path: Path) -> Non
     executor.workers[("el1:0",)] = _Worker(proc, ("el1:0",), slot_id=3)  # type: ignore[arg-type]
     for _ in range(64):  # every turn in flight on it fails
         router.on_failure("s3", "connection lost")  # type: ignore[misc]
-    assert queue.qsize() == 1 and isinstance(queue.get_nowait(), WorkerFailed)
+    assert queue.qsize() == 1
+    failed = queue.get_nowait()
+    assert isinstance(failed, WorkerFailed)
+    assert failed.reusable  # a process this master started: its GPUs can host another
     assert [k for k, _ in logged] == ["worker_failed"] and proc.kills == 1
     assert executor.workers == {}
+
+    # an elastic job's step (remote) takes its capacity with it
+    executor.workers[("j+0",)] = _Worker(_DeadProc(), ("j+0",), slot_id=4, remote=True)  # type: ignore[arg-type]
+    router.on_failure("s4", "connection lost")  # type: ignore[misc]
+    assert not queue.get_nowait().reusable

@@ -68,7 +68,9 @@ class LocalBackend:
             await self.queue.put(event)
 
     def release(self, source: ElasticSource) -> None:
-        """Its workers' processes are stopped by the executor: nothing else to free."""
+        """Given back (its workers' processes are stopped by the executor): no longer
+        counted; a later trace point grants the capacity afresh."""
+        self.granted = [(s, gpus) for s, gpus in self.granted if s != source]
 
     async def attach(self, gpu_ids: tuple[str, ...], key: str, timeout_s: float) -> None:
         return None  # the master starts the engine process itself

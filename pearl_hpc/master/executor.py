@@ -119,10 +119,13 @@ class WorkerExecutor:
         worker = self._worker_of(slot_id)
         if worker is None:  # already reported: the other turns it had in flight
             return
-        self.log_event("worker_failed", slot=slot_id, reason=reason[:200])
+        # an engine process this master started can be started again on the same GPUs;
+        # an elastic job's step or a rank of the world cannot
+        reusable = not worker.remote and not worker.persistent
+        self.log_event("worker_failed", slot=slot_id, reason=reason[:200], reusable=reusable)
         worker.proc.kill()
         self.workers.pop(worker.gpu_ids, None)
-        self.queue.put_nowait(WorkerFailed(slot_id, reason))
+        self.queue.put_nowait(WorkerFailed(slot_id, reason, reusable))
 
     # ------------------------------------------------------------------ views
     def spawn(self, coro: Any) -> None:
