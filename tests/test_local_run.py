@@ -148,6 +148,15 @@ def test_local_run_grows_reclaims_borrows_and_loses_nothing(tmp_path: Path, monk
     assert {"prefill", "decode"} <= set(groups[0])  # the disaggregated start
     assert "split_mismatch" not in kinds  # every member counted the group it landed in
     assert len(list(run_dir.glob("rank*-trainer.log"))) == 2  # two trainer processes
+    # the finished journal holds the table as the run left it: settled, as last logged
+    journal = json.loads((run_dir / "journal.json").read_text())
+    slots = journal["state"]["controller"]["table"]["slots"]
+    assert journal["state"]["status"] == "finished"
+    assert {s["status"] for s in slots} <= {"active", "inactive"}, slots
+    last = [e["slots"] for e in events if e["kind"] == "table"][-1]
+    assert sorted([s["slot_id"], s["status"]] for s in slots if s["role"] != "training") == sorted(
+        [slot, status] for slot, _, status, _ in last
+    )
 
 
 @pytest.mark.vllm

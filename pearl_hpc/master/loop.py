@@ -209,11 +209,7 @@ class MasterRun:
                 replay_task = asyncio.create_task(trace.replay(self._pump_stop))
             # 6. the steps
             await pipeline.run(self.first_step)
-            # let running starts / stops finish and their reports reach the controller,
-            # so a reclaimed job is handed back before the run ends
-            if executor.tasks:
-                await asyncio.wait(set(executor.tasks), timeout=120)
-            await asyncio.sleep(0.3)  # the pump applies what those tasks queued
+            await self._settle(executor)
         except BaseException:
             with contextlib.suppress(Exception):
                 self.save_state(self._next_step(), "failed")
@@ -235,6 +231,20 @@ class MasterRun:
         summary = self._finish()
         self.members.shutdown()
         return summary
+
+    async def _settle(self, executor: WorkerExecutor, timeout_s: float = 120.0) -> None:
+        """Let running starts / stops finish and their reports reach the controller until
+        none is left (a report can start another: the last step's end borrows the overlap
+        GPUs again), so a reclaimed job is handed back and the journal's table is the
+        workers' last state, no slot left joining."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            await asyncio.sleep(0.3)  # the pump applies what the tasks queued
+            tasks = set(executor.tasks)
+            left_s = deadline - time.monotonic()
+            if not tasks or left_s <= 0:
+                return
+            await asyncio.wait(tasks, timeout=left_s)
 
     # ------------------------------------------------------------------ setup
     def _build_workload(self) -> Workload:
