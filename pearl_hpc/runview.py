@@ -9,14 +9,16 @@ tracker's predicted rollout time next to the measured one.
 
 from __future__ import annotations
 
+import math
 import os
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from pearl_hpc.errors import PearlError
 from pearl_hpc.master.journal import JournalError, lock_held, read_run_state
-from pearl_hpc.master.records import read_jsonl
+from pearl_hpc.master.records import read_jsonl, read_metrics, read_tables
 
 _ROLE_LETTER = {"prefill": "P", "decode": "D", "colocated": "C"}
 
@@ -56,7 +58,7 @@ def _status_of(run_dir: Path, state: dict[str, Any]) -> dict[str, Any]:
         status = "dead"
     slots = state["controller"]["table"]["slots"]
     rollout = [s for s in slots if s["role"] != "training"]
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    metrics = read_metrics(run_dir)
     return {
         "run_dir": str(run_dir),
         "status": status,
@@ -74,7 +76,7 @@ def _status_of(run_dir: Path, state: dict[str, Any]) -> dict[str, Any]:
             {k: s[k] for k in ("slot_id", "role", "status", "zone", "gpu_ids")} for s in rollout
         ],
         "counters": {k: v for k, v in state["counters"].items() if not isinstance(v, list)},
-        "last_step": metrics[-1] if metrics else None,
+        "last_step": asdict(metrics[-1]) if metrics else None,
     }
 
 
@@ -122,21 +124,19 @@ def role_timeline(events: list[dict[str, Any]]) -> list[tuple[float, int, str, s
     """``(t, slot, role, state)`` changes from the ``table`` events of a run."""
     out: list[tuple[float, int, str, str]] = []
     last: dict[int, tuple[str, str]] = {}
-    for ev in events:
-        if ev.get("kind") != "table":
-            continue
+    for ev in read_tables(events):
         seen = set()
-        for slot, role, status, zone in ev["slots"]:
+        for slot, role, status, zone in ev.slots:
             seen.add(slot)
             state = "inactive"
             if status == "active":
                 state = "active-borrowed" if zone == "overlap" else "active"
             if last.get(slot) != (role, state):
                 last[slot] = (role, state)
-                out.append((ev["t_s"], slot, role, state))
+                out.append((ev.t_s, slot, role, state))
         for slot in set(last) - seen:  # gone from the table
             if last[slot][1] != "gone":
-                out.append((ev["t_s"], slot, last[slot][0], "gone"))
+                out.append((ev.t_s, slot, last[slot][0], "gone"))
                 last[slot] = (last[slot][0], "gone")
     return out
 
@@ -154,21 +154,22 @@ def write_run_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     run_dir = Path(run_dir)
     out = Path(out_dir) if out_dir else run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
-    events = read_jsonl(run_dir / "events.jsonl")
+    metrics = read_metrics(run_dir)
     if not metrics:
         raise PearlError(f"{run_dir}: no finished step in metrics.jsonl yet; nothing to plot")
-    timeline = role_timeline(events)
-    duration = max([m["t_s"] for m in metrics] + [e["t_s"] for e in events])
+    timeline = role_timeline(read_jsonl(run_dir / "events.jsonl"))
+    duration = max([m.t_s for m in metrics] + [t for t, *_ in timeline])
+    if not math.isfinite(duration):
+        raise PearlError(f"{run_dir}: metrics.jsonl or events.jsonl has a time of {duration}")
     written = []
 
     # step throughput over time, active rollout workers (dedicated, borrowed) behind it
     fig, ax = plt.subplots(figsize=(10, 4.5))
     budget_ax = ax.twinx()
     # a step's throughput holds over the step: from the previous step's end to its own
-    ends = [m["t_s"] for m in metrics]
-    rates = [m["tokens_per_s"] for m in metrics]
-    ax.step([ends[0] - metrics[0]["rollout_s"] - metrics[0]["train_s"], *ends], [rates[0], *rates],
+    ends = [m.t_s for m in metrics]
+    rates = [m.tokens_per_s for m in metrics]
+    ax.step([ends[0] - metrics[0].rollout_s - metrics[0].train_s, *ends], [rates[0], *rates],
             where="pre", label="pearl (measured)")  # fmt: skip
     active: dict[int, str] = {}
     times, dedicated, borrowed = [0.0], [0], [0]
@@ -200,11 +201,11 @@ def write_run_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
 
     # the tracker's prediction of each rollout next to the measured time
     fig, ax = plt.subplots(figsize=(8, 4))
-    steps = [m["step"] for m in metrics]
-    ax.plot(steps, [m["rollout_s"] for m in metrics], "o-", label="measured rollout")
-    ax.plot(steps, [m["predicted_s"] for m in metrics], "s--", label="predicted (tracker)")
+    steps = [m.step for m in metrics]
+    ax.plot(steps, [m.rollout_s for m in metrics], "o-", label="measured rollout")
+    ax.plot(steps, [m.predicted_s for m in metrics], "s--", label="predicted (tracker)")
     for m in metrics:
-        ax.annotate(m["config"], (m["step"], m["rollout_s"]), fontsize=7)
+        ax.annotate(m.config, (m.step, m.rollout_s), fontsize=7)
     ax.set_xlabel("step")
     ax.set_ylabel("seconds")
     ax.legend(fontsize=8)
@@ -215,9 +216,9 @@ def write_run_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     rows = [head, "|" + "---|" * 8]
     for m in metrics:
         rows.append(
-            f"| {m['step']} | {m['config']} | {m['rollout_s']:.2f} | {m['predicted_s']:.2f} | "
-            f"{m['tokens_per_s']:.0f} | {m['mean_reward']:.3f} | "
-            f"{'yes' if m['borrowed'] else 'no'} | {m['return_latency_s']:.2f} |"
+            f"| {m.step} | {m.config} | {m.rollout_s:.2f} | {m.predicted_s:.2f} | "
+            f"{m.tokens_per_s:.0f} | {m.mean_reward:.3f} | "
+            f"{'yes' if m.borrowed else 'no'} | {m.return_latency_s:.2f} |"
         )
     path.write_text("\n".join(rows) + "\n")
     written.append(path)

@@ -146,3 +146,81 @@ def test_random_arguments_are_one_line(command: list[str], arg: str) -> None:
     assert rc in (0, 2), err.getvalue()
     if rc == 2:
         assert len(err.getvalue().strip().splitlines()) == 1, err.getvalue()
+
+
+def _hostile(tmp_path: Path, name: str, data: bytes) -> Path:
+    """``data`` written as ``name`` under a fresh folder; returns the folder."""
+    folder = tmp_path / "in"
+    folder.mkdir(exist_ok=True)
+    (folder / name).write_bytes(data)
+    return folder
+
+
+# every subcommand that reads a user's file, with that file hostile; {f}: the file,
+# {d}: its folder, {o}: an output path (none of these starts a run or a job)
+FILE_COMMANDS = {
+    "run --dry-run": ("x.yaml", ["run", "{f}", "--dry-run"]),
+    "run --resume": ("journal.json", ["run", "--resume", "{d}"]),
+    "status": ("journal.json", ["status", "{d}"]),
+    "report metrics": ("metrics.jsonl", ["report", "{d}", "--out", "{o}"]),
+    "report events": ("events.jsonl", ["report", "{d}", "--out", "{o}"]),
+    "plan --profile": ("p.yaml", ["plan", "--profile", "{f}", "--rollout-workers", "4"]),
+    "simulate --trace": (
+        "t.csv", ["simulate", "--trace", "{f}", "--no-progress", "--duration-s", "60"]
+    ),
+    "calibrate --nccl-dir": (
+        "all_reduce_perf.txt", ["calibrate", "--nccl-dir", "{d}", "--out", "{o}"]
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("command", FILE_COMMANDS)
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    data=st.one_of(
+        st.binary(max_size=200),
+        values.map(lambda v: yaml.safe_dump(v).encode()),
+        values.map(lambda v: json.dumps(v, default=str).encode()),
+    )
+)
+def test_every_subcommand_reads_a_hostile_file_in_one_line(
+    tmp_path: Path, command: str, data: bytes
+) -> None:
+    name, template = FILE_COMMANDS[command]
+    folder = _hostile(tmp_path, name, data)
+    subs = {"{f}": str(folder / name), "{d}": str(folder), "{o}": str(tmp_path / "out")}
+    argv = [subs.get(a, a) for a in template]
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            rc = main(argv)
+        except SystemExit as exc:
+            rc = exc.code if isinstance(exc.code, int) else 2
+    assert rc in (0, 2), err.getvalue()
+    if rc == 2:
+        assert len(err.getvalue().strip().splitlines()) == 1, err.getvalue()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["tiny-model", "{file}"],
+        ["simulate", "--no-progress", "--duration-s", "60", "--report", "{file}"],
+        ["calibrate", "--gloo", "--out", "{file}/x.yaml"],
+        ["report", "{file}"],
+        ["status", "{file}"],
+    ],
+    ids=lambda a: " ".join(a[:1] + a[-1:]),
+)
+def test_an_output_or_run_path_that_is_a_file_is_one_line(tmp_path: Path, argv: list[str]) -> None:
+    taken = tmp_path / "taken"
+    taken.write_text("a file, not a folder")
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            rc = main([a.replace("{file}", str(taken)) for a in argv])
+        except SystemExit as exc:  # argparse's usage errors
+            rc = exc.code if isinstance(exc.code, int) else 2
+    assert rc == 2 and len(err.getvalue().strip().splitlines()) == 1, err.getvalue()

@@ -23,7 +23,7 @@ from pearl_hpc.calibrate.nccl import (
     busbw_factor,
     parse_nccl_tests,
 )
-from pearl_hpc.config.files import parse_yaml
+from pearl_hpc.config.files import parse_yaml, read_user_text
 from pearl_hpc.core.profile import WorkloadProfile
 from pearl_hpc.errors import CalibrationError, ConfigError
 
@@ -183,7 +183,7 @@ def read_nccl_dir(directory: str | Path) -> list[NcclResult]:
             f"--nccl-dir {directory}: no <test>_perf.txt files; run slurm/nccl-tests.sh run "
             "inside an allocation first"
         )
-    results = [parse_nccl_tests(p.read_text(), test=p.stem, where=str(p)) for p in files]
+    results = [parse_nccl_tests(read_user_text(p), test=p.stem, where=str(p)) for p in files]
     seen: dict[str, Path] = {}
     for path, result in zip(files, results, strict=True):
         if result.test in seen:
@@ -283,7 +283,7 @@ def check_out_path(out: Path) -> None:
         return
     try:
         data = parse_yaml(out.read_text())
-    except (OSError, yaml.YAMLError):
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
         data = None
     if not (isinstance(data, dict) and data.get("source") in SOURCES and "p2p_bytes_per_s" in data):
         raise ConfigError(

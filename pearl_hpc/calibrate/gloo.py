@@ -35,6 +35,7 @@ from pearl_hpc.calibrate.files import (
     write_text,
 )
 from pearl_hpc.calibrate.nccl import FIELD_OF_TEST, GB, MiB
+from pearl_hpc.config.files import read_user_text
 from pearl_hpc.errors import CalibrationError, ConfigError
 
 # --------------------------------------------------------------------------- gloo
@@ -293,10 +294,7 @@ def run_calibration(
         raise ConfigError(f"--profile-out {target}: is the profile itself; give another path")
     profile_text = None
     if profile is not None:
-        try:
-            profile_text = profile.read_text()
-        except OSError as exc:
-            raise ConfigError(f"--profile {profile}: cannot read ({exc.strerror})") from None
+        profile_text = read_user_text(profile, "--profile")
         profile_mapping(profile_text, str(profile))
     if nccl_dir is not None:
         cluster = cluster_from_nccl(read_nccl_dir(nccl_dir), measured_at=now)

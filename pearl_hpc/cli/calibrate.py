@@ -8,6 +8,7 @@ from typing import Any
 
 from pearl_hpc.cli.common import (
     number,
+    out_file,
     positive_int,
     resolve_profile,
 )
@@ -63,9 +64,11 @@ def add_parsers(sub: Any) -> None:
     calib.add_argument(
         "--timeout-s", type=number(float, 1.0), default=120.0, help="gloo rendezvous/op timeout"
     )
-    calib.add_argument("--out", required=True, help="bandwidth YAML to write")
+    calib.add_argument("--out", required=True, type=out_file, help="bandwidth YAML to write")
     calib.add_argument("--profile", help="profile YAML or shipped name to copy with the BW")
     calib.add_argument(
-        "--profile-out", help="where the profile copy goes (default <profile>-<out name>.yaml)"
+        "--profile-out",
+        type=out_file,
+        help="where the profile copy goes (default <profile>-<out name>.yaml)",
     )
     calib.set_defaults(func=_cmd_calibrate)

@@ -4,6 +4,7 @@ argument types, shipped-profile names."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -44,6 +45,52 @@ non_negative_int = number(int, 0)
 non_negative_float = number(float, 0.0)
 worker_count = number(int, 1, MAX_WORKERS)
 borrowable_count = number(int, 0, MAX_WORKERS)
+
+
+def _creatable(path: Path) -> str | None:
+    """Why ``path`` cannot be made as a folder or file (None: it can): its nearest
+    existing ancestor must be a writable folder."""
+    for above in path.parents:
+        if above.exists():
+            if not above.is_dir():
+                return f"{above} is a file, not a folder"
+            if not os.access(above, os.W_OK | os.X_OK):
+                return f"{above} is not writable"
+            return None
+    return None
+
+
+def out_dir(text: str) -> Path:
+    """An argparse type: a folder the command writes into (checked before any work)."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a file; give a folder")
+    if path.is_dir():
+        return path if os.access(path, os.W_OK | os.X_OK) else _refuse(f"{path} is not writable")
+    why = _creatable(path)
+    return path if why is None else _refuse(why)
+
+
+def out_file(text: str) -> Path:
+    """An argparse type: a file the command writes (checked before any work)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a folder; give a file path")
+    why = _creatable(path)
+    return path if why is None else _refuse(why)
+
+
+def existing_run_dir(text: str) -> Path:
+    """An argparse type: an existing run directory (``pearl-hpc run`` printed it)."""
+    path = Path(text)
+    if not path.is_dir():
+        what = "is a file" if path.exists() else "does not exist"
+        raise argparse.ArgumentTypeError(f"{path} {what}; give the run directory `run` printed")
+    return path
+
+
+def _refuse(why: str) -> NoReturn:
+    raise argparse.ArgumentTypeError(why)
 
 
 def resolve_profile(name_or_path: str) -> Path:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pearl_hpc.cli.common import existing_run_dir, out_dir
 from pearl_hpc.config import REPO_CONFIGS
 
 
@@ -83,6 +84,7 @@ def add_parsers(sub: Any) -> None:
     run_p.add_argument(
         "--resume",
         metavar="RUN_DIR",
+        type=existing_run_dir,
         help="continue the run in RUN_DIR after its master died (config from RUN_DIR)",
     )
     run_p.add_argument(
@@ -104,13 +106,17 @@ def add_parsers(sub: Any) -> None:
     run_p.set_defaults(func=_cmd_run)
 
     status_p = sub.add_parser("status", help="state of a running or finished run")
-    status_p.add_argument("run_dir", help="the directory `pearl-hpc run` printed")
+    status_p.add_argument(
+        "run_dir", type=existing_run_dir, help="the directory `pearl-hpc run` printed"
+    )
     status_p.add_argument("--json", action="store_true", help="one JSON object")
     status_p.set_defaults(func=_cmd_status)
 
     report_p = sub.add_parser(
         "report", help="plots of a run: throughput with the worker budget, roles, prediction"
     )
-    report_p.add_argument("run_dir", help="the directory `pearl-hpc run` printed")
-    report_p.add_argument("--out", help="output directory (default: RUN_DIR/report)")
+    report_p.add_argument(
+        "run_dir", type=existing_run_dir, help="the directory `pearl-hpc run` printed"
+    )
+    report_p.add_argument("--out", type=out_dir, help="output directory (default: RUN_DIR/report)")
     report_p.set_defaults(func=_cmd_report)

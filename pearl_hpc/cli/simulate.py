@@ -13,6 +13,7 @@ from pearl_hpc.cli.common import (
     non_negative_float,
     non_negative_int,
     number,
+    out_dir,
     positive_int,
 )
 from pearl_hpc.errors import ConfigError
@@ -160,7 +161,9 @@ def add_parsers(sub: Any) -> None:
         "least loaded (ROLL-style, prefix mostly re-prefilled)",
     )
     sim.add_argument("--json", action="store_true", help="print the JSON document")
-    sim.add_argument("--report", metavar="DIR", help="write summary.md, results.json, PNG plots")
+    sim.add_argument(
+        "--report", metavar="DIR", type=out_dir, help="write summary.md, results.json, PNG plots"
+    )
     sim.add_argument("--no-progress", action="store_true", help="no progress bar")
     sim.set_defaults(func=_cmd_simulate)
 

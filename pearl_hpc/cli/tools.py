@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from pearl_hpc.cli.common import out_dir
 from pearl_hpc.config import REPO_CONFIGS
 
 
@@ -40,7 +41,9 @@ def add_parsers(sub: Any) -> None:
     tiny = sub.add_parser(
         "tiny-model", help="build the tiny Qwen3 model + tokenizer locally (no hub access)"
     )
-    tiny.add_argument("out", nargs="?", help="directory (default: $PEARL_HPC_CACHE/tiny-qwen3)")
+    tiny.add_argument(
+        "out", nargs="?", type=out_dir, help="directory (default: $PEARL_HPC_CACHE/tiny-qwen3)"
+    )
     tiny.set_defaults(func=_cmd_tiny_model)
 
     bench = sub.add_parser(

@@ -81,17 +81,25 @@ def parse_yaml(text: str) -> Any:
     return yaml.load(text, Loader=ConfigLoader)  # a SafeLoader: plain values only
 
 
+def read_user_text(path: str | Path, what: str = "") -> str:
+    """A text file a user hands the CLI; a missing, unreadable or non-UTF-8 one is one
+    ConfigError line (``what``: the option that named it, e.g. ``--profile``)."""
+    path = Path(path)
+    where = f"{what} {path}" if what else str(path)
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: no such file") from None
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{where}: not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """Parse a YAML file whose top level is a mapping."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file") from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+    text = read_user_text(path)
     try:
         data = parse_yaml(text)
     except yaml.YAMLError as exc:

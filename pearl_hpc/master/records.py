@@ -12,9 +12,11 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from pearl_hpc.core.controller import Event
 from pearl_hpc.core.table import ElasticSource
@@ -98,11 +100,35 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+MAX_INT = 1 << 63  # a count or id a record can hold (a bigger one is not ours)
+
+
 def read_metrics(run_dir: Path) -> list[StepMetrics]:
+    """The step records of ``metrics.jsonl``, typed; a line of another shape (torn, or
+    not written by a master) is skipped like a torn line."""
     out = []
     for record in read_jsonl(run_dir / "metrics.jsonl"):
-        with contextlib.suppress(TypeError):
-            out.append(StepMetrics(**record))
+        with contextlib.suppress(msgspec.ValidationError):
+            m = msgspec.convert(record, StepMetrics)
+            if all(abs(v) < MAX_INT for v in astuple(m) if isinstance(v, int)):
+                out.append(m)
+    return out
+
+
+class TableRecord(msgspec.Struct):
+    """A ``table`` event: the rollout slots as ``[slot, role, status, zone]``."""
+
+    t_s: float
+    slots: list[tuple[int, str, str, str]]
+
+
+def read_tables(events: list[dict[str, Any]]) -> list[TableRecord]:
+    """The well-formed ``table`` events of an event log, in order."""
+    out = []
+    for ev in events:
+        if ev.get("kind") == "table":
+            with contextlib.suppress(msgspec.ValidationError):
+                out.append(msgspec.convert(ev, TableRecord))
     return out
 
 
