@@ -45,7 +45,7 @@ def new_run_dir(cfg: ClusterConfig, config_path: Path) -> tuple[Path, str]:
 def elastic_command(cfg: ClusterConfig, run_dir: Path) -> list[str]:
     """The batch command of an elastic job."""
     return [
-        sys.executable, "-m", "pearl_hpc.worker", "elastic",
+        sys.executable, "-m", "pearl_hpc.worker", "noop-elastic",
         "--run-dir", str(run_dir), "--mpi", cfg.mpi,
         "--gpus-per-worker", str(cfg.base.gpus_per_worker),
         "--heartbeat-s", str(cfg.run.heartbeat_interval_s),

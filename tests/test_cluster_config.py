@@ -14,9 +14,8 @@ from pearl_hpc.config import REPO_CONFIGS
 from pearl_hpc.core.table import ElasticSource
 from pearl_hpc.errors import ConfigError
 from pearl_hpc.launch import _minutes
-from pearl_hpc.slurm.capacity import Component, ComponentState
+from pearl_hpc.slurm.capacity import Component, ComponentState, gpu_ids_of
 from pearl_hpc.slurm.scripts import HetComponent
-from pearl_hpc.worker.noop import gpu_ids_of
 
 LOCAL = REPO_CONFIGS / "clusters" / "local.yaml"
 

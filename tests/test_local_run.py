@@ -316,13 +316,15 @@ def test_a_worker_killed_mid_rollout_loses_no_trajectory(tmp_path: Path, monkeyp
     killed: list[int] = []
 
     def kill_elastic_mid_step_1() -> None:
-        """Once the elastic worker is up, in the first rollout (step >= 1) that has
-        started: a few turns logged, the rest in flight."""
+        """Once the elastic worker serves (both workers' ready events), in the first
+        rollout (step >= 1) that has started: a few turns logged, the rest in flight."""
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             ready = list(run_dir.glob("w*-el1:0.ready.json"))
             logs = sorted((run_dir / "trajectories").glob("step-*.jsonl"))[1:]
-            if ready and logs and len(logs[-1].read_text().splitlines()) >= 4:
+            events = (run_dir / "events.jsonl").read_text() if ready else ""
+            serving = events.count('"kind": "ready"') >= 2
+            if serving and logs and len(logs[-1].read_text().splitlines()) >= 4:
                 pid = json.loads(ready[0].read_text())["pid"]
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)

@@ -1,25 +1,26 @@
-"""The Slurm backend: elastic engine workers in heterogeneous jobs.
+"""The Slurm backend: elastic engine ranks in heterogeneous jobs.
 
     sbatch launch/run.sbatch configs/runs/slurm-local.yaml     # the master as a batch job
 
-The master is the same as the local backend's (:mod:`pearl_hpc.master`: the controller,
-the trainer, the reserved and overlap engines in its own job). Elastic capacity differs:
+The base job is the run's MPI world (:mod:`pearl_hpc.backends.world`). Elastic capacity:
 a grow submits one heterogeneous job with one component per engine worker
 (``--comment=pearl:<run tag>``, partition ``slurm.partition``); its batch step
-(:mod:`pearl_hpc.backends.slurm_job`) runs ``python -m pearl_hpc.engine.server`` per
-component in its own ``srun --het-group=K`` step, which announces its address in
-``RUN_DIR/elastic/JOB+K.ready.json``; the master connects to it when the controller
-places a worker on those GPUs (:meth:`SlurmBackend.attach`). Reclaims are Slurm's:
+(:mod:`pearl_hpc.backends.slurm_job`) runs one engine rank per component in its own
+``srun --mpi=pmi2 --het-group=K`` step, which joins the world (Connect + Merge, see
+:mod:`pearl_hpc.master.members`); the master connects to its engine socket when the
+controller places a worker on those GPUs (:meth:`SlurmBackend.attach`). Reclaims are
+Slurm's:
 
     squeue (thread) ──RUNNING──> CapacityGranted      the job's --signal (preemption)
     component gone ──────────> CapacityReclaimed      ──> JOB.signal ──> CapacityReclaimed
                                                                           (deadline = grace)
 
 The controller drains the component's workers (their partial turns finish elsewhere),
-releases them and calls ``release_capacity``: ``scancel JOB+K``. The availability trace
-of a run config is carried out for real: a trace point that lowers the elastic count
-submits a job on ``slurm.preempt_partition`` to each node of the newest elastic job, and
-Slurm preempts it (the job's signal first, then cancel after the partition's GraceTime).
+releases them and calls ``release_capacity``: the component's rank leaves the world
+(LEAVE + Disconnect), then ``scancel JOB+K``. The availability trace of a run config is
+carried out for real: a trace point that lowers the elastic count submits a job on
+``slurm.preempt_partition`` to each node of the newest elastic job, and Slurm preempts it
+(the job's signal first, then cancel after the partition's GraceTime).
 
 Every process of an elastic job ends with the master: the job's launcher watches the
 master's lease file (``RUN_DIR/elastic/master.lease``, touched every second) and ends its
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import sys
@@ -41,13 +41,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pearl_hpc.comm.membership import MemberState
 from pearl_hpc.config.run import SlurmSettings
 from pearl_hpc.core.controller import CapacityGranted, CapacityReclaimed, Event
 from pearl_hpc.core.table import ElasticSource
 from pearl_hpc.engine.client import EngineClient
-from pearl_hpc.engine.rpc import write_key
 from pearl_hpc.engine.types import EngineError
 from pearl_hpc.engine.vllm_engine import EngineSpec
+from pearl_hpc.master.members import LEAVE_TIMEOUT_S, Members
 from pearl_hpc.slurm.capacity import CapacityManager, Component, ComponentState
 from pearl_hpc.slurm.client import SlurmClient, SlurmError, run_command
 from pearl_hpc.slurm.scripts import HetComponent, JobSpec
@@ -55,6 +56,7 @@ from pearl_hpc.slurm.scripts import HetComponent, JobSpec
 log = logging.getLogger(__name__)
 
 GONE = ComponentState.GONE
+LIVE = {MemberState.LINKED, MemberState.MEMBER, MemberState.LEAVING}
 LEASE_S = 1.0  # the master touches its lease this often
 LEASE_STALE_S = 30.0  # `pearl-hpc status`: a master silent this long is dead
 
@@ -82,7 +84,7 @@ def elastic_job_spec(
     workers: int,
     python: str,
 ) -> JobSpec:
-    """One grow: a heterogeneous job of ``workers`` components, one engine worker each,
+    """One grow: a heterogeneous job of ``workers`` components, one engine rank each,
     whose batch step is :mod:`pearl_hpc.backends.slurm_job` (pure)."""
     component = HetComponent(
         partition=s.partition,
@@ -94,11 +96,7 @@ def elastic_job_spec(
     engine_args = [
         f"--run-dir={elastic_dir.parent}",
         f"--model={spec.model_dir}",
-        f"--device={spec.device}",
-        f"--max-model-len={spec.max_model_len}",
-        f"--kv-cache-gb={spec.kv_cache_gb}",
         f"--lease-timeout-s={s.lease_timeout_s:g}",
-        f"--interface={s.engine_interface}",
     ]
     return JobSpec(
         name="pearl-elastic",
@@ -111,27 +109,26 @@ def elastic_job_spec(
 
 
 class RemoteWorker:
-    """An engine worker in a Slurm job step, with :class:`WorkerProcess`'s interface."""
+    """The engine rank of an elastic job component, with :class:`WorkerProcess`'s
+    interface: it leaves the world with its job (``release``), not when stopped."""
 
     def __init__(
         self,
         worker_id: str,
         client: EngineClient,
         ready: dict[str, Any],
-        cancel: Callable[[], None],
+        kill: Callable[[], None],
     ) -> None:
         self.worker_id = worker_id
         self.client = client
         self.ready = ready
-        self._cancel = cancel
+        self._kill = kill
 
     async def stop(self, timeout_s: float = 60.0) -> None:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.client.shutdown(), timeout_s)
         await self.client.close()
 
     def kill(self) -> None:
-        self._cancel()
+        self._kill()
 
 
 class SlurmBackend:
@@ -143,17 +140,17 @@ class SlurmBackend:
         settings: SlurmSettings,
         spec: EngineSpec,
         run_dir: Path,
-        key: str,
         queue: asyncio.Queue[Event],
         clock: Callable[[], float],
         grace_s: float,
         on_event: Callable[[str, dict[str, Any]], None],
+        members: Members,
     ) -> None:
         self.settings = settings
         self.spec = spec
+        self.members = members  # the world the elastic ranks join
         self.dir = run_dir / "elastic"
         self.dir.mkdir(parents=True, exist_ok=True)
-        write_key(self.dir / "key", key)  # the elastic jobs' engine servers read it
         self.tag = run_tag_of(run_dir)
         self.client = SlurmClient(min_backoff_s=settings.poll_s)
         self.manager = CapacityManager(
@@ -168,6 +165,8 @@ class SlurmBackend:
         self.preempting: set[str] = set()  # jobs the trace had preempted
         self.released: set[str] = set()  # components the controller gave back
         self._held: dict[str, list[CapacityGranted]] = {}  # grants of a partly started job
+        # scancel targets waiting for their component's rank to leave the world
+        self._cancels: dict[str, tuple[tuple[str, int | None], float]] = {}
         self._watch_stop = asyncio.Event()
         self._watch: asyncio.Task[None] | None = None
         self._lease_stop = threading.Event()
@@ -298,14 +297,16 @@ class SlurmBackend:
         self.on_event("preempt", {"job": job_id, "nodes": nodes})
 
     def release(self, source: ElasticSource) -> None:
-        """The controller gives a component back: ``scancel JOB+K`` (a signalled one too:
-        it is RELEASING already and is cancelled all the same).
+        """The controller gives a component back: its rank leaves the world, then
+        ``scancel JOB+K`` (a signalled one too: it is RELEASING already and is cancelled
+        all the same), once the rank acked or after ``LEAVE_TIMEOUT_S``.
 
         Component 0 runs the job's batch step, and cancelling it ends every component:
-        while others serve, it is given back (its engine server idles, holding no engine)
+        while others serve, its allocation is kept (its rank has left) and given back
         with the last of them."""
         self.manager.release(source)
         self.released.add(source.tag)
+        self.members.leave(source.tag)
         job = [c for c in self.manager.components.values() if c.source.job_id == source.job_id]
         others = [c for c in job if c.source.tag not in self.released and c.state is not GONE]
         if source.het_component == 0 and others:
@@ -315,11 +316,19 @@ class SlurmBackend:
             target: tuple[str, int | None] = (source.job_id, None)  # the whole job
         else:
             target = self.manager.cancel_target(source)
-        try:
-            self.client.cancel(*target)
-        except SlurmError as exc:  # already gone: nothing to give back
-            log.info("scancel %s: %s", source.tag, exc)
-        self.on_event("scancel", {"target": "+".join(str(t) for t in target if t is not None)})
+        self._cancels[source.tag] = (target, time.monotonic() + LEAVE_TIMEOUT_S)
+
+    async def _cancel_left(self) -> None:
+        """The scancels whose component's rank has left the world (or took too long)."""
+        for tag, (target, by) in list(self._cancels.items()):
+            if not (self.members.left(tag) or time.monotonic() > by):
+                continue
+            del self._cancels[tag]
+            try:
+                await asyncio.to_thread(self.client.cancel, *target)
+            except SlurmError as exc:  # already gone: nothing to give back
+                log.info("scancel %s: %s", tag, exc)
+            self.on_event("scancel", {"target": "+".join(str(t) for t in target if t is not None)})
 
     async def watch(self, stop: asyncio.Event) -> None:
         """squeue and the jobs' signal files -> capacity events, until ``stop``; a poll
@@ -340,6 +349,10 @@ class SlurmBackend:
         for reclaim in self._signals(now):
             await self._put(reclaim)
         actions = self.manager.observe(rows, now)
+        for comp in self.manager.components.values():  # ended under its rank: dead
+            if comp.state is GONE and self.members.group_state(comp.source.tag) & LIVE:
+                for member in self.members.plane.membership.group(comp.source.tag):
+                    self.members.fail(member.member_id, "its job component ended")
         for job_id, component in actions.cancel:
             with contextlib.suppress(SlurmError):
                 await asyncio.to_thread(self.client.cancel, job_id, component)
@@ -349,6 +362,7 @@ class SlurmBackend:
             else:
                 await self._put(event)
         await self._release_grants()
+        await self._cancel_left()
 
     async def _release_grants(self) -> None:
         """Grants of a heterogeneous job go to the controller as one event, once every
@@ -385,24 +399,28 @@ class SlurmBackend:
     async def attach(
         self, gpu_ids: tuple[str, ...], key: str, timeout_s: float
     ) -> RemoteWorker | None:
-        """Connect to the engine server of the component that holds ``gpu_ids`` (None:
-        not GPUs of an elastic job; the master starts their engine itself)."""
+        """Connect to the engine socket of the rank that holds ``gpu_ids``, once it
+        joined the world (None: not GPUs of an elastic job; a base engine rank's)."""
         source = source_of_gpus(gpu_ids)
         if source is None:
             return None
-        ready_file = self.dir / f"{source.tag}.ready.json"
         deadline = time.monotonic() + timeout_s
-        while not ready_file.exists():
+        while (hello := self.members.engine_on(gpu_ids)) is None:
             comp = self.manager.components.get(source.tag)
-            if comp is None or comp.state is ComponentState.GONE:
-                raise EngineError(f"elastic component {source.tag} ended before its engine was up")
+            if comp is None or comp.state is GONE:
+                raise EngineError(f"elastic component {source.tag} ended before its rank joined")
             if time.monotonic() > deadline:
                 raise EngineError(
-                    f"engine of {source.tag} not up after {timeout_s:.0f} s; see "
+                    f"the rank of {source.tag} did not join within {timeout_s:.0f} s; see "
                     f"{self.dir}/job-{source.job_id}.out"
                 )
             await asyncio.sleep(0.2)
-        ready = json.loads(ready_file.read_text())
         client = EngineClient(source.tag)
-        await client.connect(ready["host"], int(ready["port"]), key)
-        return RemoteWorker(source.tag, client, ready, lambda: self.release(source))
+        await client.connect(str(hello["host"]), int(hello["port"]), key)
+        member = str(hello["member"])
+
+        def kill() -> None:  # its engine socket died: so did the rank, or it will
+            self.members.fail(member, "its engine socket died")
+            self.release(source)
+
+        return RemoteWorker(source.tag, client, hello, kill)

@@ -3,10 +3,11 @@ first node:
 
     python -m pearl_hpc.backends.slurm_job --run-dir DIR --model M ...
 
-It starts one engine server per heterogeneous component, each in its own
-``srun --het-group=K`` step (so ``scancel JOB+K`` ends only that component), writes the
-job's preemption signal for the master (``elastic/JOB.signal``) and ends the steps once
-the master's lease (``elastic/master.lease``) goes stale.
+It starts one engine rank per heterogeneous component, each in its own
+``srun --mpi=pmi2 --het-group=K`` step (so ``scancel JOB+K`` ends only that component):
+``python -m pearl_hpc.worker join`` Connects to the master and Merges into the run's
+world. It writes the job's preemption signal for the master (``elastic/JOB.signal``) and
+ends the steps once the master's lease (``elastic/master.lease``) goes stale.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 
 def _launch(args: argparse.Namespace) -> int:
-    """The batch step of an elastic job: one engine server per component, each in its own
+    """The batch step of an elastic job: one engine rank per component, each in its own
     ``srun --het-group=K`` step; the job's signal is written for the master; the steps end
     when the master's lease goes stale."""
     job = os.environ.get("SLURM_JOB_ID")
@@ -39,15 +40,12 @@ def _launch(args: argparse.Namespace) -> int:
     edir = args.run_dir / "elastic"
     procs = []
     for k in range(size):
-        argv = ["srun", "-n1", *([f"--het-group={k}"] if het else [])]
+        # PMI from srun: the rank is an MPI process of its own, Connecting to the
+        # master's port (a Hydra-launched base world accepts it: verified here)
+        argv = ["srun", "-n1", "--mpi=pmi2", *([f"--het-group={k}"] if het else [])]
         argv += [
-            sys.executable, "-m", "pearl_hpc.engine.server",
-            "--model", args.model, "--worker-id", f"{job}+{k}", "--role", "none",
-            "--ready-file", str(edir / f"{job}+{k}.ready.json"),
-            "--key-file", str(edir / "key"),
-            "--host", args.interface,
-            "--device", args.device, "--max-model-len", str(args.max_model_len),
-            "--kv-cache-gb", str(args.kv_cache_gb),
+            sys.executable, "-m", "pearl_hpc.worker", "join",
+            "--run-dir", str(args.run_dir), "--model-dir", args.model, "--group", f"{job}+{k}",
         ]  # fmt: skip
         procs.append(subprocess.Popen(argv))
 
@@ -88,11 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--run-dir", type=Path, required=True)
     p.add_argument("--model", required=True)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--kv-cache-gb", type=int, default=1)
     p.add_argument("--lease-timeout-s", type=float, default=60.0)
-    p.add_argument("--interface", default="hostname", help="what the engine servers bind")
     return _launch(p.parse_args(argv))
 
 

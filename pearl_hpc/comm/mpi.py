@@ -119,12 +119,16 @@ class MasterPlane:
         heartbeat_timeout_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         hello_timeout_s: float = 60.0,
+        fresh_s: float | None = None,
     ) -> None:
         MPI = _mpi()
         self.MPI = MPI
         self.run_dir = Path(run_dir)
         self.clock = clock
         self.hello_timeout_s = hello_timeout_s
+        # collective calls wait until every member was heard this recently (default: a
+        # quarter of the heartbeat timeout)
+        self.fresh_s = heartbeat_timeout_s / 4 if fresh_s is None else fresh_s
         world = MPI.COMM_WORLD
         if world.rank != 0:
             raise PlaneError(f"the master must be rank 0 of the base job, this is {world.rank}")
@@ -239,11 +243,11 @@ class MasterPlane:
         return reports
 
     def all_fresh(self, joining: str | None = None) -> bool:
-        """Was every universe member heard within a quarter of the heartbeat timeout?
-        Collective calls wait for this: a member that died since its last heartbeat
-        would hang them (it is declared failed and shrunk away first)."""
+        """Was every universe member heard within ``fresh_s``? Collective calls wait for
+        this: a member that died since its last heartbeat would hang them (it is
+        declared failed and shrunk away first)."""
         now = self.clock()
-        window = self.membership.heartbeat_timeout_s / 4
+        window = self.fresh_s
         members = [self.membership.members[i] for i in self.membership.universe[1:]]
         if joining is not None:
             members += self.membership.group(joining)

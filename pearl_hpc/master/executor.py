@@ -115,16 +115,29 @@ class WorkerExecutor:
         on it fails too, and says so), its process dropped with the slot."""
         if not (worker_id.startswith("s") and worker_id[1:].isdigit()):
             return
-        slot_id = int(worker_id[1:])
-        worker = self._worker_of(slot_id)
-        if worker is None:  # already reported: the other turns it had in flight
+        worker = self._worker_of(int(worker_id[1:]))
+        if worker is not None:  # else already reported: the other turns it had in flight
+            self._died(worker, reason)
+
+    def member_failed(self, gpu_ids: tuple[str, ...], reason: str) -> None:
+        """A rank of the world failed (silent, or its job ended): its worker with it."""
+        worker = self.workers.get(tuple(gpu_ids))
+        if worker is None:
             return
+        if worker.slot_id is None:  # placed nowhere: forgotten
+            self.workers.pop(worker.gpu_ids, None)
+            return
+        self._died(worker, reason)
+
+    def _died(self, worker: _Worker, reason: str) -> None:
+        assert worker.slot_id is not None
+        slot_id = worker.slot_id
         # an engine process this master started can be started again on the same GPUs;
         # an elastic job's step or a rank of the world cannot
         reusable = not worker.remote and not worker.persistent
         self.log_event("worker_failed", slot=slot_id, reason=reason[:200], reusable=reusable)
+        self.workers.pop(worker.gpu_ids, None)  # first: killing it may report it again
         worker.proc.kill()
-        self.workers.pop(worker.gpu_ids, None)
         self.queue.put_nowait(WorkerFailed(slot_id, reason, reusable))
 
     # ------------------------------------------------------------------ views

@@ -91,7 +91,7 @@ def make_backend(
     cfg: RunConfig,
     run_dir: Path,
     spec: EngineSpec,
-    key: str,
+    members: Members,
     queue: asyncio.Queue[Event],
     clock: Callable[[], float],
     events: EventLog,
@@ -104,11 +104,11 @@ def make_backend(
             cfg.slurm,
             spec,
             run_dir,
-            key,
             queue,
             clock,
             cfg.elastic.grace_s,
             lambda kind, fields: events(kind, **fields),
+            members,
         )
     return LocalBackend(queue, clock, cfg.elastic.grace_s)
 
@@ -170,6 +170,8 @@ class MasterRun:
             self._profile(), executor, policy=cfg.policy, clock=self.clock, check_invariants=True
         )
         executor.controller = controller
+        self.members.roles = self._member_roles
+        self.members.on_failed = lambda m: executor.member_failed(m.gpu_ids, "rank failed")
         # 4. what a dead master left: tracker, toggle estimate, counters, metrics
         self._restore()
         # 5. the pump, the members' reports, the trace
@@ -226,6 +228,7 @@ class MasterRun:
             with contextlib.suppress(Exception):
                 await poll_task
             await executor.close()
+            self.members.leave_all()  # elastic ranks leave the world before their jobs end
             await self.backend.close()
         # 8. the summary; the members leave the world
         summary = self._finish()
@@ -243,8 +246,9 @@ class MasterRun:
             tasks = set(executor.tasks)
             left_s = deadline - time.monotonic()
             if not tasks or left_s <= 0:
-                return
+                break
             await asyncio.wait(tasks, timeout=left_s)
+        self.members.flush()  # the split of the last plan, if it still waits
 
     # ------------------------------------------------------------------ setup
     def _build_workload(self) -> Workload:
@@ -277,7 +281,7 @@ class MasterRun:
         (engine ranks and elastic job steps authenticate with it)."""
         key = self.key
         self.backend = make_backend(
-            self.cfg, self.run_dir, spec, key, self.queue, self.clock, self.events
+            self.cfg, self.run_dir, spec, self.members, self.queue, self.clock, self.events
         )
         return WorkerExecutor(
             spec,
@@ -364,7 +368,7 @@ class MasterRun:
                 )
         self.executor.sync_router()
         if planned:  # the members follow the applied plan into their role groups
-            self.members.split(self._member_roles())
+            self.members.split()
         table = [
             [s.slot_id, str(s.role), str(s.status), str(s.zone)]
             for s in controller.table.rollout_slots()

@@ -1,41 +1,58 @@
 """The master's side of the run's MPI world, for its asyncio loop.
 
-    MasterPlane (comm/mpi.py)      hellos, commands, reports, Comm.Split, shutdown
+    MasterPlane (comm/mpi.py)      hellos, joins, commands, reports, Comm.Split, shutdown
         └── Members                 a poll task resolves each command's ack by its seq
               └── RemoteTrainer     the trainer ranks: TRAIN, PUBLISH, CATCH_UP
 
+    elastic rank ──joins/<group>.json──> poll: Accept (one at a time) ──> LINKED
+                 ──all fresh──> admit: the universe grows (Create_intercomm + Merge)
+                 ──LEAVE + Disconnect (its job given back)──> GONE ──> shrink
+    a member silent past the heartbeat timeout, or whose engine socket died: FAILED,
+    shrunk away before the next collective call
+
 The master never waits inside MPI for a member's work: commands are sent, acks arrive
-through :meth:`Members.poll` (every few ms, beside heartbeats). Only ``Comm.Split``
-blocks the loop, for as long as the members take to enter it (their control threads
-answer within milliseconds, whatever their engine or trainer is doing).
+through :meth:`Members.poll` (every few ms, beside heartbeats). Collective calls (admit,
+shrink, ``Comm.Split``) block the loop, so they are entered only when every member was
+heard within the last ``fresh_s`` (a member busy without its control thread, or dead,
+would hold the master in them): a split asked for waits until then.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pearl_hpc.comm.membership import Member, MemberState
 from pearl_hpc.comm.messages import Kind, Op, Report
 from pearl_hpc.comm.mpi import MasterPlane, PlaneError
 from pearl_hpc.master.records import EventLog
 from pearl_hpc.rollout.types import Trajectory
+from pearl_hpc.slurm.client import FORK_LOCK
+
+log = logging.getLogger(__name__)
 
 POLL_S = 0.005
+LEAVE_TIMEOUT_S = 15.0  # members that do not ack LEAVE by then are cancelled anyway
 
 
 class Members:
-    """Commands to members as awaitables; ``Comm.Split`` after each plan."""
+    """Commands to members as awaitables; joins, admission, leaving; ``Comm.Split``
+    after each plan."""
 
     def __init__(self, plane: MasterPlane, events: EventLog) -> None:
         self.plane = plane
         self.events = events
         self.hellos: dict[str, dict[str, Any]] = {}  # member id -> what its hello said
-        self.rank_of: dict[str, int] = {}  # member id -> its rank in the base world
+        self.roles: Callable[[], Mapping[str, str]] = dict  # each member's group now
+        self.on_failed: Callable[[Member], None] = lambda member: None
         self._waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._expected: dict[int, dict[str, int]] = {}  # epoch -> member -> group size
+        self._to_admit: list[str] = []  # linked groups waiting to enter the universe
+        self._split_wanted = False
 
     def start(self, since_s: float) -> None:
         """Every base rank said hello (blocking: before the loop serves anything);
@@ -43,30 +60,90 @@ class Members:
         latency."""
         for member in self.plane.start_base():
             self.hellos[member.member_id] = member.info
-            self.rank_of[member.member_id] = member.link_rank
         self.events(
             "world",
             ranks=1 + len(self.hellos),
             trainers=len(self.of_kind("trainer")),
             engines=len(self.of_kind("engine")),
-            nodes={str(self.rank_of[m]): str(h.get("node", "")) for m, h in self.hellos.items()},
+            nodes={str(self.rank(m)): str(h.get("node", "")) for m, h in self.hellos.items()},
             start_s=round(time.monotonic() - since_s, 3),
         )
 
+    def rank(self, member_id: str) -> int:
+        """The member's rank in the universe now (base ranks keep theirs until a shrink)."""
+        return self.plane.membership.rank_of(member_id)
+
     def of_kind(self, kind: str) -> list[str]:
+        """Live members of the universe running ``kind`` (trainer, engine), in rank
+        order."""
+        membership = self.plane.membership
         return sorted(
-            (m for m, h in self.hellos.items() if h.get("process") == kind),
-            key=lambda m: self.rank_of[m],
+            (
+                m
+                for m, h in self.hellos.items()
+                if h.get("process") == kind
+                and m in membership.universe
+                and membership.members[m].state is MemberState.MEMBER
+            ),
+            key=self.rank,
         )
 
+    def engine_on(self, gpu_ids: tuple[str, ...]) -> dict[str, Any] | None:
+        """The hello of the admitted engine rank on ``gpu_ids`` (None: none yet)."""
+        for member_id in self.of_kind("engine"):
+            if tuple(self.hellos[member_id].get("gpu_ids", ())) == gpu_ids:
+                return {"member": member_id, **self.hellos[member_id]}
+        return None
+
+    def group_state(self, group: str) -> set[MemberState]:
+        return {m.state for m in self.plane.membership.group(group)}
+
+    # ------------------------------------------------------------------ the poll
     async def poll_forever(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             self.poll()
             await asyncio.sleep(POLL_S)
 
     def poll(self) -> None:
+        """Joins, reports, silent members, then the collective calls now due."""
+        if self.plane.joins_waiting():
+            self._accept_joins()
         for report in self.plane.poll():
             self._on_report(report)
+        for member in self.plane.overdue():
+            self._on_failed(member, "silent past the heartbeat timeout")
+        self._admit_joined()
+        if self._split_wanted and not self._to_admit and self.plane.all_fresh():
+            self._split()
+
+    def _accept_joins(self) -> None:
+        # MPICH crashed in Accept while a child forked after MPI_Init was alive (seen
+        # with squeue): no Slurm command runs meanwhile, and none is waited for
+        if not FORK_LOCK.acquire(blocking=False):
+            return
+        try:
+            groups = self.plane.poll_joins()
+        finally:
+            FORK_LOCK.release()
+        for group in groups:
+            members = self.plane.membership.group(group)
+            for member in members:
+                self.hellos[member.member_id] = member.info
+            self.events(
+                "joined", group=group, members={m.member_id: m.info.get("pid") for m in members}
+            )
+            self._to_admit.append(group)
+
+    def _admit_joined(self) -> None:
+        """Grow the universe with the joined groups, while every member is fresh."""
+        while self._to_admit and self.plane.all_fresh(joining=self._to_admit[0]):
+            group = self._to_admit.pop(0)
+            if self.group_state(group) != {MemberState.LINKED}:
+                continue  # failed or left before it could be admitted
+            seconds = self.plane.admit(group)
+            members = [m.member_id for m in self.plane.membership.group(group)]
+            self.events("admitted", group=group, members=members, s=round(seconds, 4))
+            self._split_wanted = True  # the newcomers take their group (idle until placed)
 
     def _on_report(self, report: Report) -> None:
         if report.kind is Kind.ACK and report.args.get("op") == Op.PARTITION:
@@ -81,6 +158,46 @@ class Members:
         else:
             future.set_result(dict(report.args))
 
+    # ------------------------------------------------------------ failures, leaving
+    def fail(self, member_id: str, reason: str) -> None:
+        """A member known dead (its engine socket died): out of the next collective."""
+        member = self.plane.membership.fail(member_id)
+        if member is not None:
+            self._on_failed(member, reason)
+
+    def _on_failed(self, member: Member, reason: str) -> None:
+        self.events("member_failed", member=member.member_id, group=member.group, reason=reason)
+        if member.group != "base" and self.group_state(member.group) <= {
+            MemberState.FAILED,
+            MemberState.GONE,
+        }:
+            self.plane.drop_group(member.group)
+        self._split_wanted = True
+        self.on_failed(member)
+
+    def leave(self, group: str) -> None:
+        """The group's job is given back: its members leave the plane (LEAVE, then both
+        sides Disconnect); the universe shrinks at the next collective call."""
+        if group in self._to_admit:
+            self._to_admit.remove(group)
+        if self.plane.leave(group):
+            self.events("leave", group=group)
+
+    def left(self, group: str) -> bool:
+        """Every member of ``group`` acked LEAVE (or died)."""
+        return self.group_state(group) <= {MemberState.GONE, MemberState.FAILED}
+
+    def leave_all(self, timeout_s: float = LEAVE_TIMEOUT_S) -> None:
+        """Every elastic group leaves (the run ends; blocking, bounded)."""
+        groups = {m.group for m in self.plane.membership.live() if m.group != "base"}
+        for group in sorted(groups):
+            self.leave(group)
+        deadline = time.monotonic() + timeout_s
+        while not all(self.left(g) for g in groups) and time.monotonic() < deadline:
+            self.poll()
+            time.sleep(POLL_S)
+
+    # ------------------------------------------------------------ commands, split
     async def call(self, member_id: str, op: Op, **args: Any) -> dict[str, Any]:
         """Send one command; its ack's arguments (a PlaneError if the member failed it)."""
         seq = self.plane.send(member_id, op, **args)
@@ -88,14 +205,30 @@ class Members:
         self._waiting[seq] = future
         return await future
 
-    def split(self, roles: Mapping[str, str]) -> None:
-        """Re-partition the members into role groups (``Comm.Split``); logged with each
-        group's ranks; every member's count of its group is checked as its ack comes."""
-        seconds = self.plane.partition(dict(roles))
+    def split(self) -> None:
+        """Ask for a re-partition of the members into role groups (``Comm.Split``), made
+        by the poll as soon as every member is fresh, with the roles of that moment."""
+        self._split_wanted = True
+        self.poll()
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """The split still wanted, made before the run ends (blocking, bounded)."""
+        deadline = time.monotonic() + timeout_s
+        while self._split_wanted and time.monotonic() < deadline:
+            self.poll()
+            time.sleep(POLL_S)
+
+    def _split(self) -> None:
+        """Logged with each group's ranks; every member's count of its group is checked
+        as its ack comes."""
+        self._split_wanted = False
+        universe = self.plane.membership.universe
+        roles = {m: r for m, r in self.roles().items() if m in universe}
+        seconds = self.plane.partition(roles)
         epoch = self.plane.epoch
         groups: dict[str, list[int]] = {}
         for member_id, role in roles.items():
-            groups.setdefault(role, []).append(self.rank_of[member_id])
+            groups.setdefault(role, []).append(self.rank(member_id))
         self._expected[epoch] = {m: len(groups[r]) for m, r in roles.items()}
         self.events(
             "split",

@@ -96,6 +96,13 @@ class Component:
         return tuple(tuple(gpus[i : i + per]) for i in range(0, len(gpus) - per + 1, per))
 
 
+def gpu_ids_of(group: str, node: str, local_id: int, gpus_per_worker: int) -> list[str]:
+    """A rank's GPUs as :meth:`Component.gpu_sets` names them (``JOB+N:node:gpuI``):
+    the ranks of a node split its GPUs in local-id order (pure)."""
+    first = local_id * gpus_per_worker
+    return [f"{group}:{node}:gpu{i}" for i in range(first, first + gpus_per_worker)]
+
+
 @dataclass
 class Actions:
     """What the driver must do, and the events for the controller."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,11 @@ class CommandResult:
 Runner = Callable[[Sequence[str], str | None], CommandResult]
 
 
+# Held while a Slurm command's child process lives. The master's MPI Accept takes it
+# too: MPICH crashed in Accept while a child forked after MPI_Init was alive.
+FORK_LOCK = threading.Lock()
+
+
 def run_command(
     argv: Sequence[str], stdin: str | None = None, timeout_s: float = 60.0
 ) -> CommandResult:
@@ -44,15 +50,16 @@ def run_command(
     ``SLURM_CONF`` (which cluster) is."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
     try:
-        proc = subprocess.run(
-            list(argv),
-            input=stdin,
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            check=False,
-            env=env,
-        )
+        with FORK_LOCK:
+            proc = subprocess.run(
+                list(argv),
+                input=stdin,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                check=False,
+                env=env,
+            )
     except FileNotFoundError:
         return CommandResult(127, "", f"{argv[0]}: command not found (is Slurm installed?)")
     except subprocess.TimeoutExpired:

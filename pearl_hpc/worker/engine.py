@@ -9,6 +9,8 @@ The master reaches the engine on two channels:
         request path, as vLLM's own API is a socket
 
 The rank announces the socket's address in its hello (and in RUN_DIR/<id>.ready.json).
+A base rank is a member from the world's start; an elastic rank (a component of an
+elastic job) joins with Connect + Merge and leaves with LEAVE + Disconnect.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,24 +35,26 @@ def engine_rank_id(me: RankSpec) -> str:
 
 
 def serve_engine(
-    plane: WorkerPlane,
+    connect: Callable[[], WorkerPlane],
     spec: EngineSpec,
-    me: RankSpec,
+    worker_id: str,
     run_dir: Path,
     key: str,
     hello: dict[str, Any],
     host: str,
 ) -> int:
-    """Serve until the master's SHUTDOWN: the engine socket on this thread's asyncio
-    loop, the control plane on a thread of its own."""
+    """Serve until the master's SHUTDOWN (or LEAVE): the engine socket on this thread's
+    asyncio loop, the control plane on a thread of its own. ``connect`` gives the plane
+    once the socket listens (an elastic rank Connects only then, so that the master,
+    which Accepts it between two polls, has its hello at once)."""
 
     async def serve() -> int:
-        worker_id = engine_rank_id(me)
         service = EngineService(spec, worker_id)
         # Slurm's --signal without B: reaches every process of the step: the master acts
         signal.signal(signal.SIGUSR2, signal.SIG_IGN)
         ready = await service.start(key, host=host, port=0, role="none")
         write_ready(run_dir / f"{worker_id}.ready.json", ready)
+        plane = await asyncio.to_thread(connect)
         plane.report(Kind.HELLO, **hello, host=ready["host"], port=ready["port"])
         loop = asyncio.get_running_loop()
         control = threading.Thread(
@@ -78,6 +83,8 @@ def _control(plane: WorkerPlane, loop: asyncio.AbstractEventLoop, service: Engin
             )
         elif cmd.op in (Op.SHUTDOWN, Op.LEAVE):
             plane.report(Kind.ACK, cmd.seq, op=cmd.op)
+            if cmd.op is Op.LEAVE:  # an elastic rank: the master disconnects it too
+                plane.disconnect()
             loop.call_soon_threadsafe(service.stop)
             return
         else:

@@ -1,6 +1,7 @@
 """The entry of every process of a run's MPI world.
 
     mpiexec -n N python -m pearl_hpc.worker rank --run-dir RUN_DIR --model-dir M [--resume]
+    srun --mpi=pmi2 python -m pearl_hpc.worker join --run-dir RUN_DIR --model-dir M --group JOB+K
 
 Every rank reads ``RUN_DIR/config.yaml`` and finds what it runs by its rank in the base
 layout (:func:`pearl_hpc.config.run.base_layout`): rank 0 the master, then the trainer
@@ -56,7 +57,10 @@ def _rank(args: argparse.Namespace) -> int:
     # what this rank's sockets bind: loopback on one machine, the configured interface
     host = "127.0.0.1" if cfg.backend == "local" else bind_address(cfg.slurm.engine_interface)
     if me.kind == MASTER:
-        plane = MasterPlane(run_dir, hello_timeout_s=600.0, heartbeat_timeout_s=60.0)
+        # members heartbeat every second: a collective call is entered only when each
+        # was heard in the last 3 s (one busy without its control thread -- seen: an
+        # engine starting on CPU -- would hold the master's loop in it)
+        plane = MasterPlane(run_dir, hello_timeout_s=600.0, heartbeat_timeout_s=60.0, fresh_s=3.0)
         return _master(cfg, run_dir, plane, args, key, world)
     plane_w = WorkerPlane.base(heartbeat_interval_s=1.0)
     hello = member_info({"process": me.kind, "gpu_ids": list(me.gpu_ids), "rank": me.rank})
@@ -68,10 +72,46 @@ def _rank(args: argparse.Namespace) -> int:
         )
         return rank.serve(hello)
     from pearl_hpc.engine.vllm_engine import EngineSpec
-    from pearl_hpc.worker.engine import serve_engine
+    from pearl_hpc.worker.engine import engine_rank_id, serve_engine
 
     spec = EngineSpec(model_dir=args.model_dir)
-    return serve_engine(plane_w, spec, me, run_dir, key, hello, host)
+    return serve_engine(lambda: plane_w, spec, engine_rank_id(me), run_dir, key, hello, host)
+
+
+def _join(args: argparse.Namespace) -> int:
+    """A rank of an elastic job component (one ``srun`` step per component): its engine
+    socket up, then Connect + Merge with the master, then served like a base engine rank
+    until the master's LEAVE."""
+    from mpi4py import MPI  # noqa: F401  (MPI before torch and vLLM)
+
+    from pearl_hpc.comm.mpi import WorkerPlane, member_info
+    from pearl_hpc.comm.net import bind_address
+    from pearl_hpc.config.run import ENGINE, load_run_config
+    from pearl_hpc.engine.rpc import read_key
+    from pearl_hpc.engine.vllm_engine import EngineSpec
+    from pearl_hpc.slurm.capacity import gpu_ids_of
+    from pearl_hpc.worker.engine import serve_engine
+
+    run_dir: Path = args.run_dir
+    cfg = load_run_config(run_dir / "config.yaml")
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # the job's batch step tells the master
+    info = member_info({"process": ENGINE, "group": args.group})
+    info["gpu_ids"] = gpu_ids_of(
+        args.group, str(info["node"]), int(info["local_id"]), cfg.slurm.gpus_per_worker
+    )
+
+    def connect() -> WorkerPlane:
+        return WorkerPlane.join(run_dir, args.group, heartbeat_interval_s=1.0, timeout_s=600.0)
+
+    return serve_engine(
+        connect,
+        EngineSpec(model_dir=args.model_dir),
+        f"{args.group}-" + "-".join(info["gpu_ids"]),
+        run_dir / "elastic",
+        read_key(run_dir / KEY_FILE),
+        info,
+        bind_address(cfg.slurm.engine_interface),
+    )
 
 
 def _log_to(path: Path) -> None:
@@ -152,6 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     rank.add_argument("--resume", action="store_true")
     rank.add_argument("--live", action="store_true", help="rank 0: a live line (a terminal)")
     rank.set_defaults(func=_rank)
+    join = sub.add_parser("join", help="a rank of an elastic job: joins the run's world")
+    join.add_argument("--run-dir", type=Path, required=True)
+    join.add_argument("--model-dir", required=True)
+    join.add_argument("--group", required=True, help="JOB+K: this rank's job component")
+    join.set_defaults(func=_join)
     noop.add_parsers(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("PEARL_LOG_LEVEL", "WARNING"))

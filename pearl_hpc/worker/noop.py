@@ -2,12 +2,12 @@
 elastic job's rank (the test fake of the plane; the run's members are
 :mod:`pearl_hpc.worker.main`).
 
-    python -m pearl_hpc.worker elastic --run-dir DIR   # batch step of an elastic job
-    python -m pearl_hpc.worker join --run-dir DIR --group JOB+N
+    python -m pearl_hpc.worker noop-elastic --run-dir DIR   # batch step of an elastic job
+    python -m pearl_hpc.worker noop-join --run-dir DIR --group JOB+N
 
-``elastic`` starts one ``srun`` step per heterogeneous component (so ``scancel JOB+N``
-ends only that component's ranks) and forwards SIGUSR2/SIGTERM to them; each rank runs
-``join``: connect to the master over MPI, then serve commands.
+``noop-elastic`` starts one ``srun`` step per heterogeneous component (so ``scancel
+JOB+N`` ends only that component's ranks) and forwards SIGUSR2/SIGTERM to them; each rank
+runs ``noop-join``: connect to the master over MPI, then serve commands.
 
 The workload is the documented no-op of :class:`pearl_hpc.cluster.RunConfig`: roles are
 taken and acknowledged, a training step sleeps ``seconds``. Issue 5 puts the vLLM
@@ -27,14 +27,8 @@ from typing import Any
 
 from pearl_hpc.comm.messages import COLLECTIVE, Command, Kind, Op
 from pearl_hpc.comm.mpi import WorkerPlane, member_info
+from pearl_hpc.slurm.capacity import gpu_ids_of
 from pearl_hpc.slurm.client import run_command
-
-
-def gpu_ids_of(group: str, node: str, local_id: int, gpus_per_worker: int) -> list[str]:
-    """This rank's GPUs as the capacity manager names them (``JOB+N:node:gpuI``): the
-    ranks of a node split its GPUs in local-id order."""
-    first = local_id * gpus_per_worker
-    return [f"{group}:{node}:gpu{i}" for i in range(first, first + gpus_per_worker)]
 
 
 class NoopWorker:
@@ -154,7 +148,10 @@ def _elastic(args: argparse.Namespace) -> int:
     """The batch step of an elastic job: one srun step per component."""
     job = os.environ.get("SLURM_JOB_ID")
     if not job:
-        print("pearl_hpc.worker elastic: not inside a Slurm job (no SLURM_JOB_ID)", file=sys.stderr)
+        print(
+            "pearl_hpc.worker noop-elastic: not inside a Slurm job (no SLURM_JOB_ID)",
+            file=sys.stderr,
+        )
         return 2
     het_size = int(os.environ.get("SLURM_HET_SIZE", "1"))
     procs = []
@@ -163,7 +160,7 @@ def _elastic(args: argparse.Namespace) -> int:
         if "SLURM_HET_SIZE" in os.environ:
             argv.append(f"--het-group={k}")
         argv += [
-            sys.executable, "-m", "pearl_hpc.worker", "join",
+            sys.executable, "-m", "pearl_hpc.worker", "noop-join",
             "--run-dir", str(args.run_dir), "--group", f"{job}+{k}",
             "--gpus-per-worker", str(args.gpus_per_worker),
             "--heartbeat-s", str(args.heartbeat_s),
@@ -204,17 +201,17 @@ def _job_alive(job_id: str) -> bool:
 
 
 def add_parsers(sub: Any) -> None:
-    """``join`` and ``elastic``: the no-op members."""
-    for name in ("join", "elastic"):
+    """``noop-join`` and ``noop-elastic``: the no-op members."""
+    for name in ("noop-join", "noop-elastic"):
         p = sub.add_parser(name)
         p.add_argument("--run-dir", type=Path, required=True)
         p.add_argument("--gpus-per-worker", type=int, default=1)
         p.add_argument("--heartbeat-s", type=float, default=0.5)
         p.add_argument("--data-plane", default="off", help="off | auto | gloo | nccl")
-        if name == "join":
+        if name == "noop-join":
             p.add_argument("--group", required=True, help="JOB+N of this component")
             p.add_argument("--timeout-s", type=float, default=300.0)
         else:
             p.add_argument("--mpi", default="pmi2", help="srun --mpi plugin")
             p.add_argument("--base-job", default="", help="the master's job: end with it")
-        p.set_defaults(func=_join if name == "join" else _elastic)
+        p.set_defaults(func=_join if name == "noop-join" else _elastic)
