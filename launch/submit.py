@@ -1,28 +1,26 @@
-"""Start a pearl_hpc run from Python with submitit (the API behind `pearl-hpc launch`).
+"""Start a pearl_hpc run from Python with submitit (what `pearl-hpc run --submit` does).
 
-    python launch/submit.py configs/clusters/local.yaml
+    python launch/submit.py configs/runs/slurm-local.yaml [PARTITION]
 
-Each rank of the submitted base job runs ``pearl_hpc.launch.base_main``; rank 0 is the
-master and returns the run summary, which ``job.results()[0]`` reads back.
+The submitted job runs the run's MPI world (rank 0 the master); on preemption or at its
+time limit it requeues itself and resumes from the journal. ``job.result()`` is the run's
+summary.
 """
 
 from __future__ import annotations
 
 import sys
 
-from pearl_hpc.launch import submit, summary_table, wait_for_run
+from pearl_hpc.master.records import format_summary
+from pearl_hpc.runjob import submit_run
 
 
-def main(config: str) -> int:
-    job, run_dir = submit(config)
-    print(f"base job {job.job_id}, run directory {run_dir}")
-    wait_for_run(run_dir)
-    summary = job.results()[0]  # rank 0's return value
-    from rich.console import Console
-
-    Console().print(summary_table(summary))
-    return 0 if not summary["errors"] else 1
+def main(config: str, partition: str | None = None) -> int:
+    job, run_dir = submit_run(config, partition=partition)
+    print(f"master job {job.job_id}, run directory {run_dir}", flush=True)
+    print(format_summary(job.result()))
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "configs/clusters/local.yaml"))
+    sys.exit(main(*sys.argv[1:3]) if len(sys.argv) > 1 else main("configs/runs/slurm-local.yaml"))

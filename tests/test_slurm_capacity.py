@@ -13,9 +13,11 @@ from pearl_hpc.core.table import ElasticSource
 from pearl_hpc.errors import TransitionError
 from pearl_hpc.slurm.capacity import (
     CapacityManager,
+    Component,
     ComponentState,
     SlurmCapacity,
     expand_hostlist,
+    gpu_ids_of,
 )
 from pearl_hpc.slurm.client import SlurmClient
 from pearl_hpc.slurm.parse import JobRow
@@ -163,3 +165,33 @@ def test_job_pending_past_its_wait_is_cancelled(slurm_cluster: str, tmp_path: Pa
         time.sleep(0.3)
     assert cap.manager.live() == []
     assert client.poll(run) == {}  # nothing leaked
+
+
+# ------------------------------------------------------------ worker GPU ids
+
+
+def test_gpu_ids_of() -> None:
+    assert gpu_ids_of("12+1", "n3", 1, 2) == ["12+1:n3:gpu2", "12+1:n3:gpu3"]
+    assert gpu_ids_of("12+1", "n3", 0, 2) == ["12+1:n3:gpu0", "12+1:n3:gpu1"]
+    assert gpu_ids_of("7+0", "a", 3, 1) == ["7+0:a:gpu3"]
+
+
+@pytest.mark.parametrize(("gpus_per_node", "gpus_per_worker"), [(4, 2), (8, 2), (8, 1), (8, 8)])
+def test_gpu_ids_of_matches_capacity_gpu_sets(gpus_per_node: int, gpus_per_worker: int) -> None:
+    source = ElasticSource("12", 1)
+    comp = Component(
+        source,
+        gpus_per_node,
+        gpus_per_worker,
+        state=ComponentState.RUNNING,
+        nodes=("n3", "n4"),
+    )
+    per_node = gpus_per_node // gpus_per_worker
+    from_workers = [
+        tuple(gpu_ids_of(source.tag, node, local, gpus_per_worker))
+        for node in comp.nodes
+        for local in range(per_node)
+    ]
+    assert list(comp.gpu_sets()) == from_workers
+    if (gpus_per_node, gpus_per_worker) == (4, 2):
+        assert comp.gpu_sets()[1] == ("12+1:n3:gpu2", "12+1:n3:gpu3")

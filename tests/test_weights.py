@@ -1,6 +1,7 @@
 """Weight sync: the flat-buffer format (pure), the version bookkeeping (pure), and real
-gloo transfers between three spawned members of the data plane: a broadcast of the tiny
-model, then a point-to-point send to a member that joined in a later epoch."""
+gloo transfers between three spawned processes over weight groups (the run's
+:class:`WeightGroup`): a broadcast of the tiny model, then a point-to-point send to a
+member that joined in a later group."""
 
 from __future__ import annotations
 
@@ -20,25 +21,21 @@ pytest.importorskip("safetensors")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from pearl_hpc.comm.dataplane import (  # noqa: E402
-    WEIGHTS_GROUP,
-    DataPlane,
-    DataPlaneError,
-    Rendezvous,
-    plan_groups,
-)
-from pearl_hpc.core.types import Role  # noqa: E402
-from pearl_hpc.errors import ConfigError  # noqa: E402
+from pearl_hpc.errors import ConfigError, PearlError  # noqa: E402
 from pearl_hpc.train.weights import (  # noqa: E402
     ALIGN_BYTES,
     WeightsHeader,
     WeightSyncError,
     WeightVersions,
-    broadcast_weights,
     pack,
-    recv_weights,
-    send_weights,
     unpack,
+)
+from pearl_hpc.train.wgroup import (  # noqa: E402
+    WeightGroup,
+    WeightStore,
+    group_broadcast_weights,
+    group_recv_weights,
+    group_send_weights,
 )
 
 TIMEOUT_S = 60.0
@@ -126,7 +123,7 @@ def test_header_and_buffer_mismatches_are_named() -> None:
         pack({})
     with pytest.raises(WeightSyncError, match=r"'x' has dtype torch\.complex64"):
         pack({"x": torch.zeros(2, dtype=torch.complex64)})
-    assert issubclass(WeightSyncError, DataPlaneError)
+    assert issubclass(WeightSyncError, PearlError)
 
 
 # --------------------------------------------------------------------------- versions
@@ -183,8 +180,9 @@ def test_versions_reject_impossible_moves() -> None:
 # --------------------------------------------------------------------------- gloo, 3 processes
 
 TRAINER, EARLY, LATE = "trainer:0", "rollout:1", "rollout:2"
-EPOCH_1 = plan_groups(1, {TRAINER: Role.TRAINING, EARLY: Role.COLOCATED})
-EPOCH_2 = plan_groups(2, {TRAINER: Role.TRAINING, EARLY: Role.COLOCATED, LATE: Role.COLOCATED})
+# two membership epochs, each a weight group of its own (rank 0 the trainer)
+EPOCH_1 = ("epoch1/", [TRAINER, EARLY])
+EPOCH_2 = ("epoch2/", [TRAINER, EARLY, LATE])
 TIMING_REPEATS = 5
 
 
@@ -193,22 +191,26 @@ def _trained(state: dict[str, Any], version: int) -> dict[str, Any]:
     return {name: tensor * 0.5**version + version for name, tensor in state.items()}
 
 
-def _timed_broadcasts(state: dict[str, Any], mine: bool, src: int) -> dict[str, Any]:
-    """Broadcast version 2 a few times, then one collective per tensor as the baseline."""
-    import torch.distributed as dist
+def _group(host: str, port: int, epoch: tuple[str, list[str]], member_id: str) -> WeightGroup:
+    prefix, members = epoch
+    return WeightGroup(host, port, prefix, members.index(member_id), len(members), "gloo")
 
+
+def _timed_broadcasts(wg: WeightGroup, state: dict[str, Any], mine: bool) -> dict[str, Any]:
+    """Broadcast version 2 a few times, then one collective per tensor as the baseline."""
     v2 = _trained(state, 2)
+    barrier = torch.zeros(1)
     flat_s, per_tensor_s = [], []
     for _ in range(TIMING_REPEATS):
-        dist.barrier()
+        wg.all_reduce(barrier)
         started = time.perf_counter()
-        version, named = broadcast_weights(v2 if mine else None, 2 if mine else None, src=src)
+        version, named = group_broadcast_weights(wg, v2 if mine else None, 2 if mine else None)
         flat_s.append(time.perf_counter() - started)
         buffers = [t.clone() if mine else torch.empty_like(t) for t in v2.values()]
-        dist.barrier()
+        wg.all_reduce(barrier)
         started = time.perf_counter()
         for tensor in buffers:
-            dist.broadcast(tensor, src=src)
+            wg.broadcast(tensor, 0)
         per_tensor_s.append(time.perf_counter() - started)
     return {
         "v2": (version, {n: _bytes(t) for n, t in named}),
@@ -226,30 +228,24 @@ def _member(host: str, port: int, member_id: str, weights_file: str, out: Any) -
         from safetensors.torch import load_file
 
         state = load_file(weights_file)
-        plane, report = DataPlane(), {}
+        report: dict[str, Any] = {}
         mine = member_id == TRAINER
         if member_id != LATE:
-            plane.join(host, port, EPOCH_1, member_id, "gloo", timeout_s=TIMEOUT_S)
-            src = EPOCH_1.group(WEIGHTS_GROUP).source
-            assert src is not None
+            wg = _group(host, port, EPOCH_1, member_id)
             if mine:
-                with pytest.raises(WeightSyncError, match="must pass both"):
-                    broadcast_weights(None, None, src=src)  # refused before any collective
+                with pytest.raises(WeightSyncError, match="passes the state"):
+                    group_broadcast_weights(wg, None, None)  # refused before any collective
             for version in (0, 1):
                 sent = _trained(state, version) if mine else None
-                got, named = broadcast_weights(sent, version if mine else None, src=src)
+                got, named = group_broadcast_weights(wg, sent, version if mine else None)
                 report[f"v{version}"] = (got, {n: _bytes(t) for n, t in named})
-            plane.leave(timeout_s=TIMEOUT_S)
-        plane.join(host, port, EPOCH_2, member_id, "gloo", timeout_s=TIMEOUT_S)
-        src = EPOCH_2.group(WEIGHTS_GROUP).source
-        assert src is not None
+        wg = _group(host, port, EPOCH_2, member_id)
         if mine:
-            send_weights(_trained(state, 1), 1, dst=EPOCH_2.rank_of(LATE))
+            group_send_weights(wg, _trained(state, 1), 1, dst=EPOCH_2[1].index(LATE))
         elif member_id == LATE:
-            version, named = recv_weights(src=src)
+            version, named = group_recv_weights(wg, 0)
             report["late"] = (version, {n: _bytes(t) for n, t in named})
-        report.update(_timed_broadcasts(state, mine, src))
-        plane.leave(timeout_s=TIMEOUT_S)
+        report.update(_timed_broadcasts(wg, state, mine))
         out.put((member_id, report))
     except BaseException:
         out.put((member_id, traceback.format_exc()))
@@ -264,29 +260,31 @@ def test_three_members_broadcast_and_a_late_joiner_catches_up(tiny_model_dir: Pa
     ctx = mp.get_context("spawn")
     results: dict[str, Any] = {}
     members = [TRAINER, EARLY, LATE]
-    with Rendezvous("127.0.0.1") as rv:
-        out = ctx.Queue()
-        procs = [
-            ctx.Process(target=_member, args=(rv.host, rv.port, m, weights_file, out), daemon=True)
-            for m in members
-        ]
-        try:
-            for proc in procs:
-                proc.start()
-            deadline = time.monotonic() + 2 * TIMEOUT_S
-            while len(results) < len(procs):
-                try:
-                    member_id, report = out.get(timeout=max(0.1, deadline - time.monotonic()))
-                except queue.Empty:
-                    pytest.fail(f"members {set(members) - set(results)} did not report in time")
-                results[member_id] = report
-            for proc in procs:
-                proc.join(timeout=15)
-        finally:
-            for proc in procs:
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join(timeout=5)
+    store = WeightStore("127.0.0.1")  # the trainer's, here the test's
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_member, args=(store.host, store.port, m, weights_file, out), daemon=True
+        )
+        for m in members
+    ]
+    try:
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + 2 * TIMEOUT_S
+        while len(results) < len(procs):
+            try:
+                member_id, report = out.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"members {set(members) - set(results)} did not report in time")
+            results[member_id] = report
+        for proc in procs:
+            proc.join(timeout=15)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
     failed = {m: r for m, r in results.items() if isinstance(r, str)}
     assert not failed, "\n".join(f"--- {m}\n{r}" for m, r in failed.items())
     assert all(proc.exitcode == 0 for proc in procs)
@@ -307,7 +305,7 @@ def test_three_members_broadcast_and_a_late_joiner_catches_up(tiny_model_dir: Pa
     trainer, receiver = results[TRAINER], results[EARLY]
     print(
         f"\ntiny model ({len(state)} tensors, {num_bytes / 2**20:.2f} MiB), gloo, source + 2 "
-        f"receivers, median of {TIMING_REPEATS}: broadcast_weights (header + 1 buffer) "
+        f"receivers, median of {TIMING_REPEATS}: group_broadcast_weights (header + 1 buffer) "
         f"{trainer['flat_s'] * 1e3:.2f} ms at the source, {receiver['flat_s'] * 1e3:.2f} ms "
         f"at a receiver; one broadcast per tensor {trainer['per_tensor_s'] * 1e3:.2f} ms"
     )

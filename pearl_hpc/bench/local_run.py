@@ -55,13 +55,19 @@ def measured_latencies(events: list[dict[str, Any]]) -> dict[str, list[float]]:
         "intra-scale deactivation": [],
         "mode switch (role change)": [],
         "world start (launch -> every hello)": [],
+        "elastic rank joined -> admitted": [],
         "Comm.Split after a plan": [],
         "weight group rebuild (new members)": [],
         "weight broadcast, per engine": [],
     }
     ready_at: dict[int, float] = {}
+    joined_at: dict[str, float] = {}
     for ev in events:
         kind = ev["kind"]
+        if kind == "joined":
+            joined_at[ev["group"]] = ev["t_s"]
+        elif kind == "admitted" and ev["group"] in joined_at:
+            out["elastic rank joined -> admitted"].append(ev["t_s"] - joined_at[ev["group"]])
         if kind == "ready":
             ready_at[ev["slot"]] = ev["t_s"]
             key = "intra-scale activation" if ev["reactivate"] else "inter-scale preparation"

@@ -28,11 +28,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from pearl_hpc.bench import local_run
 
         return local_run.main(args.config or str(REPO_CONFIGS / "runs" / "local.yaml"), args.json)
-    if args.slurm:
-        from pearl_hpc.bench import slurm_latency
-
-        extra = ["--runs", str(args.runs)] + (["--config", args.config] if args.config else [])
-        return slurm_latency.main(extra + (["--json"] if args.json else []))
     module = sim_speed if args.sim else decision_speed
     return module.main(["--json"] if args.json else [])
 
@@ -51,11 +46,6 @@ def add_parsers(sub: Any) -> None:
     )
     bench.add_argument("--sim", action="store_true", help="simulator speed instead")
     bench.add_argument(
-        "--slurm",
-        action="store_true",
-        help="Slurm + MPI latencies on a running cluster (submit, join, Split, release)",
-    )
-    bench.add_argument(
         "--engines",
         action="store_true",
         help="real vLLM engines: start, role change, weight load, (de)activation, memory, "
@@ -73,6 +63,5 @@ def add_parsers(sub: Any) -> None:
         help="with --slurm: cluster YAML (default: local.yaml); with --local: run YAML "
         "(default: configs/runs/local.yaml)",
     )
-    bench.add_argument("--runs", type=int, default=2, help="with --slurm: runs to merge")
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(func=_cmd_bench)

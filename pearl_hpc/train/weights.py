@@ -1,19 +1,19 @@
-"""Weight synchronisation from the trainer to the rollout workers.
+"""The weights of one version as a header and one flat buffer, and who holds which.
 
-Data flow::
+Data flow (the groups themselves are :mod:`pearl_hpc.train.wgroup`'s)::
 
-    trainer (src rank)                               rollout worker (any other rank)
-    ──────────────────                               ───────────────────────────────
+    trainer (rank 0 of a weight group)               rollout engine (any other rank)
+    ──────────────────────────────────               ───────────────────────────────
     state = trainer.state_dict()
     header, flat = pack(state, version)
-    broadcast_object_list([header])  ── header ──▶   header (names, shapes, dtypes, bytes)
+    broadcast the header (msgpack)   ── header ──▶   header (names, shapes, dtypes, bytes)
                                                      flat = empty(header.num_bytes, uint8)
     broadcast(flat)                  ── 1 buffer ─▶  flat
                                                      engine.reload_weights(unpack(header, flat))
     versions.published(v)                            versions.loaded(worker_id, v)
 
-    later, for a worker that joined (or missed a sync) after the broadcast:
-    send_weights(state, v, dst)      ── p2p ──────▶  recv_weights(src)
+    later, for a worker that joined (or missed a sync) after the broadcast: the same,
+    point to point
 
 Decisions (and why):
 
@@ -25,21 +25,14 @@ Decisions (and why):
 - **Every tensor starts on a 16-byte boundary** (:data:`ALIGN_BYTES`), so a view of any
   dtype is legal and vectorised copies out of it stay aligned. The offsets are a pure
   function of the header, so the header does not carry them.
-- **The header is a dict of plain values** (names, shapes, dtype names), pickled by
-  ``broadcast_object_list``; receivers rebuild and validate the :class:`WeightsHeader`, so a
-  corrupted or mismatched header fails here with a message instead of as a wrong-sized
-  tensor inside the engine.
+- **The header is a dict of plain values** (names, shapes, dtype names); receivers
+  rebuild and validate the :class:`WeightsHeader`, so a corrupted or mismatched header
+  fails here with a message instead of as a wrong-sized tensor inside the engine.
 - **Lazy propagation.** Broadcasting to everyone after every step would stall workers in
   the middle of a turn. :class:`WeightVersions` records which worker holds which version;
   a worker within ``max_staleness`` versions of the latest may keep generating, and one
   that falls behind (or joins later) gets the weights point to point before its next turn.
-- **Groups.** ``group=None`` is the default process group. A :class:`~pearl_hpc.comm.
-  dataplane.DataPlane` member uses its default group for the ``weights`` group (it spans
-  every member), so pass ``group=None`` and
-  ``src=plane.plan.group(WEIGHTS_GROUP).source``. ``src``/``dst`` are always *global*
-  ranks, as in ``torch.distributed``.
-- **Devices.** With NCCL the buffer lives on the current CUDA device (call
-  ``torch.cuda.set_device`` first); with gloo on the CPU.
+- **Devices.** With NCCL the buffer lives on the current CUDA device; with gloo on the CPU.
 """
 
 from __future__ import annotations
@@ -49,10 +42,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from pearl_hpc.comm.dataplane import DataPlaneError
-from pearl_hpc.errors import ConfigError
+from pearl_hpc.errors import ConfigError, PearlError
 
 ALIGN_BYTES = 16  # every tensor's first byte in the flat buffer is a multiple of this
 
@@ -77,7 +68,7 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
-class WeightSyncError(DataPlaneError):
+class WeightSyncError(PearlError):
     """A weights header is inconsistent, a transfer failed, or a worker's version
     bookkeeping was asked for an impossible move; the message says which and why."""
 
@@ -234,97 +225,6 @@ def unpack(header: WeightsHeader, flat: torch.Tensor) -> list[tuple[str, torch.T
 # --------------------------------------------------------------------------- transfers
 
 
-def _buffer_device(group: Any) -> torch.device:
-    """Where the flat buffer must live for ``group``'s backend (NCCL: the current GPU)."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _check_source_args(
-    state: Mapping[str, torch.Tensor] | None, version: int | None, what: str
-) -> tuple[Mapping[str, torch.Tensor], int]:
-    if state is None or version is None:
-        raise WeightSyncError(f"{what}: the source rank must pass both the state and its version")
-    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        raise WeightSyncError(f"{what}: version must be an int >= 0, got {version!r}")
-    return state, version
-
-
-def broadcast_weights(
-    state: Mapping[str, torch.Tensor] | None,
-    version: int | None,
-    *,
-    src: int,
-    group: Any = None,
-) -> tuple[int, list[tuple[str, torch.Tensor]]]:
-    """Collective over ``group``: rank ``src`` passes its state and version, every other
-    rank passes ``None, None``. Two calls on the wire: the header, then one flat buffer.
-
-    Returns ``(version, named tensors)`` on every rank; on ``src`` the tensors are views of
-    its own packed copy, so the caller may keep training while it holds them."""
-    rank = dist.get_rank()
-    device = _buffer_device(group)
-    where = f"weights broadcast from rank {src} at rank {rank}"
-    if rank == src:
-        state, version = _check_source_args(state, version, where)
-        header, flat = pack(state, version=version, device=device)
-        box: list[Any] = [header.to_dict()]
-    else:
-        box = [None]
-    try:
-        dist.broadcast_object_list(box, src=src, group=group, device=device)
-        if rank != src:
-            header = WeightsHeader.from_dict(box[0])
-            flat = torch.empty(header.num_bytes, dtype=torch.uint8, device=device)
-        dist.broadcast(flat, src=src, group=group)
-    except RuntimeError as exc:
-        raise WeightSyncError(
-            f"{where} failed: {exc}; check every member of the group called "
-            "broadcast_weights with the same src"
-        ) from exc
-    return header.version, unpack(header, flat)
-
-
-def send_weights(
-    state: Mapping[str, torch.Tensor], version: int, dst: int, group: Any = None
-) -> None:
-    """Point to point: send ``state`` at ``version`` to rank ``dst`` (a worker that joined
-    after the last broadcast, or fell behind). ``dst`` calls :func:`recv_weights`."""
-    rank = dist.get_rank()
-    where = f"weights send from rank {rank} to rank {dst}"
-    state, version = _check_source_args(state, version, where)
-    if dst == rank:
-        raise WeightSyncError(f"{where}: a rank cannot send weights to itself")
-    header, flat = pack(state, version=version, device=_buffer_device(group))
-    try:
-        dist.send_object_list([header.to_dict()], dst=dst, group=group, device=flat.device)
-        dist.send(flat, dst=dst, group=group)
-    except RuntimeError as exc:
-        raise WeightSyncError(f"{where} failed: {exc}; is rank {dst} in recv_weights?") from exc
-
-
-def recv_weights(src: int, group: Any = None) -> tuple[int, list[tuple[str, torch.Tensor]]]:
-    """Receive what rank ``src`` sends with :func:`send_weights`: ``(version, tensors)``."""
-    rank = dist.get_rank()
-    where = f"weights recv at rank {rank} from rank {src}"
-    if src == rank:
-        raise WeightSyncError(f"{where}: a rank cannot receive weights from itself")
-    device = _buffer_device(group)
-    box: list[Any] = [None]
-    try:
-        dist.recv_object_list(box, src=src, group=group, device=device)
-        header = WeightsHeader.from_dict(box[0])
-        flat = torch.empty(header.num_bytes, dtype=torch.uint8, device=device)
-        dist.recv(flat, src=src, group=group)
-    except RuntimeError as exc:
-        raise WeightSyncError(f"{where} failed: {exc}; is rank {src} in send_weights?") from exc
-    return header.version, unpack(header, flat)
-
-
-# --------------------------------------------------------------------------- bookkeeping
-
-
 class WeightVersions:
     """Which rollout worker holds which weight version; pure bookkeeping (no torch).
 
@@ -410,9 +310,6 @@ __all__ = [
     "WeightSyncError",
     "WeightVersions",
     "WeightsHeader",
-    "broadcast_weights",
     "pack",
-    "recv_weights",
-    "send_weights",
     "unpack",
 ]

@@ -182,8 +182,6 @@ def _master(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pearl_hpc.worker import noop
-
     parser = argparse.ArgumentParser(prog="python -m pearl_hpc.worker", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     rank = sub.add_parser("rank", help="a process of a run's world (pearl-hpc run starts them)")
@@ -197,7 +195,6 @@ def main(argv: list[str] | None = None) -> int:
     join.add_argument("--model-dir", required=True)
     join.add_argument("--group", required=True, help="JOB+K: this rank's job component")
     join.set_defaults(func=_join)
-    noop.add_parsers(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("PEARL_LOG_LEVEL", "WARNING"))
     return int(args.func(args))
