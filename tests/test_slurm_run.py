@@ -23,7 +23,7 @@ import yaml
 from pearl_hpc.backends.slurm import run_tag_of
 from pearl_hpc.master.journal import read_run_state
 from pearl_hpc.master.records import read_jsonl
-from tests.conftest import vllm_skip_reason
+from tests.conftest import resume_drained_nodes, vllm_skip_reason
 from tests.test_local_run import CONFIG as LOCAL_CONFIG
 
 REPO = Path(__file__).resolve().parents[1]
@@ -184,6 +184,83 @@ def test_slurm_run_hetjob_preemption_master_killed_and_resumed(
     # nothing of the run is left: no job in squeue, no process
     _wait("the run's jobs to leave squeue", lambda: not _tagged(f"pearl:{tag}"), 60)
     _wait("the preempting jobs to end", lambda: not _tagged(f"pearl:{tag}.preempt"), 60)
+    stray = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
+    assert stray.stdout.strip() == "", f"processes of the run left: {stray.stdout}"
+
+
+STEPS_FAULTS = 12
+
+
+@pytest.mark.slurm
+@pytest.mark.vllm
+@pytest.mark.skipif(vllm_skip_reason() is not None, reason=str(vllm_skip_reason()))
+def test_slurm_run_survives_a_slurmctld_outage_and_a_killed_elastic_rank(
+    slurm_cluster: str, tmp_path: Path
+) -> None:
+    """Once the elastic rank serves: slurmctld is stopped for longer than squeue's own
+    retries (the master keeps the last known state and declares nobody gone), then the
+    elastic rank is SIGKILLed (declared failed, shrunk out of the universe, its job
+    given back). Every step trains its whole batch; nothing is left."""
+    config = tmp_path / "run.yaml"
+    doc = {
+        **CONFIG,
+        "elastic": {"grace_s": 15, "trace": [{"at_step": 0, "workers": 1}]},
+        "run": {**CONFIG["run"], "steps": STEPS_FAULTS},
+        "runs_dir": str(tmp_path / "runs"),
+    }
+    config.write_text(yaml.safe_dump(doc))
+    env = {**os.environ, "PEARL_HPC_CACHE": str(tmp_path / "cache")}
+    log = tmp_path / "master.out"
+    master = _sbatch(["-o", str(log), "launch/run.sbatch", str(config)], env)
+    conf = Path(slurm_cluster)
+    try:
+        _wait("the run directory", lambda: list((tmp_path / "runs").glob("t-*")), 120, log)
+        run_dir = next((tmp_path / "runs").glob("t-*"))
+        tag = run_tag_of(run_dir)
+
+        def serving() -> bool:
+            events = read_jsonl(run_dir / "events.jsonl")
+            return any(e["kind"] == "admit" and any(s > 2 for s in e["slots"]) for e in events)
+
+        try:
+            _wait("the elastic worker admitted", serving, 600, log, poll_s=0.1)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{_elastic_logs(run_dir)}") from None
+        # slurmctld away for longer than squeue's own ~9 s of connection retries
+        pid_file = conf.parent / "run" / "slurmctld.pid"
+        os.kill(int(pid_file.read_text()), signal.SIGTERM)
+        time.sleep(15)
+        subprocess.run(["slurmctld", "-f", str(conf)], check=True)
+        _wait("slurmctld back", lambda: "is UP" in subprocess.run(
+            ["scontrol", "ping"], capture_output=True, text=True).stdout, 30)  # fmt: skip
+        resume_drained_nodes()
+        assert _in_squeue(master), f"the master did not survive the outage\n{log.read_text()}"
+        (joined,) = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "joined"]
+        member, pid = next(iter(joined["members"].items()))
+        os.kill(int(pid), signal.SIGKILL)
+        _wait("the run to finish", lambda: not _in_squeue(master), 900, log)
+        print(log.read_text()[-2000:])
+    finally:
+        subprocess.run(["scancel", master], check=False)
+        for job in _tagged(f"pearl:{tag}"):
+            subprocess.run(["scancel", job], check=False)
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    events = read_jsonl(run_dir / "events.jsonl")
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["trajectories"] for m in metrics] == [BATCH] * STEPS_FAULTS  # nothing lost
+    slurm = summary["slurm"]
+    assert slurm["poll_failures"] >= 1 and slurm["errors"] == []
+    # the outage declared nobody gone; the kill did, once, and only the killed rank
+    failed = [e for e in events if e["kind"] == "member_failed"]
+    assert [e["member"] for e in failed] == [member], failed
+    assert len([e for e in events if e["kind"] == "worker_failed"]) == 1
+    assert len([e for e in events if e.get("event") == "WorkerFailed"]) == 1
+    after = [e for e in events if e["kind"] == "split" and e["t_s"] > failed[0]["t_s"]]
+    assert after and all(sum(map(len, e["groups"].values())) == 3 for e in after)  # shrunk
+    assert any(e["kind"] == "scancel" and e["t_s"] > failed[0]["t_s"] for e in events)
+    assert read_run_state(run_dir)["status"] == "finished"
+    _wait("the run's jobs to leave squeue", lambda: not _tagged(f"pearl:{tag}"), 60)
     stray = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
     assert stray.stdout.strip() == "", f"processes of the run left: {stray.stdout}"
 

@@ -59,6 +59,11 @@ GONE = ComponentState.GONE
 LIVE = {MemberState.LINKED, MemberState.MEMBER, MemberState.LEAVING}
 LEASE_S = 1.0  # the master touches its lease this often
 LEASE_STALE_S = 30.0  # `pearl-hpc status`: a master silent this long is dead
+SUBMIT_RETRY_S = 5.0  # a submission that met an unreachable slurmctld is retried after
+# what sbatch says when the controller could not be reached (retried; anything else, e.g.
+# a bad partition, is reported and not retried)
+TRANSIENT_SLURM_ERRORS = ("Unable to contact slurm controller", "Socket timed out", "no answer",
+                          "could not run")  # fmt: skip
 
 
 def source_of_gpus(gpu_ids: tuple[str, ...]) -> ElasticSource | None:
@@ -162,6 +167,9 @@ class SlurmBackend:
         self.jobs: list[str] = []  # submitted, oldest first
         self.preemptors: list[str] = []
         self.counts = {"granted": 0, "reclaimed": 0}
+        self.target = 0  # elastic workers the trace asks for
+        self.errors: list[str] = []  # submissions that failed, for the summary
+        self._retry_at: float | None = None
         self.preempting: set[str] = set()  # jobs the trace had preempted
         self.released: set[str] = set()  # components the controller gave back
         self._held: dict[str, list[CapacityGranted]] = {}  # grants of a partly started job
@@ -244,15 +252,21 @@ class SlurmBackend:
         return sum(len(c.gpu_sets()) if c.nodes else 1 for c in self._counted())
 
     def summary(self) -> dict[str, Any]:
-        return {"jobs": self.jobs, "preempting_jobs": self.preemptors}
+        return {
+            "jobs": self.jobs,
+            "preempting_jobs": self.preemptors,
+            "errors": self.errors,
+            "poll_failures": self.client.poll_failures,  # squeue calls that failed
+        }
 
     async def scale_to(self, workers: int, *, regrant: bool = False) -> None:
         """The trace's availability: submit one heterogeneous job for the missing workers,
         or preempt the newest jobs (whole jobs) until at most ``workers`` remain. (Grants
         are counted as Slurm starts jobs; a resumed master's jobs are new ones.)"""
+        self.target = workers
         have = self.live_workers()
         if workers > have:
-            await self.submit(workers - have)
+            await self._try_submit(workers - have)
         for job_id in reversed(self.jobs):
             if have <= workers:
                 break
@@ -265,6 +279,26 @@ class SlurmBackend:
             else:  # not started yet: nothing to preempt
                 with contextlib.suppress(SlurmError):
                     await asyncio.to_thread(self.client.cancel, job_id)
+
+    async def _try_submit(self, workers: int) -> None:
+        """Submit, or report why not: the run goes on without that capacity (an
+        unreachable slurmctld is retried from the watch, SUBMIT_RETRY_S later)."""
+        try:
+            await self.submit(workers)
+        except SlurmError as exc:
+            retry = any(t in str(exc) for t in TRANSIENT_SLURM_ERRORS)
+            self.errors.append(str(exc)[:300])
+            self.on_event("submit_failed", {"error": str(exc)[:300], "retry": retry})
+            if retry:
+                self._retry_at = time.monotonic() + SUBMIT_RETRY_S
+
+    async def _retry_submit(self) -> None:
+        if self._retry_at is None or time.monotonic() < self._retry_at:
+            return
+        self._retry_at = None
+        missing = self.target - self.live_workers()
+        if missing > 0:
+            await self._try_submit(missing)
 
     async def submit(self, workers: int) -> str:
         job = elastic_job_spec(
@@ -363,6 +397,7 @@ class SlurmBackend:
                 await self._put(event)
         await self._release_grants()
         await self._cancel_left()
+        await self._retry_submit()
 
     async def _release_grants(self) -> None:
         """Grants of a heterogeneous job go to the controller as one event, once every

@@ -296,7 +296,8 @@ class WorkerExecutor:
             timing = await worker.proc.client.set_role(role)
             worker.role = role
         except Exception as exc:
-            await self.queue.put(WorkerFailed(slot_id, str(exc)))
+            if self._worker_of(slot_id) is worker:  # else reported already (by its turns)
+                self._died(worker, f"{type(exc).__name__}: {exc}")
             return
         self.log_event("rerole", slot=slot_id, role=str(role), s=round(timing.wall_s, 2))
         await self.queue.put(WorkerReady(slot_id))
