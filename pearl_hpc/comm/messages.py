@@ -27,6 +27,7 @@ class Op(StrEnum):
     CATCH_UP = "catch_up"  # trainer: latest weights to one engine (args: name, host, port)
     LEAVE = "leave"  # leave the plane (Disconnect) and exit: the job is being given back
     SHUTDOWN = "shutdown"  # the run is over: leave and exit
+    PREPARE = "prepare"  # answer now: the master enters a collective call once all have
     # collective: every member of the universe
     ADMIT = "admit"  # merge the joined group (args: group) into the universe
     SHRINK = "shrink"  # keep only the listed members (args: members), the rest are gone

@@ -478,7 +478,12 @@ class WorkerPlane:
                 self.report(Kind.HEARTBEAT)
             if self.link.iprobe(source=0, tag=TAG_COMMAND):
                 cmd: Command = self.link.recv(source=0, tag=TAG_COMMAND)
-                return cmd
+                if cmd.op is not Op.PREPARE:
+                    return cmd
+                # this thread is responsive: the collective call the master makes next
+                # is entered as soon as its command arrives (see master.members)
+                self.report(Kind.ACK, cmd.seq, op=Op.PREPARE)
+                continue
             if now >= deadline:
                 return None
             time.sleep(0.005)

@@ -352,8 +352,9 @@ class WorkerExecutor:
         await asyncio.gather(
             *[w.proc.stop() for w in self.workers.values()], return_exceptions=True
         )
-        for w in self.workers.values():
-            w.proc.kill()
+        for w in list(self.workers.values()):
+            if not w.remote and not w.persistent:  # ranks leave the world, not killed
+                w.proc.kill()
 
 
 def _address(worker: _Worker) -> tuple[str, int]:

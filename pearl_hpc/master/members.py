@@ -12,9 +12,9 @@
 
 The master never waits inside MPI for a member's work: commands are sent, acks arrive
 through :meth:`Members.poll` (every few ms, beside heartbeats). Collective calls (admit,
-shrink, ``Comm.Split``) block the loop, so they are entered only when every member was
-heard within the last ``fresh_s`` (a member busy without its control thread, or dead,
-would hold the master in them): a split asked for waits until then.
+shrink, ``Comm.Split``) block the loop, so they are entered only once every member they
+span answered a PREPARE just before (a member busy without its control thread, or dead,
+would hold the master in them): a split asked for waits until then, the loop serving.
 """
 
 from __future__ import annotations
@@ -37,6 +37,17 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.005
 LEAVE_TIMEOUT_S = 15.0  # members that do not ack LEAVE by then are cancelled anyway
+READY_S = 1.0  # a PREPARE round answered longer ago than this is asked again
+
+
+@dataclass
+class _Prepare:
+    """One PREPARE round: the members asked, those yet to answer."""
+
+    members: tuple[str, ...]
+    seqs: set[int]
+    waiting: set[str]
+    answered_s: float | None = None
 
 
 class Members:
@@ -53,6 +64,7 @@ class Members:
         self._expected: dict[int, dict[str, int]] = {}  # epoch -> member -> group size
         self._to_admit: list[str] = []  # linked groups waiting to enter the universe
         self._split_wanted = False
+        self._prepare: _Prepare | None = None
 
     def start(self, since_s: float) -> None:
         """Every base rank said hello (blocking: before the loop serves anything);
@@ -113,8 +125,35 @@ class Members:
         for member in self.plane.overdue():
             self._on_failed(member, "silent past the heartbeat timeout")
         self._admit_joined()
-        if self._split_wanted and not self._to_admit and self.plane.all_fresh():
+        if self._split_wanted and not self._to_admit and self._ready():
             self._split()
+
+    def _ready(self, joining: str | None = None) -> bool:
+        """May the master enter a collective call now? Only once every member it spans
+        (and the ``joining`` group) answered a PREPARE within ``READY_S``: a member
+        whose control thread does not run (its process busy starting an engine on shared
+        cores), or that died, would hold the master's loop inside the call -- or for
+        good. Sends the round when none is out for these members; True consumes it."""
+        if not self.plane.all_fresh(joining=joining):
+            return False
+        membership = self.plane.membership
+        members = [
+            m for m in membership.universe[1:] if membership.members[m].state is MemberState.MEMBER
+        ]
+        if joining is not None:
+            members += [m.member_id for m in membership.group(joining)]
+        key = tuple(members)
+        now = time.monotonic()
+        prep = self._prepare
+        stale = prep is not None and prep.answered_s is not None and now - prep.answered_s > READY_S
+        if prep is None or prep.members != key or stale:
+            seqs = {self.plane.send(m, Op.PREPARE) for m in members}
+            self._prepare = _Prepare(key, seqs, set(members), None if members else now)
+            return not members
+        if prep.waiting:
+            return False
+        self._prepare = None
+        return True
 
     def _accept_joins(self) -> None:
         # MPICH crashed in Accept while a child forked after MPI_Init was alive (seen
@@ -136,7 +175,7 @@ class Members:
 
     def _admit_joined(self) -> None:
         """Grow the universe with the joined groups, while every member is fresh."""
-        while self._to_admit and self.plane.all_fresh(joining=self._to_admit[0]):
+        while self._to_admit and self._ready(joining=self._to_admit[0]):
             group = self._to_admit.pop(0)
             if self.group_state(group) != {MemberState.LINKED}:
                 continue  # failed or left before it could be admitted
@@ -148,6 +187,11 @@ class Members:
     def _on_report(self, report: Report) -> None:
         if report.kind is Kind.ACK and report.args.get("op") == Op.PARTITION:
             self._check_split(report)
+        prep = self._prepare
+        if prep is not None and report.kind is Kind.ACK and report.seq in prep.seqs:
+            prep.waiting.discard(report.member_id)
+            if not prep.waiting:
+                prep.answered_s = time.monotonic()
         future = self._waiting.pop(report.seq, None)
         if future is None or future.done():
             return

@@ -16,8 +16,10 @@ elastic job) joins with Connect + Merge and leaves with LEAVE + Disconnect.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,11 +44,13 @@ def serve_engine(
     key: str,
     hello: dict[str, Any],
     host: str,
+    master_alive: Callable[[], bool] = lambda: True,
 ) -> int:
     """Serve until the master's SHUTDOWN (or LEAVE): the engine socket on this thread's
     asyncio loop, the control plane on a thread of its own. ``connect`` gives the plane
     once the socket listens (an elastic rank Connects only then, so that the master,
-    which Accepts it between two polls, has its hello at once)."""
+    which Accepts it between two polls, has its hello at once). ``master_alive`` false:
+    the master is gone (an elastic rank outlives it otherwise): the rank ends."""
 
     async def serve() -> int:
         service = EngineService(spec, worker_id)
@@ -58,7 +62,7 @@ def serve_engine(
         plane.report(Kind.HELLO, **hello, host=ready["host"], port=ready["port"])
         loop = asyncio.get_running_loop()
         control = threading.Thread(
-            target=_control, args=(plane, loop, service), name="control", daemon=True
+            target=_control, args=(plane, loop, service, master_alive), name="control", daemon=True
         )
         control.start()
         await service.serve_until_stopped()
@@ -68,10 +72,21 @@ def serve_engine(
     return asyncio.run(serve())
 
 
-def _control(plane: WorkerPlane, loop: asyncio.AbstractEventLoop, service: EngineService) -> None:
+def _control(
+    plane: WorkerPlane,
+    loop: asyncio.AbstractEventLoop,
+    service: EngineService,
+    master_alive: Callable[[], bool],
+) -> None:
     """The rank's MPI side: collectives and shutdown (the only thread that calls MPI)."""
+    checked = time.monotonic()
     while True:
         cmd = plane.next_command(0.02)
+        if time.monotonic() - checked > 1.0:
+            checked = time.monotonic()
+            if not master_alive():  # nobody to leave to: MPI_Finalize would wait for it
+                print(f"{plane.member_id}: the master is gone; exiting", flush=True)
+                os._exit(0)
         if cmd is None:
             continue
         if cmd.op in COLLECTIVE:

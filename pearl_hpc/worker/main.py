@@ -103,6 +103,14 @@ def _join(args: argparse.Namespace) -> int:
     def connect() -> WorkerPlane:
         return WorkerPlane.join(run_dir, args.group, heartbeat_interval_s=1.0, timeout_s=600.0)
 
+    lease = run_dir / "elastic" / "master.lease"  # the master touches it every second
+
+    def master_alive() -> bool:
+        try:
+            return time.time() - lease.stat().st_mtime < cfg.slurm.lease_timeout_s
+        except OSError:
+            return True  # not written yet
+
     return serve_engine(
         connect,
         EngineSpec(model_dir=args.model_dir),
@@ -111,6 +119,7 @@ def _join(args: argparse.Namespace) -> int:
         read_key(run_dir / KEY_FILE),
         info,
         bind_address(cfg.slurm.engine_interface),
+        master_alive,
     )
 
 
