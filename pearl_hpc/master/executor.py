@@ -129,6 +129,12 @@ class WorkerExecutor:
             return
         self._died(worker, reason)
 
+    def weights_unreachable(self, name: str) -> None:
+        """Trainer 0 could not reach this weight-group member: its worker died."""
+        worker = next((w for w in self.workers.values() if weight_member(w.gpu_ids) == name), None)
+        if worker is not None and worker.slot_id is not None:
+            self._died(worker, "unreachable for the weight broadcast")
+
     def _died(self, worker: _Worker, reason: str) -> None:
         assert worker.slot_id is not None
         slot_id = worker.slot_id

@@ -340,9 +340,11 @@ class RemoteTrainer:
             wall_s=float(lead["wall_s"]),
         )
 
-    async def publish(self, version: int, serving: Mapping[str, tuple[str, int]]) -> float:
+    async def publish(
+        self, version: int, serving: Mapping[str, tuple[str, int]]
+    ) -> tuple[float, list[str]]:
         """The weights of ``version`` to every serving engine; returns the broadcast's
-        seconds (on trainer 0)."""
+        seconds (on trainer 0) and the engines trainer 0 could not reach (dead)."""
         members = {name: [host, port] for name, (host, port) in serving.items()}
         ack = await self.members.call(self.lead, Op.PUBLISH, version=version, members=members)
         self.members.events(
@@ -351,8 +353,9 @@ class RemoteTrainer:
             members=len(members),
             s=round(float(ack["seconds"]), 4),
             form_s=round(float(ack["form_s"]), 4),
+            unreachable=ack.get("unreachable", []),
         )
-        return float(ack["seconds"])
+        return float(ack["seconds"]), list(ack.get("unreachable", []))
 
     async def catch_up(self, name: str, address: tuple[str, int]) -> float:
         """The latest weights to one engine (point to point)."""

@@ -232,7 +232,10 @@ class StepPipeline:
         """The trainer's weights to every serving engine (trainer 0 re-forms the group
         first if its members changed); returns the broadcast's seconds."""
         async with self.executor.weights_lock:
-            return await self.trainer.publish(version, self.executor.serving_addresses())
+            seconds, dead = await self.trainer.publish(version, self.executor.serving_addresses())
+        for name in dead:  # gone since it was listed: its failure, reported once
+            self.executor.weights_unreachable(name)
+        return seconds
 
     def record(
         self, step: int, done: RolloutResult, stats: TrainResult, train_s: float, ret_s: float

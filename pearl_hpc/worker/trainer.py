@@ -137,17 +137,28 @@ class TrainerRank:
 
     async def _publish(self, args: dict[str, Any]) -> dict[str, Any]:
         assert self.sync is not None
-        members = {
-            name: await self._client(name, host, int(port))
-            for name, (host, port) in sorted(args["members"].items())
-        }
+        from pearl_hpc.engine.types import EngineError
+
+        members, unreachable = {}, []
+        for name, (host, port) in sorted(args["members"].items()):
+            try:
+                members[name] = await self._client(name, host, int(port))
+            except (EngineError, OSError) as exc:  # died since the master listed it
+                log.warning("weights to %s: %s", name, exc)
+                self.clients.pop(name, None)
+                unreachable.append(name)
         form_s = 0.0
         if set(members) != set(self.sync.members):  # a new epoch of the broadcast group
             t0 = time.perf_counter()
             await self.sync.form(members)
             form_s = time.perf_counter() - t0
         seconds = await self.sync.publish(self.trainer.state_dict(), int(args["version"]))
-        return {"seconds": seconds, "form_s": form_s, "members": len(members)}
+        return {
+            "seconds": seconds,
+            "form_s": form_s,
+            "members": len(members),
+            "unreachable": unreachable,
+        }
 
     async def _catch_up(self, args: dict[str, Any]) -> dict[str, Any]:
         assert self.sync is not None
