@@ -71,7 +71,8 @@ def test_collective_is_exactly_admit_shrink_partition() -> None:
     assert {str(op) for op in COLLECTIVE} == {"admit", "shrink", "partition"}
     point_to_point = set(Op) - COLLECTIVE
     assert point_to_point == {
-        Op.ROLE, Op.DRAIN, Op.RELEASE, Op.TRAIN, Op.PUBLISH, Op.CATCH_UP, Op.LEAVE, Op.SHUTDOWN
+        Op.ROLE, Op.DRAIN, Op.RELEASE, Op.TRAIN, Op.PUBLISH, Op.CATCH_UP, Op.LEAVE, Op.SHUTDOWN,
+        Op.PREPARE,
     }  # fmt: skip
 
 

@@ -147,18 +147,29 @@ class TrainerRank:
                 log.warning("weights to %s: %s", name, exc)
                 self.clients.pop(name, None)
                 unreachable.append(name)
+        try:
+            out = await self._broadcast(members, int(args["version"]))
+        except EngineError as exc:  # one died during the broadcast: again without it
+            dead = next((n for n in members if str(exc).startswith(f"{n}:")), None)
+            if dead is None:
+                raise
+            log.warning("weights to %s: %s", dead, exc)
+            self.clients.pop(dead, None)
+            members.pop(dead)
+            unreachable.append(dead)
+            self.sync.members = {}  # re-formed without it
+            out = await self._broadcast(members, int(args["version"]))
+        return {**out, "unreachable": unreachable}
+
+    async def _broadcast(self, members: dict[str, Any], version: int) -> dict[str, Any]:
+        assert self.sync is not None
         form_s = 0.0
         if set(members) != set(self.sync.members):  # a new epoch of the broadcast group
             t0 = time.perf_counter()
             await self.sync.form(members)
             form_s = time.perf_counter() - t0
-        seconds = await self.sync.publish(self.trainer.state_dict(), int(args["version"]))
-        return {
-            "seconds": seconds,
-            "form_s": form_s,
-            "members": len(members),
-            "unreachable": unreachable,
-        }
+        seconds = await self.sync.publish(self.trainer.state_dict(), version)
+        return {"seconds": seconds, "form_s": form_s, "members": len(members)}
 
     async def _catch_up(self, args: dict[str, Any]) -> dict[str, Any]:
         assert self.sync is not None
