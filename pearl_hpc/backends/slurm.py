@@ -381,6 +381,9 @@ class SlurmBackend:
         rows = await asyncio.to_thread(self.client.poll, self.tag)
         now = self.clock()
         for reclaim in self._signals(now):
+            # Slurm kills the component after its grace: its rank leaves the world now
+            # (a rank killed inside a collective call would hang it), its engine drains
+            self.members.leave(reclaim.source.tag)
             await self._put(reclaim)
         actions = self.manager.observe(rows, now)
         for comp in self.manager.components.values():  # ended under its rank: dead

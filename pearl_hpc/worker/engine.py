@@ -96,10 +96,15 @@ def _control(
             plane.report(
                 Kind.ACK, cmd.seq, op=cmd.op, seconds=seconds, epoch=plane.epoch, group_size=size
             )
-        elif cmd.op in (Op.SHUTDOWN, Op.LEAVE):
+        elif cmd.op is Op.LEAVE:
+            # an elastic rank whose job is reclaimed or given back: out of the world (and
+            # of its collective calls) at once; the engine socket serves on while the
+            # master drains it, and the job's end (scancel) ends the process
             plane.report(Kind.ACK, cmd.seq, op=cmd.op)
-            if cmd.op is Op.LEAVE:  # an elastic rank: the master disconnects it too
-                plane.disconnect()
+            plane.disconnect()
+            return
+        elif cmd.op is Op.SHUTDOWN:
+            plane.report(Kind.ACK, cmd.seq, op=cmd.op)
             loop.call_soon_threadsafe(service.stop)
             return
         else:
