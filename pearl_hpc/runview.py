@@ -226,14 +226,18 @@ def write_run_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
 
 
 def _master_alive(run_dir: Path, pid: int) -> bool:
-    """A Slurm-backend master may run on another node: its lease file (touched every
-    second) tells; a local master is a process of this machine."""
-    from pearl_hpc.backends.slurm import LEASE_STALE_S
+    """A master on another node (the Slurm backend's may be): its lease file (touched
+    every second) tells; one of this machine: its lock (the kernel drops a dead
+    holder's) or its pid."""
+    from pearl_hpc.backends.lease import LEASE_FILE, LEASE_STALE_S, lease_owner
 
-    lease = run_dir / "elastic" / "master.lease"
-    if lease.exists():
+    lease = run_dir / "elastic" / LEASE_FILE
+    owner = lease_owner(lease)
+    if owner is not None and owner[0] != os.uname().nodename:
         return time.time() - lease.stat().st_mtime < LEASE_STALE_S
-    held = lock_held(run_dir)  # the live master's flock; the kernel drops a dead one's
+    held = lock_held(run_dir)
     if held is not None:
         return held
+    if owner is not None:
+        pid = owner[1]
     return pid > 0 and _alive(pid)

@@ -287,19 +287,6 @@ def test_failed_active_worker_is_replaced_from_free_capacity() -> None:
     assert controller.table.get(1).status is Status.JOINING
 
 
-def test_dead_elastic_worker_whose_gpus_are_still_granted_is_replaced_there() -> None:
-    controller, executor, _ = running_base(2, expansion="always")
-    controller.handle(CapacityGranted(JOB, (gpus(10),)))
-    ready_all(controller, [2])
-    executor.take()
-    controller.handle(WorkerFailed(2, "engine died", reusable=True))
-    # only the process died: the job's GPUs host a new worker, nothing is given back
-    assert calls_named(executor, "release_capacity") == []
-    assert calls_named(executor, "start_workers") == [[2]]
-    assert controller.table.get(2).gpu_ids == gpus(10)
-    assert controller.table.get(2).source == JOB
-
-
 def test_dead_elastic_worker_whose_capacity_went_too_releases_its_job() -> None:
     controller, executor, _ = running_base(2, expansion="always")
     controller.handle(CapacityGranted(JOB, (gpus(10),)))
@@ -316,7 +303,7 @@ def test_dead_worker_leaving_on_a_reclaim_is_not_replaced() -> None:
     ready_all(controller, [2])
     controller.handle(CapacityReclaimed(JOB, deadline_s=50.0))
     executor.take()
-    controller.handle(WorkerFailed(2, "engine died", reusable=True))
+    controller.handle(WorkerFailed(2, "engine died"))
     assert executor.take()[0] == ("release_capacity", JOB.tag)
     assert controller.free_units == []
 

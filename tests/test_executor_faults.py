@@ -30,8 +30,6 @@ def test_a_worker_failing_many_turns_is_one_failure_event(tmp_path: Path) -> Non
     logged: list[tuple[str, dict[str, Any]]] = []
     router = Router()
     executor = WorkerExecutor(
-        spec=None,  # type: ignore[arg-type]
-        run_dir=tmp_path,
         queue=queue,
         router=router,
         weights=None,  # type: ignore[arg-type]
@@ -46,11 +44,5 @@ def test_a_worker_failing_many_turns_is_one_failure_event(tmp_path: Path) -> Non
     assert queue.qsize() == 1
     failed = queue.get_nowait()
     assert isinstance(failed, WorkerFailed)
-    assert failed.reusable  # a process this master started: its GPUs can host another
     assert [k for k, _ in logged] == ["worker_failed"] and proc.kills == 1
     assert executor.workers == {}
-
-    # an elastic job's step (remote) takes its capacity with it
-    executor.workers[("j+0",)] = _Worker(_DeadProc(), ("j+0",), slot_id=4, remote=True)  # type: ignore[arg-type]
-    router.on_failure("s4", "connection lost")  # type: ignore[misc]
-    assert not queue.get_nowait().reusable

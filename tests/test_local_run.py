@@ -139,12 +139,15 @@ def test_local_run_grows_reclaims_borrows_and_loses_nothing(tmp_path: Path, monk
     assert 0 < len(splits) <= len(plans)  # (one per batch of events decided together)
     groups = [events[j]["groups"] for j in splits]
     assert [events[j]["epoch"] for j in splits] == list(range(1, len(splits) + 1))
-    for group in groups:  # ranks 1-2 train; engine ranks 3-4 serve in a role or idle
+    for group in groups:  # ranks 1-2 train; engine ranks 3-4 (and the elastic rank, 5,
+        # once it joined) serve in a role or idle
         assert group["training"] == [1, 2]
-        assert sorted(r for role, ranks in group.items() if role != "training" for r in ranks) == [
-            3,
-            4,
-        ]
+        engines = sorted(r for role, ranks in group.items() if role != "training" for r in ranks)
+        assert engines in ([3, 4], [3, 4, 5]), group
+    assert any(5 in ranks for g in groups for ranks in g.values())  # the elastic rank joined
+    joined = [e for e in events if e["kind"] == "admitted"]
+    assert [e["group"] for e in joined] == ["el1+0"]
+    assert "leave" in kinds  # given back: it left the world
     assert {"prefill", "decode"} <= set(groups[0])  # the disaggregated start
     assert "split_mismatch" not in kinds  # every member counted the group it landed in
     assert len(list(run_dir.glob("rank*-trainer.log"))) == 2  # two trainer processes
@@ -237,8 +240,8 @@ def test_a_master_killed_mid_step_resumes_without_losing_anything(tmp_path: Path
     finally:
         if master.poll() is None:
             master.kill()
-    workers = [json.loads(p.read_text())["pid"] for p in run_dir.glob("*.ready.json")]
-    assert workers
+    workers = [json.loads(p.read_text())["pid"] for p in run_dir.glob("**/*.ready.json")]
+    assert len(workers) == 3  # the reserved, overlap and elastic engine ranks
     deadline = time.monotonic() + 30
     while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -299,10 +302,10 @@ def test_a_master_killed_mid_step_resumes_without_losing_anything(tmp_path: Path
 @pytest.mark.vllm
 @pytest.mark.skipif(vllm_skip_reason() is not None, reason=str(vllm_skip_reason()))
 def test_a_worker_killed_mid_rollout_loses_no_trajectory(tmp_path: Path, monkeypatch):
-    """SIGKILL the elastic engine worker while step 1's turns run on it: the router
-    reports it once, the controller drops it, its turns are re-sent to the reserved
-    worker, a new engine replaces it on the still-granted GPU, and every trajectory of
-    every step is trained."""
+    """SIGKILL the elastic rank while step 1's turns run on it: the router reports it
+    once, the controller drops it and gives its capacity back, its turns are re-sent to
+    the reserved worker, the backend launches a new rank (the trace still wants one), it
+    joins and serves, and every trajectory of every step is trained."""
     monkeypatch.setenv("PEARL_HPC_CACHE", str(tmp_path / "cache"))
     config = {
         **CONFIG,
@@ -320,7 +323,7 @@ def test_a_worker_killed_mid_rollout_loses_no_trajectory(tmp_path: Path, monkeyp
         rollout (step >= 1) that has started: a few turns logged, the rest in flight."""
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
-            ready = list(run_dir.glob("w*-el1:0.ready.json"))
+            ready = list(run_dir.glob("elastic/el1+0-*.ready.json"))
             logs = sorted((run_dir / "trajectories").glob("step-*.jsonl"))[1:]
             events = (run_dir / "events.jsonl").read_text() if ready else ""
             serving = events.count('"kind": "ready"') >= 2
@@ -342,8 +345,12 @@ def test_a_worker_killed_mid_rollout_loses_no_trajectory(tmp_path: Path, monkeyp
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     failed = [e for e in events if e.get("event") == "WorkerFailed"]
     assert len(failed) == 1, failed  # one death, one failure event
-    # the elastic GPU was still granted: the plan that follows starts a new engine there
-    assert failed[0]["reusable"]
-    plan = next(e for e in events if e["kind"] == "reconfigure" and e["t_s"] >= failed[0]["t_s"])
-    assert "failed" in plan["cause"] and plan["add"] == 1, plan
+    # the trace still wants one: a new launch replaces it, joins the world and serves
+    assert [e["component"] for e in events if e["kind"] == "replace"] == ["el1+0"]
+    after = [e for e in events if e.get("t_s", 0) >= failed[0]["t_s"]]
+    granted = [e for e in after if e.get("event") == "CapacityGranted"]
+    assert granted and granted[0]["source"] == "el2+0", granted
+    assert [e["group"] for e in events if e["kind"] == "admitted"] == ["el1+0", "el2+0"]
+    plan = next(e for e in after if e["kind"] == "reconfigure" and e["add"] == 1)
+    assert plan["cause"].startswith("capacity"), plan
     assert all(m["elastic_workers"] == 1 for m in metrics)

@@ -1,88 +1,240 @@
-"""The local backend: elastic workers are engine processes the master starts itself.
+"""The local backend: elastic capacity as ranks this machine starts, joining the world.
 
-GPU ids are names (``el1:0``, ``el2:0``...): on CPU they only identify which worker runs
-where. ``scale_to`` turns an availability count into grants and reclaims at once (the
-last granted worker is the first reclaimed, with ``grace_s`` to drain).
+    scale_to(N) ─ more: a "job" elJ of one component per new worker, each a launch
+                  `mpiexec -n 1 python -m pearl_hpc.worker join --group elJ+K
+                  --gpu-ids elJ+K:gpu0` (its rank Connects + Merges like a hetjob
+                  component's) ──> CapacityGranted
+                └ fewer: the last granted components ──> CapacityReclaimed (grace_s)
+    release(source) ─ its rank leaves the world (LEAVE + Disconnect), then its launch is
+                  ended; one whose rank died while the trace still wants it is replaced
+    attach(gpu_ids) ─ the joined rank's engine socket (:func:`~.ranks.attach_rank`)
+
+GPU ids are names: on CPU they only identify which worker runs where. The master ends
+its launches at the end of the run; one whose master died is SIGTERMed by the kernel
+(``setpriv --pdeathsig``), and its rank ends itself once the master's lease
+(:mod:`.lease`) goes stale or a resumed master takes it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from pearl_hpc.backends.lease import MasterLease
+from pearl_hpc.backends.ranks import RankWorker, attach_rank
 from pearl_hpc.core.controller import CapacityGranted, CapacityReclaimed, Event
 from pearl_hpc.core.table import ElasticSource
+from pearl_hpc.master.members import LEAVE_TIMEOUT_S, Members
+from pearl_hpc.slurm.client import FORK_LOCK
+
+log = logging.getLogger(__name__)
+
+END_TIMEOUT_S = 10.0  # a launch not gone this long after SIGTERM is killed
 
 
-def trace_events(
-    grace_s: float,
-    now: float,
-    granted: list[tuple[ElasticSource, tuple[str, ...]]],
-    job_counter: list[int],
-    count: int,
-) -> list[Event]:
-    """Grants / reclaims that bring the elastic worker count to ``count`` (pure)."""
-    events: list[Event] = []
-    if count > len(granted):
-        job_counter[0] += 1
-        source = ElasticSource(f"el{job_counter[0]}", 0)
-        sets = []
-        for i in range(count - len(granted)):
-            gpus: tuple[str, ...] = (f"el{job_counter[0]}:{i}",)
-            granted.append((source, gpus))
-            sets.append(gpus)
-        events.append(CapacityGranted(source, tuple(sets)))
-    reclaimed: dict[ElasticSource, list[str]] = {}
-    while len(granted) > count:
-        lost_source, lost_gpus = granted.pop()  # last granted, first reclaimed
-        reclaimed.setdefault(lost_source, []).extend(lost_gpus)
-    for source, ids in reclaimed.items():
-        events.append(CapacityReclaimed(source, now + grace_s, tuple(ids)))
-    return events
+@dataclass
+class _Launch:
+    """One elastic component: its rank's ``mpiexec`` and GPUs."""
+
+    source: ElasticSource
+    gpu_ids: tuple[str, ...]
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    counted: bool = True  # available (not reclaimed, not given back)
+    ended_early: bool = False  # ended before its rank joined: not replaced (it would again)
+
+
+def join_argv(
+    run_dir: Path,
+    model_dir: str,
+    group: str,
+    gpu_ids: tuple[str, ...],
+    mpiexec: str,
+    setpriv: str | None = None,
+) -> list[str]:
+    """The launch of one local elastic rank (pure); with util-linux's ``setpriv`` it is
+    SIGTERMed when the master dies (else its rank ends on the stale lease)."""
+    return [
+        *([setpriv, "--pdeathsig", "SIGTERM"] if setpriv else []),
+        mpiexec, "-launcher", "fork", "-hosts", "localhost", "-n", "1",
+        sys.executable, "-m", "pearl_hpc.worker", "join", "--run-dir", str(run_dir),
+        "--model-dir", model_dir, "--group", group, "--gpu-ids", ",".join(gpu_ids),
+    ]  # fmt: skip
 
 
 class LocalBackend:
-    """Elastic capacity on this machine: granted and reclaimed when told to."""
+    """Elastic ranks on this machine, granted and reclaimed as the trace says (a
+    :class:`~.base.CapacityBackend`)."""
 
     def __init__(
-        self, queue: asyncio.Queue[Event], clock: Callable[[], float], grace_s: float
+        self,
+        run_dir: Path,
+        model_dir: str,
+        members: Members,
+        queue: asyncio.Queue[Event],
+        clock: Callable[[], float],
+        grace_s: float,
+        on_event: Callable[[str, dict[str, Any]], None],
     ) -> None:
+        from pearl_hpc.backends.world import mpiexec_path
+
+        self.run_dir = run_dir
+        self.model_dir = model_dir
+        self.members = members
         self.queue = queue
         self.clock = clock
         self.grace_s = grace_s
-        self.granted: list[tuple[ElasticSource, tuple[str, ...]]] = []
-        self._job_counter = [0]
+        self.on_event = on_event
+        self.dir = run_dir / "elastic"
+        self._lease = MasterLease(self.dir)
+        self.mpiexec = mpiexec_path()
+        self.setpriv = shutil.which("setpriv")
+        self.launches: dict[str, _Launch] = {}  # by component tag, in grant order
+        self.target = 0  # elastic workers the trace asks for
         self.counts = {"granted": 0, "reclaimed": 0}
+        self._jobs = 0
+        self._ending: set[asyncio.Task[None]] = set()
 
     async def start(self, *, resume: bool) -> None:
-        """Nothing outlives a local master (its engine children watch their parent)."""
+        """Nothing to adopt: a dead master's ranks end once this one takes the lease."""
 
-    async def scale_to(self, workers: int, *, regrant: bool = False) -> None:
-        now = self.clock()
-        for event in trace_events(self.grace_s, now, self.granted, self._job_counter, workers):
-            if isinstance(event, CapacityGranted) and not regrant:
-                self.counts["granted"] += 1
-            elif isinstance(event, CapacityReclaimed):
-                self.counts["reclaimed"] += 1
-            await self.queue.put(event)
-
-    def release(self, source: ElasticSource) -> None:
-        """Given back (its workers' processes are stopped by the executor): no longer
-        counted; a later trace point grants the capacity afresh."""
-        self.granted = [(s, gpus) for s, gpus in self.granted if s != source]
-
-    async def attach(self, gpu_ids: tuple[str, ...], key: str, timeout_s: float) -> None:
-        return None  # the master starts the engine process itself
+    # ---------------------------------------------------------------- capacity
+    def _counted(self) -> list[_Launch]:
+        return [launch for launch in self.launches.values() if launch.counted]
 
     def live_workers(self) -> int:
-        return len(self.granted)
+        return len(self._counted())
+
+    async def scale_to(self, workers: int, *, regrant: bool = False) -> None:
+        self.target = workers
+        counted = self._counted()
+        if workers > len(counted):
+            await self._grant(workers - len(counted), growth=not regrant)
+        for launch in reversed(counted[workers:]):  # the last granted, first reclaimed
+            launch.counted = False
+            self.counts["reclaimed"] += 1
+            deadline = self.clock() + self.grace_s
+            await self.queue.put(CapacityReclaimed(launch.source, deadline, launch.gpu_ids))
+
+    async def _grant(self, workers: int, *, growth: bool) -> None:
+        """One job of ``workers`` components, each one rank's launch; granted at once
+        (the controller's start of a worker there waits for its rank to join)."""
+        self._jobs += 1
+        grants = []
+        for k in range(workers):
+            source = ElasticSource(f"el{self._jobs}", k)
+            gpu_ids = (f"{source.tag}:gpu0",)
+            self.launches[source.tag] = self._launch(source, gpu_ids)
+            grants.append(CapacityGranted(source, (gpu_ids,)))
+        if growth:
+            self.counts["granted"] += workers
+        self.on_event("launched", {"job": f"el{self._jobs}", "components": workers})
+        first, *rest = grants
+        await self.queue.put(CapacityGranted(first.source, first.gpu_sets, also=tuple(rest)))
+
+    def _launch(self, source: ElasticSource, gpu_ids: tuple[str, ...]) -> _Launch:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.dir / f"{source.tag}.out"
+        argv = join_argv(
+            self.run_dir, self.model_dir, source.tag, gpu_ids, self.mpiexec, self.setpriv
+        )
+        with log_path.open("ab") as out, FORK_LOCK:  # no fork while MPI accepts a join
+            proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        return _Launch(source, gpu_ids, proc, log_path)
+
+    def release(self, source: ElasticSource) -> None:
+        """Given back: its rank leaves the world, then its launch ends. A component whose
+        rank died after joining, while the trace still wants it, is replaced by a new
+        launch (one that never joined is not: its replacement would fail the same way)."""
+        launch = self.launches.pop(source.tag, None)
+        if launch is None:
+            return  # given back already
+        self.members.leave(source.tag)
+        task = asyncio.get_running_loop().create_task(self._end(launch))
+        self._ending.add(task)
+        task.add_done_callback(self._ending.discard)
+        missing = self.target - len(self._counted())
+        if launch.counted and not launch.ended_early and missing > 0:
+            self.on_event("replace", {"component": source.tag})
+            task = asyncio.get_running_loop().create_task(self._grant(missing, growth=False))
+            self._ending.add(task)
+            task.add_done_callback(self._ending.discard)
+
+    async def _end(self, launch: _Launch) -> None:
+        """Its rank has left the world (or took ``LEAVE_TIMEOUT_S``): SIGTERM the launch,
+        SIGKILL it after ``END_TIMEOUT_S``."""
+        deadline = time.monotonic() + LEAVE_TIMEOUT_S
+        while not self.members.left(launch.source.tag) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await asyncio.to_thread(_end_process, launch.proc)
+
+    async def attach(self, gpu_ids: tuple[str, ...], key: str, timeout_s: float) -> RankWorker:
+        tag = gpu_ids[0].split(":", 1)[0]
+        launch = self.launches.get(tag)
+        if launch is None:
+            raise ValueError(f"no elastic component holds {gpu_ids}")
+        source = launch.source
+
+        def ended() -> str | None:
+            code = launch.proc.poll()
+            if code is None:
+                return None
+            launch.ended_early = True
+            return f"exit {code}; see {launch.log_path}"
+
+        return await attach_rank(
+            self.members,
+            gpu_ids,
+            key,
+            timeout_s,
+            tag=tag,
+            ended=ended,
+            release=lambda: self.release(source),
+        )
 
     def describe(self) -> list[dict[str, Any]]:
-        return []
+        return [
+            {"component": tag, "state": "running" if launch.counted else "releasing",
+             "pid": launch.proc.pid}
+            for tag, launch in self.launches.items()
+        ]  # fmt: skip
 
     def summary(self) -> dict[str, Any] | None:
         return None
 
     async def close(self) -> None:
-        pass
+        """Every launch ended (their ranks left the world before: ``leave_all``)."""
+        for task in list(self._ending):
+            with contextlib.suppress(Exception):
+                await task
+        launches = list(self.launches.values())
+        self.launches.clear()
+        await asyncio.gather(*[asyncio.to_thread(_end_process, x.proc) for x in launches])
+        self._lease.stop()
+
+
+def _end_process(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the launch's process group (mpiexec and its rank), SIGKILL if it lingers."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(END_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

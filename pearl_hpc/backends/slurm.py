@@ -33,20 +33,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pearl_hpc.backends.lease import MasterLease
+from pearl_hpc.backends.ranks import RankWorker, attach_rank
 from pearl_hpc.comm.membership import MemberState
 from pearl_hpc.config.run import SlurmSettings
 from pearl_hpc.core.controller import CapacityGranted, CapacityReclaimed, Event
 from pearl_hpc.core.table import ElasticSource
-from pearl_hpc.engine.client import EngineClient
-from pearl_hpc.engine.types import EngineError
 from pearl_hpc.engine.vllm_engine import EngineSpec
 from pearl_hpc.master.members import LEAVE_TIMEOUT_S, Members
 from pearl_hpc.slurm.capacity import CapacityManager, Component, ComponentState
@@ -57,8 +55,6 @@ log = logging.getLogger(__name__)
 
 GONE = ComponentState.GONE
 LIVE = {MemberState.LINKED, MemberState.MEMBER, MemberState.LEAVING}
-LEASE_S = 1.0  # the master touches its lease this often
-LEASE_STALE_S = 30.0  # `pearl-hpc status`: a master silent this long is dead
 SUBMIT_RETRY_S = 5.0  # a submission that met an unreachable slurmctld is retried after
 # what sbatch says when the controller could not be reached (retried; anything else, e.g.
 # a bad partition, is reported and not retried)
@@ -113,29 +109,6 @@ def elastic_job_spec(
     )
 
 
-class RemoteWorker:
-    """The engine rank of an elastic job component, with :class:`WorkerProcess`'s
-    interface: it leaves the world with its job (``release``), not when stopped."""
-
-    def __init__(
-        self,
-        worker_id: str,
-        client: EngineClient,
-        ready: dict[str, Any],
-        kill: Callable[[], None],
-    ) -> None:
-        self.worker_id = worker_id
-        self.client = client
-        self.ready = ready
-        self._kill = kill
-
-    async def stop(self, timeout_s: float = 60.0) -> None:
-        await self.client.close()
-
-    def kill(self) -> None:
-        self._kill()
-
-
 class SlurmBackend:
     """This run's elastic heterogeneous jobs (a :class:`~.base.CapacityBackend`): submit,
     watch, preempt (for the trace), release, and cancel everything at the end."""
@@ -177,16 +150,9 @@ class SlurmBackend:
         self._cancels: dict[str, tuple[tuple[str, int | None], float]] = {}
         self._watch_stop = asyncio.Event()
         self._watch: asyncio.Task[None] | None = None
-        self._lease_stop = threading.Event()
-        self._lease = threading.Thread(target=self._touch_lease, name="lease", daemon=True)
-        self._lease.start()
+        self._lease = MasterLease(self.dir)
 
     # ---------------------------------------------------------------- lifetime
-    def _touch_lease(self) -> None:
-        lease = self.dir / "master.lease"
-        while not self._lease_stop.is_set():
-            lease.write_text(f"{os.getpid()} {time.time():.1f}\n")
-            self._lease_stop.wait(LEASE_S)
 
     async def start(self, *, resume: bool) -> None:
         """Watch squeue and the jobs' signals; a resumed master first cancels the jobs
@@ -212,7 +178,7 @@ class SlurmBackend:
         if self._watch is not None:
             with contextlib.suppress(Exception):
                 await self._watch
-        self._lease_stop.set()
+        self._lease.stop()
         for job_id in self.jobs + self.preemptors:
             with contextlib.suppress(SlurmError):
                 await asyncio.to_thread(self.client.cancel, job_id)
@@ -436,29 +402,25 @@ class SlurmBackend:
     # ----------------------------------------------------------------- workers
     async def attach(
         self, gpu_ids: tuple[str, ...], key: str, timeout_s: float
-    ) -> RemoteWorker | None:
-        """Connect to the engine socket of the rank that holds ``gpu_ids``, once it
-        joined the world (None: not GPUs of an elastic job; a base engine rank's)."""
+    ) -> RankWorker | None:
+        """The engine socket of the rank that holds ``gpu_ids``, once it joined the world
+        (None: not GPUs of an elastic job; a base engine rank's)."""
         source = source_of_gpus(gpu_ids)
         if source is None:
             return None
-        deadline = time.monotonic() + timeout_s
-        while (hello := self.members.engine_on(gpu_ids)) is None:
+
+        def ended() -> str | None:
             comp = self.manager.components.get(source.tag)
             if comp is None or comp.state is GONE:
-                raise EngineError(f"elastic component {source.tag} ended before its rank joined")
-            if time.monotonic() > deadline:
-                raise EngineError(
-                    f"the rank of {source.tag} did not join within {timeout_s:.0f} s; see "
-                    f"{self.dir}/job-{source.job_id}.out"
-                )
-            await asyncio.sleep(0.2)
-        client = EngineClient(source.tag)
-        await client.connect(str(hello["host"]), int(hello["port"]), key)
-        member = str(hello["member"])
+                return f"see {self.dir}/job-{source.job_id}.out"
+            return None
 
-        def kill() -> None:  # its engine socket died: so did the rank, or it will
-            self.members.fail(member, "its engine socket died")
-            self.release(source)
-
-        return RemoteWorker(source.tag, client, hello, kill)
+        return await attach_rank(
+            self.members,
+            gpu_ids,
+            key,
+            timeout_s,
+            tag=source.tag,
+            ended=ended,
+            release=lambda: self.release(source),
+        )

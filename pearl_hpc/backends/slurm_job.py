@@ -7,13 +7,13 @@ It starts one engine rank per heterogeneous component, each in its own
 ``srun --mpi=pmi2 --het-group=K`` step (so ``scancel JOB+K`` ends only that component):
 ``python -m pearl_hpc.worker join`` Connects to the master and Merges into the run's
 world. It writes the job's preemption signal for the master (``elastic/JOB.signal``) and
-ends the steps once the master's lease (``elastic/master.lease``) goes stale.
+ends the steps once the master's lease (``elastic/master.lease``) goes stale or another
+master takes it.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from pearl_hpc.backends.lease import LEASE_FILE, lease_watcher
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -69,13 +71,12 @@ def _launch(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGUSR2, on_signal)
     signal.signal(signal.SIGTERM, lambda *_: end_steps())
-    lease = edir / "master.lease"
+    master_alive = lease_watcher(edir / LEASE_FILE, args.lease_timeout_s)
     while any(proc.poll() is None for proc in procs):
-        with contextlib.suppress(OSError):
-            if time.time() - lease.stat().st_mtime > args.lease_timeout_s:
-                print(f"elastic job {job}: the master's lease is stale; ending", flush=True)
-                end_steps()
-                break
+        if not master_alive():
+            print(f"elastic job {job}: the master's lease is stale or taken; ending", flush=True)
+            end_steps()
+            break
         time.sleep(1.0)
     return max((proc.wait() for proc in procs), default=0)
 

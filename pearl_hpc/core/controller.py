@@ -95,13 +95,11 @@ class WorkerReleased:
 
 @dataclass(frozen=True, slots=True)
 class WorkerFailed:
-    """A worker stopped answering or its process died. ``reusable``: only the process
-    died, its GPUs are still granted and can host a replacement (an engine the master
-    started); else the capacity went with it."""
+    """A worker stopped answering or its rank died (an elastic rank's capacity goes
+    with it)."""
 
     slot_id: int
     reason: str = ""
-    reusable: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,8 +253,8 @@ class Controller:
                 result = self._on_ready(slot_id)
             case WorkerReleased(slot_id):
                 result = self._on_released(slot_id)
-            case WorkerFailed(slot_id, reason, reusable):
-                result = self._on_failed(slot_id, reason, reusable)
+            case WorkerFailed(slot_id, reason):
+                result = self._on_failed(slot_id, reason)
             case StepTelemetry():
                 result = self._on_telemetry(event)
             case _:
@@ -350,10 +348,9 @@ class Controller:
         self._maybe_start_training()
         return None
 
-    def _on_failed(self, slot_id: int, reason: str, reusable: bool) -> Reconfiguration | None:
-        """A dead worker's slot goes. Its GPUs host a replacement when they are still
-        granted (``reusable``, not leaving on a reclaim); else an elastic job left without
-        workers is released."""
+    def _on_failed(self, slot_id: int, reason: str) -> Reconfiguration | None:
+        """A dead worker's slot goes; an elastic job left without workers is released
+        (its backend may grant a replacement)."""
         if slot_id not in self.table:
             return None
         slot = self.table.get(slot_id)
@@ -361,9 +358,7 @@ class Controller:
             raise RuntimeError(f"training slot {slot_id} failed: {reason}")  # the job must restart
         group_id = self._group_of(slot_id) if slot.status is Status.JOINING else None
         self.table.fail(slot_id)
-        if reusable and slot.zone is Zone.DEDICATED and slot.status is not Status.LEAVING:
-            self.free_units.append(CapacityUnit(slot.gpu_ids, slot.zone, slot.source))
-        elif slot.source is not None:
+        if slot.source is not None:
             self._release_if_empty(slot.source)
         must_remove: list[int] = []
         if group_id is not None:  # all-or-nothing expansion: cancel the rest of the group

@@ -1,11 +1,12 @@
 """The controller's executor for real engine workers: plans become process actions.
 
-    start_workers ── activate an engine rank of the world (reserved or overlap), attach
-                     one a backend runs (an elastic job's step), or spawn a local engine
-                     process (local elastic capacity); catch its weights up
+    start_workers ── activate an engine rank of the world: a base one (reserved or
+                     overlap), or an elastic one the backend started (attached once it
+                     joined); catch its weights up
     change_roles  ── set_role on the engine (the process stays)
-    stop_workers  ── deactivate (partial turns come back to the router), then stop the
-                     process unless it is a rank of the world (kept, released)
+    stop_workers  ── deactivate (partial turns come back to the router); a base rank is
+                     kept (released), an elastic one's socket closed (it leaves with
+                     its capacity)
     admit         ── the router follows the table: ACTIVE rollout slots with an engine
     release_capacity ── the backend gives the elastic component back
 
@@ -20,7 +21,6 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from pearl_hpc.backends.base import CapacityBackend, EngineWorkerHandle
@@ -34,8 +34,8 @@ from pearl_hpc.core.controller import (
 from pearl_hpc.core.orchestrator import WorkerAdd
 from pearl_hpc.core.table import ElasticSource
 from pearl_hpc.core.types import Mode, Role, Status
-from pearl_hpc.engine.client import EngineClient, spawn_worker
-from pearl_hpc.engine.vllm_engine import EngineSpec
+from pearl_hpc.engine.client import EngineClient
+from pearl_hpc.engine.types import EngineError
 from pearl_hpc.master.members import RemoteTrainer
 from pearl_hpc.master.records import Counters, EventLog
 from pearl_hpc.rollout.router import Router
@@ -47,14 +47,14 @@ START_TIMEOUT_S = 300.0  # an engine (re)start taking longer has failed
 
 @dataclass
 class _Worker:
-    """An engine worker process and the slot it serves (None while idle)."""
+    """An engine rank and the slot it serves (None while idle)."""
 
-    proc: EngineWorkerHandle  # a local child, or a step of an elastic Slurm job
+    proc: EngineWorkerHandle  # its engine socket
     gpu_ids: tuple[str, ...]
     slot_id: int | None = None
     role: Role | None = None  # None: released (no engine)
-    remote: bool = False  # run by the backend (an elastic job's step), not our child
-    persistent: bool = False  # a rank of the world: released when idle, never stopped
+    remote: bool = False  # an elastic rank, started by the backend
+    persistent: bool = False  # a base rank: released when idle, never stopped
 
 
 @dataclass
@@ -77,12 +77,10 @@ def weight_member(gpu_ids: tuple[str, ...]) -> str:
 
 
 class WorkerExecutor:
-    """Carries the controller's plans out with engine worker processes."""
+    """Carries the controller's plans out with the world's engine ranks."""
 
     def __init__(
         self,
-        spec: EngineSpec,
-        run_dir: Path,
         queue: asyncio.Queue[Event],
         router: Router,
         weights: RemoteTrainer,
@@ -90,8 +88,6 @@ class WorkerExecutor:
         events: EventLog,
         key: str,
     ) -> None:
-        self.spec = spec
-        self.run_dir = run_dir
         self.queue = queue
         self.router = router
         self.weights = weights
@@ -138,13 +134,10 @@ class WorkerExecutor:
     def _died(self, worker: _Worker, reason: str) -> None:
         assert worker.slot_id is not None
         slot_id = worker.slot_id
-        # an engine process this master started can be started again on the same GPUs;
-        # an elastic job's step or a rank of the world cannot
-        reusable = not worker.remote and not worker.persistent
-        self.log_event("worker_failed", slot=slot_id, reason=reason[:200], reusable=reusable)
+        self.log_event("worker_failed", slot=slot_id, reason=reason[:200])
         self.workers.pop(worker.gpu_ids, None)  # first: killing it may report it again
         worker.proc.kill()
-        self.queue.put_nowait(WorkerFailed(slot_id, reason, reusable))
+        self.queue.put_nowait(WorkerFailed(slot_id, reason))
 
     # ------------------------------------------------------------------ views
     def spawn(self, coro: Any) -> None:
@@ -259,21 +252,12 @@ class WorkerExecutor:
             )
             return worker
         remote = await self.backend.attach(add.gpu_ids, self.key, self.start_timeout_s)
-        if remote is not None:  # an engine server in an elastic job's step, no engine yet
-            worker = _Worker(remote, add.gpu_ids, slot_id=add.slot_id, remote=True)
-            self.workers[add.gpu_ids] = worker
-            await asyncio.wait_for(remote.client.activate(add.role), timeout=self.start_timeout_s)
-            return worker
-        proc = await spawn_worker(
-            self.spec,
-            f"w{add.slot_id}-" + "-".join(add.gpu_ids),
-            run_dir=self.run_dir,
-            key=self.key,
-            role=add.role,
-            slot_id=add.slot_id,
-        )
-        worker = _Worker(proc, add.gpu_ids, slot_id=add.slot_id)
+        if remote is None:
+            raise EngineError(f"no engine rank holds {add.gpu_ids}")
+        # an elastic rank that joined the world, serving no engine yet
+        worker = _Worker(remote, add.gpu_ids, slot_id=add.slot_id, remote=True)
         self.workers[add.gpu_ids] = worker
+        await asyncio.wait_for(remote.client.activate(add.role), timeout=self.start_timeout_s)
         return worker
 
     def _table_role(self, slot_id: int, default: Role) -> Role:
@@ -355,12 +339,10 @@ class WorkerExecutor:
     async def close(self) -> None:
         for task in list(self.tasks):
             task.cancel()
+        # their sockets closed; the ranks leave the world with it (elastic ones first)
         await asyncio.gather(
             *[w.proc.stop() for w in self.workers.values()], return_exceptions=True
         )
-        for w in list(self.workers.values()):
-            if not w.remote and not w.persistent:  # ranks leave the world, not killed
-                w.proc.kill()
 
 
 def _address(worker: _Worker) -> tuple[str, int]:

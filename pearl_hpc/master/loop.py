@@ -110,7 +110,15 @@ def make_backend(
             lambda kind, fields: events(kind, **fields),
             members,
         )
-    return LocalBackend(queue, clock, cfg.elastic.grace_s)
+    return LocalBackend(
+        run_dir,
+        spec.model_dir,
+        members,
+        queue,
+        clock,
+        cfg.elastic.grace_s,
+        lambda kind, fields: events(kind, **fields),
+    )
 
 
 class MasterRun:
@@ -284,8 +292,6 @@ class MasterRun:
             self.cfg, self.run_dir, spec, self.members, self.queue, self.clock, self.events
         )
         return WorkerExecutor(
-            spec,
-            self.run_dir,
             self.queue,
             self.router,
             self.trainer,
@@ -338,17 +344,18 @@ class MasterRun:
                 event = await asyncio.wait_for(self.queue.get(), timeout=0.2)
             except TimeoutError:
                 continue
-            await self.queue.put(event)
-            self.decide_now()
+            self.decide_now(event)
             self.save_state(self._next_step(), "running")
 
-    def decide_now(self) -> None:
-        """Apply every queued event to the controller, then make the router follow the
-        table (and log the table when it changed: the role timeline of the report)."""
+    def decide_now(self, first: Event | None = None) -> None:
+        """Apply ``first`` and every queued event, in order, to the controller, then make
+        the router follow the table (and log the table when it changed: the role
+        timeline of the report)."""
         controller, log_event = self.controller, self.events
         planned = False
-        while not self.queue.empty():
-            event = self.queue.get_nowait()
+        while first is not None or not self.queue.empty():
+            event = first if first is not None else self.queue.get_nowait()
+            first = None
             log_event("event", event=type(event).__name__, **event_fields(event))
             result = controller.handle(event)
             if result is not None:

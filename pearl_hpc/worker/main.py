@@ -2,6 +2,7 @@
 
     mpiexec -n N python -m pearl_hpc.worker rank --run-dir RUN_DIR --model-dir M [--resume]
     srun --mpi=pmi2 python -m pearl_hpc.worker join --run-dir RUN_DIR --model-dir M --group JOB+K
+    mpiexec -n 1 python -m pearl_hpc.worker join ... --group elJ+K --gpu-ids elJ+K:gpu0   (local)
 
 Every rank reads ``RUN_DIR/config.yaml`` and finds what it runs by its rank in the base
 layout (:func:`pearl_hpc.config.run.base_layout`): rank 0 the master, then the trainer
@@ -79,11 +80,12 @@ def _rank(args: argparse.Namespace) -> int:
 
 
 def _join(args: argparse.Namespace) -> int:
-    """A rank of an elastic job component (one ``srun`` step per component): its engine
-    socket up, then Connect + Merge with the master, then served like a base engine rank
-    until the master's LEAVE."""
+    """An elastic rank (a hetjob component's ``srun`` step, or a local ``mpiexec -n 1``):
+    its engine socket up, then Connect + Merge with the master, then served like a base
+    engine rank until the master's LEAVE."""
     from mpi4py import MPI  # noqa: F401  (MPI before torch and vLLM)
 
+    from pearl_hpc.backends.lease import LEASE_FILE, lease_watcher
     from pearl_hpc.comm.mpi import WorkerPlane, member_info
     from pearl_hpc.comm.net import bind_address
     from pearl_hpc.config.run import ENGINE, load_run_config
@@ -96,20 +98,16 @@ def _join(args: argparse.Namespace) -> int:
     cfg = load_run_config(run_dir / "config.yaml")
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # the job's batch step tells the master
     info = member_info({"process": ENGINE, "group": args.group})
-    info["gpu_ids"] = gpu_ids_of(
-        args.group, str(info["node"]), int(info["local_id"]), cfg.slurm.gpus_per_worker
-    )
+    if args.gpu_ids:  # named by the local backend
+        info["gpu_ids"] = args.gpu_ids.split(",")
+    else:  # a job component's: its node's GPUs, split by local id
+        info["gpu_ids"] = gpu_ids_of(
+            args.group, str(info["node"]), int(info["local_id"]), cfg.slurm.gpus_per_worker
+        )
+    host = "127.0.0.1" if cfg.backend == "local" else bind_address(cfg.slurm.engine_interface)
 
     def connect() -> WorkerPlane:
         return WorkerPlane.join(run_dir, args.group, heartbeat_interval_s=1.0, timeout_s=600.0)
-
-    lease = run_dir / "elastic" / "master.lease"  # the master touches it every second
-
-    def master_alive() -> bool:
-        try:
-            return time.time() - lease.stat().st_mtime < cfg.slurm.lease_timeout_s
-        except OSError:
-            return True  # not written yet
 
     return serve_engine(
         connect,
@@ -118,8 +116,8 @@ def _join(args: argparse.Namespace) -> int:
         run_dir / "elastic",
         read_key(run_dir / KEY_FILE),
         info,
-        bind_address(cfg.slurm.engine_interface),
-        master_alive,
+        host,
+        lease_watcher(run_dir / "elastic" / LEASE_FILE, cfg.slurm.lease_timeout_s),
     )
 
 
@@ -203,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     join.add_argument("--run-dir", type=Path, required=True)
     join.add_argument("--model-dir", required=True)
     join.add_argument("--group", required=True, help="JOB+K: this rank's job component")
+    join.add_argument("--gpu-ids", help="comma-separated: its GPUs' names (else from Slurm's)")
     join.set_defaults(func=_join)
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("PEARL_LOG_LEVEL", "WARNING"))
