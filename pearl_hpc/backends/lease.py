@@ -42,10 +42,11 @@ class MasterLease:
         self._stop.set()
 
 
-def lease_watcher(path: Path, timeout_s: float) -> Callable[[], bool]:
-    """``alive()`` for an elastic rank or launcher: false once the lease is older than
-    ``timeout_s``, or held by another master than the first one seen (a resumed master
-    starts its own ranks; those of the dead one end). True while none was written."""
+def lease_watcher(path: Path, timeout_s: float, *, any_owner: bool = False) -> Callable[[], bool]:
+    """``alive()`` for an elastic rank: false once the lease is older than ``timeout_s``,
+    or held by another master than the first one seen (the dead one's ranks end; a
+    resumed master's join afresh). ``any_owner``: only the age counts (an elastic job's
+    batch step serves whichever master). True while none was written."""
     first: list[tuple[str, int]] = []
 
     def alive() -> bool:
@@ -58,7 +59,7 @@ def lease_watcher(path: Path, timeout_s: float) -> Callable[[], bool]:
             return True
         if not first:
             first.append(holder)
-        return age < timeout_s and holder == first[0]
+        return age < timeout_s and (any_owner or holder == first[0])
 
     return alive
 

@@ -24,8 +24,9 @@ carried out for real: a trace point that lowers the elastic count submits a job 
 
 Every process of an elastic job ends with the master: the job's launcher watches the
 master's lease file (``RUN_DIR/elastic/master.lease``, touched every second) and ends its
-steps once it goes stale. A resumed master cancels the jobs of its run it finds by tag,
-then grants afresh from the trace.
+steps once it goes stale. A resumed master adopts the jobs of its run it finds by tag:
+their batch steps start their ranks again, which join the new world (no cancel, no
+resubmission); the trace then asks only for what they do not cover.
 """
 
 from __future__ import annotations
@@ -155,21 +156,29 @@ class SlurmBackend:
     # ---------------------------------------------------------------- lifetime
 
     async def start(self, *, resume: bool) -> None:
-        """Watch squeue and the jobs' signals; a resumed master first cancels the jobs
-        the dead one left (granted afresh from the trace)."""
+        """Watch squeue and the jobs' signals; a resumed master first adopts the elastic
+        jobs the dead one left (:meth:`adopt_leftovers`)."""
         if resume:
-            await self.cancel_leftovers()
+            await self.adopt_leftovers()
         self._watch = asyncio.create_task(self.watch(self._watch_stop))
 
-    async def cancel_leftovers(self) -> list[str]:
-        """Cancel the jobs of this run a previous master left (found by tag)."""
-        jobs = sorted(await self._tagged_jobs())
-        for job_id in jobs:
+    async def adopt_leftovers(self) -> list[str]:
+        """Take over the elastic jobs of this run a dead master left (found by tag):
+        their batch steps start their ranks again once this master holds the lease,
+        and the ranks join this world; granted when squeue shows them running, like a
+        job of this master's. The dead master's preempting jobs are cancelled."""
+        rows = (await asyncio.to_thread(self.client.poll, None)).values()
+        mine = [r for r in rows if r.comment == f"pearl:{self.tag}"]
+        for job_id in sorted({r.job_id for r in rows if r.comment == f"pearl:{self.tag}.preempt"}):
             with contextlib.suppress(SlurmError):
                 await asyncio.to_thread(self.client.cancel, job_id)
+        gpus = self.settings.gpus_per_worker
+        self.manager.adopt(mine, gpus, gpus, self.clock())
+        jobs = sorted({r.job_id for r in mine})
+        self.jobs.extend(jobs)
         if jobs:
-            self.on_event("cancelled_leftovers", {"jobs": jobs})
-            await self._wait_gone(60.0)
+            tags = sorted(ElasticSource(r.job_id, r.component or 0).tag for r in mine)
+            self.on_event("adopted", {"jobs": jobs, "components": tags})
         return jobs
 
     async def close(self) -> None:

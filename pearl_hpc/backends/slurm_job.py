@@ -6,9 +6,11 @@ first node:
 It starts one engine rank per heterogeneous component, each in its own
 ``srun --mpi=pmi2 --het-group=K`` step (so ``scancel JOB+K`` ends only that component):
 ``python -m pearl_hpc.worker join`` Connects to the master and Merges into the run's
-world. It writes the job's preemption signal for the master (``elastic/JOB.signal``) and
-ends the steps once the master's lease (``elastic/master.lease``) goes stale or another
-master takes it.
+world. It writes the job's preemption signal for the master (``elastic/JOB.signal``).
+
+    master SIGKILLed ──> its ranks wait ──> a resumed master takes the lease ──> the old
+    ranks end, the steps start again and join it (the master adopts the job by tag)
+    no master for slurm.lease_timeout_s (a stale lease) ──> every step ends, the job too
 """
 
 from __future__ import annotations
@@ -20,16 +22,19 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pearl_hpc.backends.lease import LEASE_FILE, lease_watcher
+from pearl_hpc.backends.lease import LEASE_FILE, lease_owner, lease_watcher
 
 
 def _launch(args: argparse.Namespace) -> int:
     """The batch step of an elastic job: one engine rank per component, each in its own
-    ``srun --het-group=K`` step; the job's signal is written for the master; the steps end
-    when the master's lease goes stale."""
+    ``srun --het-group=K`` step; the job's signal is written for the master. A step whose
+    master died ends itself once a resumed master takes the lease: it is started again
+    and joins that master (the job is adopted, not resubmitted). Every step ends when the
+    lease goes stale."""
     job = os.environ.get("SLURM_JOB_ID")
     if not job:
         print(
@@ -40,8 +45,10 @@ def _launch(args: argparse.Namespace) -> int:
     het = "SLURM_HET_SIZE" in os.environ
     size = int(os.environ.get("SLURM_HET_SIZE", "1"))
     edir = args.run_dir / "elastic"
-    procs = []
-    for k in range(size):
+    lease = edir / LEASE_FILE
+    steps: list[_Step] = []
+
+    def start(k: int) -> _Step:
         # PMI from srun: the rank is an MPI process of its own, Connecting to the
         # master's port (a Hydra-launched base world accepts it: verified here)
         argv = ["srun", "-n1", "--mpi=pmi2", *([f"--het-group={k}"] if het else [])]
@@ -49,7 +56,7 @@ def _launch(args: argparse.Namespace) -> int:
             sys.executable, "-m", "pearl_hpc.worker", "join",
             "--run-dir", str(args.run_dir), "--model-dir", args.model, "--group", f"{job}+{k}",
         ]  # fmt: skip
-        procs.append(subprocess.Popen(argv))
+        return _Step(k, subprocess.Popen(argv), lease_owner(lease))
 
     def on_signal(signum: int, _frame: Any) -> None:
         note = {"signal": signal.Signals(signum).name, "time": time.time()}
@@ -58,27 +65,48 @@ def _launch(args: argparse.Namespace) -> int:
         tmp.rename(edir / f"{job}.signal")  # the master drains and cancels us
         print(f"elastic job {job}: {note['signal']}; told the master", flush=True)
 
+    ending = False
+
     def end_steps() -> None:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
+        nonlocal ending
+        ending = True
+        for step in steps:
+            if step.proc.poll() is None:
+                step.proc.terminate()
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        while time.monotonic() < deadline and any(s.proc.poll() is None for s in steps):
             time.sleep(0.2)
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+        for step in steps:
+            if step.proc.poll() is None:
+                step.proc.kill()
 
     signal.signal(signal.SIGUSR2, on_signal)
     signal.signal(signal.SIGTERM, lambda *_: end_steps())
-    master_alive = lease_watcher(edir / LEASE_FILE, args.lease_timeout_s)
-    while any(proc.poll() is None for proc in procs):
-        if not master_alive():
-            print(f"elastic job {job}: the master's lease is stale or taken; ending", flush=True)
+    steps.extend(start(k) for k in range(size))
+    fresh = lease_watcher(lease, args.lease_timeout_s, any_owner=True)
+    while not ending:  # the master's scancel (or a stale lease) ends the job
+        if not fresh():
+            print(f"elastic job {job}: the master's lease is stale; ending", flush=True)
             end_steps()
             break
+        holder = lease_owner(lease)
+        for i, step in enumerate(steps):
+            # a step ended under a master that is gone (its rank saw the new lease, or
+            # MPI failed it with the dead master): it joins the master that took over
+            if step.proc.poll() is not None and holder is not None and holder != step.owner:
+                print(f"elastic job {job}: component {step.k} joins the resumed master", flush=True)
+                steps[i] = start(step.k)
         time.sleep(1.0)
-    return max((proc.wait() for proc in procs), default=0)
+    return max((step.proc.wait() for step in steps), default=0)
+
+
+@dataclass
+class _Step:
+    """One component's ``srun`` step, and the master whose lease it started under."""
+
+    k: int
+    proc: subprocess.Popen[bytes]
+    owner: tuple[str, int] | None
 
 
 def main(argv: list[str] | None = None) -> int:
