@@ -8,7 +8,11 @@ Communicators:
 - **universe**: one intracomm over the master and every admitted member, extended by
   ``Create_intercomm`` + ``Merge`` when a component is admitted and cut down by
   ``Create_group`` (collective over the survivors only) when members leave or fail.
-- **role groups**: ``universe.Split`` by role after every applied plan (one epoch each).
+- **members**: the universe without the master (``Create_group``, collective over the
+  members only), made again after each change of the universe.
+- **role groups**: ``members.Split`` by role after every applied plan (one epoch each).
+  The master takes no part: it sends each member its colour and collects the acks, so
+  a member slow to enter (its process busy) delays its peers, never the master's loop.
 
 Joining. MPICH holds a global lock inside a blocking ``Accept``, so a master thread
 waiting in ``Accept`` stalls every other MPI call of the process (verified with MPICH
@@ -49,6 +53,7 @@ PORT_FILE = "mpi-port"
 JOINS_DIR = "joins"
 TAG_INTERCOMM = 21
 TAG_SHRINK = 22
+TAG_MEMBERS = 23
 
 
 class PlaneError(PearlError):
@@ -82,7 +87,6 @@ class Timings:
     accept_s: list[float] = field(default_factory=list)
     admit_s: list[float] = field(default_factory=list)
     shrink_s: list[float] = field(default_factory=list)
-    partition_s: list[float] = field(default_factory=list)
 
 
 COLLECTIVE_TIMEOUT_S = 120.0
@@ -135,7 +139,6 @@ class MasterPlane:
         self.universe = world.Dup()
         self.links: dict[str, Any] = {"base": world}
         self.membership = Membership(heartbeat_timeout_s)
-        self.role_comm: Any = None
         self.epoch = 0
         self.seq = 0
         self.timings = Timings()
@@ -307,25 +310,20 @@ class MasterPlane:
         self.timings.shrink_s.append(elapsed)
         return elapsed
 
-    def partition(self, roles: Mapping[str, str], *, dataplane: Any = None) -> float:
-        """Re-partition the universe into role groups (``Comm.Split``)."""
-        t0 = time.perf_counter()
-        self._shrink_if_needed()
+    def partition(self, roles: Mapping[str, str]) -> tuple[int, list[str]]:
+        """Ask every member to re-partition into role groups (``Comm.Split`` of the
+        members' communicator, without the master: this returns at once). The universe
+        must hold no leaving or failed member (:meth:`shrink` first). Returns the epoch
+        and the members asked; each acks with its group's size and its seconds."""
+        if self.membership.needs_shrink():
+            raise PlaneError("re-partition: shrink the universe first")
         self.epoch += 1
         colors = self.membership.colors(roles)
         by_rank = [colors[i] for i in self.membership.universe]
-        for member_id in self.membership.universe[1:]:
-            self.send(
-                member_id, Op.PARTITION, epoch=self.epoch, colors=by_rank, dataplane=dataplane
-            )
-        if self.role_comm is not None:
-            self.role_comm.Free()
-        with hang_guard(f"re-partition {self.epoch}"):
-            self.role_comm = self.universe.Split(by_rank[0], 0)
-            self.role_comm.allreduce(1)  # every group counts its members (workers check)
-        elapsed = time.perf_counter() - t0
-        self.timings.partition_s.append(elapsed)
-        return elapsed
+        members = list(self.membership.universe[1:])
+        for member_id in members:
+            self.send(member_id, Op.PARTITION, epoch=self.epoch, colors=by_rank)
+        return self.epoch, members
 
     # ---------------------------------------------------------------- leaving
     def leave(self, group: str) -> list[Member]:
@@ -395,6 +393,7 @@ class WorkerPlane:
         self.member_id = member_id
         self.universe = universe  # None until admitted
         self.local = local  # the component's own world (joiners); None for base ranks
+        self.members: Any = None  # the universe without the master, made when first needed
         self.role_comm: Any = None
         self.epoch = 0
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -493,6 +492,12 @@ class WorkerPlane:
         if cmd.op not in COLLECTIVE:
             raise PlaneError(f"{cmd.op} is not a collective command")
         t0 = time.perf_counter()
+        if cmd.op is not Op.PARTITION and self.members is not None:
+            # the universe changes, its members' communicator with it (after a shrink
+            # it may span dead ranks: dropped, not freed)
+            if cmd.op is Op.ADMIT:
+                self.members.Free()
+            self.members = None
         if cmd.op is Op.ADMIT:
             if self.universe is None:  # the joining side
                 intercomm = self.local.Create_intercomm(0, self.link, 0, TAG_INTERCOMM)
@@ -509,17 +514,31 @@ class WorkerPlane:
             group.Free()
         elif cmd.op is Op.PARTITION:
             colors = cmd.args["colors"]
+            if self.members is None:  # collective over the members: the master stays out
+                others = self.universe.Get_group().Excl([0])
+                self.members = self.universe.Create_group(others, TAG_MEMBERS)
+                others.Free()
             if self.role_comm is not None:
                 self.role_comm.Free()
-            self.role_comm = self.universe.Split(colors[self.universe.rank], self.universe.rank)
+            rank = self.universe.rank
+            self.role_comm = self.members.Split(colors[rank], rank)
             self.epoch = int(cmd.args["epoch"])
         return time.perf_counter() - t0
+
+    def take_part(self, cmd: Command) -> dict[str, Any]:
+        """Enter a collective command; returns the ack's arguments: the seconds inside
+        it, the epoch and (a re-partition) the new role group's size as the group
+        counts itself (the master checks it)."""
+        seconds = self.enter(cmd)
+        size = self.role_comm.allreduce(1) if cmd.op is Op.PARTITION else 0
+        return {"seconds": seconds, "epoch": self.epoch, "group_size": size}
 
     def disconnect(self) -> None:
         """Leave the plane: free the shared communicators, disconnect from the master."""
         if self.role_comm is not None:
             self.role_comm.Free()
             self.role_comm = None
+        self.members = None  # like the universe: may span dead ranks
         self.universe = None  # may span dead ranks: dropped, not freed collectively
         if self.local is not None:
             self.link.Disconnect()

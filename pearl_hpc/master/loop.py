@@ -121,6 +121,20 @@ def make_backend(
     )
 
 
+async def _unless_failed(work: Any, guard: asyncio.Task[None]) -> None:
+    """Run ``work`` to its end, unless ``guard`` (a task that should outlive it) fails
+    first: then ``work`` is cancelled and the guard's error raised."""
+    task = asyncio.ensure_future(work)
+    await asyncio.wait({task, guard}, return_when=asyncio.FIRST_COMPLETED)
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        guard.result()  # its error (a guard that ended cleanly: the work was cut short)
+        raise RuntimeError("the members' poll ended before the run")
+    task.result()
+
+
 class MasterRun:
     """The master's state for one run; :meth:`run` reads top to bottom."""
 
@@ -217,8 +231,8 @@ class MasterRun:
             self.save_state(self.first_step, "running")
             if cfg.elastic.replay.enabled:  # after the base workers are registered
                 replay_task = asyncio.create_task(trace.replay(self._pump_stop))
-            # 6. the steps
-            await pipeline.run(self.first_step)
+            # 6. the steps (a control plane that fails ends them: nothing could go on)
+            await _unless_failed(pipeline.run(self.first_step), poll_task)
             await self._settle(executor)
         except BaseException:
             with contextlib.suppress(Exception):

@@ -9,12 +9,18 @@
                  ──LEAVE + Disconnect (its job given back)──> GONE ──> shrink
     a member silent past the heartbeat timeout, or whose engine socket died: FAILED,
     shrunk away before the next collective call
+    a plan applied ──> PARTITION to every member ──> they Comm.Split among themselves
+                 ──acks (group sizes, seconds)──> the "split" event
 
 The master never waits inside MPI for a member's work: commands are sent, acks arrive
-through :meth:`Members.poll` (every few ms, beside heartbeats). Collective calls (admit,
-shrink, ``Comm.Split``) block the loop, so they are entered only once every member they
-span answered a PREPARE just before (a member busy without its control thread, or dead,
-would hold the master in them): a split asked for waits until then, the loop serving.
+through :meth:`Members.poll` (every few ms, beside heartbeats). The re-partition after a
+plan is the members' collective alone (the master sends colours): a member slow to
+enter it delays its peers, not the master's loop; while it runs its members are not
+judged silent (they cannot heartbeat from inside it), and one that does not finish in
+``COLLECTIVE_TIMEOUT_S`` fails the run (a member died inside it: MPI cannot recover;
+``--resume``). The collectives the master takes part in (admit, shrink) block its loop,
+so they are entered only once every member answered a PREPARE just before (a member
+busy without its control thread, or dead, would hold the master in them).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from typing import Any
 
 from pearl_hpc.comm.membership import Member, MemberState
 from pearl_hpc.comm.messages import Kind, Op, Report
-from pearl_hpc.comm.mpi import MasterPlane, PlaneError
+from pearl_hpc.comm.mpi import COLLECTIVE_TIMEOUT_S, MasterPlane, PlaneError
 from pearl_hpc.master.records import EventLog
 from pearl_hpc.rollout.types import Trajectory
 from pearl_hpc.slurm.client import FORK_LOCK
@@ -50,6 +56,17 @@ class _Prepare:
     answered_s: float | None = None
 
 
+@dataclass
+class _Split:
+    """The re-partition the members are making: who has not acked yet."""
+
+    epoch: int
+    groups: dict[str, list[int]]  # role -> ranks
+    waiting: set[str]
+    sent_s: float
+    seconds: list[float]  # each member's time inside it
+
+
 class Members:
     """Commands to members as awaitables; joins, admission, leaving; ``Comm.Split``
     after each plan."""
@@ -64,6 +81,7 @@ class Members:
         self._expected: dict[int, dict[str, int]] = {}  # epoch -> member -> group size
         self._to_admit: list[str] = []  # linked groups waiting to enter the universe
         self._split_wanted = False
+        self._splitting: _Split | None = None
         self._prepare: _Prepare | None = None
 
     def start(self, since_s: float) -> None:
@@ -122,11 +140,33 @@ class Members:
             self._accept_joins()
         for report in self.plane.poll():
             self._on_report(report)
+        self._hold_splitting()
         for member in self.plane.overdue():
             self._on_failed(member, "silent past the heartbeat timeout")
+        if self._splitting is not None:
+            return  # admit, shrink and the next split wait until the members are out
         self._admit_joined()
         if self._split_wanted and not self._to_admit and self._ready():
-            self._split()
+            if self.plane.membership.needs_shrink():
+                self._shrink()  # the next poll splits the survivors
+            else:
+                self._split()
+
+    def _hold_splitting(self) -> None:
+        """Members inside the re-partition cannot heartbeat: not silent meanwhile, up to
+        ``COLLECTIVE_TIMEOUT_S``; past it the run cannot go on."""
+        split = self._splitting
+        if split is None:
+            return
+        now = time.monotonic()
+        if now - split.sent_s > COLLECTIVE_TIMEOUT_S:
+            raise PlaneError(
+                f"re-partition {split.epoch}: {sorted(split.waiting)} did not finish in "
+                f"{COLLECTIVE_TIMEOUT_S:.0f} s (a member died inside the collective; MPI "
+                "cannot recover from that): resume the run"
+            )
+        for member_id in split.waiting:
+            self.plane.membership.heard(member_id, self.plane.clock())
 
     def _ready(self, joining: str | None = None) -> bool:
         """May the master enter a collective call now? Only once every member it spans
@@ -187,6 +227,7 @@ class Members:
     def _on_report(self, report: Report) -> None:
         if report.kind is Kind.ACK and report.args.get("op") == Op.PARTITION:
             self._check_split(report)
+            self._split_acked(report.member_id, float(report.args.get("seconds", 0.0)))
         prep = self._prepare
         if prep is not None and report.kind is Kind.ACK and report.seq in prep.seqs:
             prep.waiting.discard(report.member_id)
@@ -211,6 +252,7 @@ class Members:
 
     def _on_failed(self, member: Member, reason: str) -> None:
         self.events("member_failed", member=member.member_id, group=member.group, reason=reason)
+        self._split_acked(member.member_id, None)  # its peers may still finish the split
         if member.group != "base" and self.group_state(member.group) <= {
             MemberState.FAILED,
             MemberState.GONE,
@@ -256,30 +298,49 @@ class Members:
         self.poll()
 
     def flush(self, timeout_s: float = 30.0) -> None:
-        """The split still wanted, made before the run ends (blocking, bounded)."""
+        """The split still wanted, made and acked before the run ends (blocking,
+        bounded)."""
         deadline = time.monotonic() + timeout_s
-        while self._split_wanted and time.monotonic() < deadline:
+        while (self._split_wanted or self._splitting) and time.monotonic() < deadline:
             self.poll()
             time.sleep(POLL_S)
 
     def _split(self) -> None:
-        """Logged with each group's ranks; every member's count of its group is checked
-        as its ack comes."""
+        """Send the members their role groups; the "split" event (each group's ranks,
+        the slowest member's seconds inside it) is logged once all acked. Every member's
+        count of its group is checked as its ack comes."""
         self._split_wanted = False
         universe = self.plane.membership.universe
         roles = {m: r for m, r in self.roles().items() if m in universe}
-        seconds = self.plane.partition(roles)
-        epoch = self.plane.epoch
+        epoch, asked = self.plane.partition(roles)
         groups: dict[str, list[int]] = {}
         for member_id, role in roles.items():
             groups.setdefault(role, []).append(self.rank(member_id))
         self._expected[epoch] = {m: len(groups[r]) for m, r in roles.items()}
+        self._splitting = _Split(epoch, groups, set(asked), time.monotonic(), [])
+        self._split_acked(None, None)  # no member at all: done at once
+
+    def _split_acked(self, member_id: str | None, seconds: float | None) -> None:
+        split = self._splitting
+        if split is None:
+            return
+        split.waiting.discard(member_id or "")
+        if seconds is not None:
+            split.seconds.append(seconds)
+        if split.waiting:
+            return
+        self._splitting = None
         self.events(
             "split",
-            epoch=epoch,
-            groups={r: sorted(ranks) for r, ranks in sorted(groups.items())},
-            s=round(seconds, 4),
+            epoch=split.epoch,
+            groups={r: sorted(ranks) for r, ranks in sorted(split.groups.items())},
+            s=round(max(split.seconds, default=0.0), 4),
+            wait_s=round(time.monotonic() - split.sent_s, 4),
         )
+
+    def _shrink(self) -> None:
+        seconds = self.plane.shrink()
+        self.events("shrink", ranks=len(self.plane.membership.universe), s=round(seconds, 4))
 
     def _check_split(self, report: Report) -> None:
         expected = self._expected.get(int(report.args.get("epoch", -1)), {})

@@ -2,8 +2,8 @@
 
 The master reaches the engine on two channels:
 
-    MPI control plane (this rank's control thread): PARTITION (Comm.Split into role
-        groups, the group size counted), SHUTDOWN; heartbeats every second
+    MPI control plane (this rank's control thread): PARTITION (Comm.Split of the
+        members into role groups, the group size counted), SHUTDOWN; heartbeats
     engine socket (:mod:`pearl_hpc.engine.rpc`, the asyncio loop of the main thread):
         activate / set_role / drain / deactivate / weights / generate -- the per-turn
         request path, as vLLM's own API is a socket
@@ -90,12 +90,7 @@ def _control(
         if cmd is None:
             continue
         if cmd.op in COLLECTIVE:
-            seconds = plane.enter(cmd)
-            # a new role group counts its members (the master checks the count)
-            size = plane.role_comm.allreduce(1) if cmd.op is Op.PARTITION else 0
-            plane.report(
-                Kind.ACK, cmd.seq, op=cmd.op, seconds=seconds, epoch=plane.epoch, group_size=size
-            )
+            plane.report(Kind.ACK, cmd.seq, op=cmd.op, **plane.take_part(cmd))
         elif cmd.op is Op.LEAVE:
             # an elastic rank whose job is reclaimed or given back: out of the world (and
             # of its collective calls) at once; the engine socket serves on while the

@@ -88,10 +88,7 @@ class TrainerRank:
             if cmd is None:
                 continue
             if cmd.op in COLLECTIVE:
-                seconds = plane.enter(cmd)
-                # a new role group counts its members (the master checks the count)
-                size = plane.role_comm.allreduce(1) if cmd.op is Op.PARTITION else 0
-                self._ack(cmd, seconds=seconds, epoch=plane.epoch, group_size=size)
+                self._ack(cmd, **plane.take_part(cmd))
             elif cmd.op is Op.TRAIN:
                 self.pending.append((cmd, self.pool.submit(self._train, cmd.args)))
             elif cmd.op is Op.PUBLISH and self.sync is not None:

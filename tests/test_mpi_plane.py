@@ -1,0 +1,39 @@
+"""The control plane on a real MPI world (MPICH, no engines): the members re-partition
+among themselves, so a member slow to enter the split never stalls the master's loop;
+an elastic member launched as its own `mpiexec` joins (Connect + Merge), splits with the
+others and leaves (LEAVE + Disconnect), and the universe shrinks before the next split."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from pearl_hpc.backends.world import mpiexec_path
+
+REPO = Path(__file__).resolve().parents[1]
+SLOW_S = 3.0
+
+
+def test_members_split_without_the_master_and_an_elastic_member_joins_and_leaves(
+    tmp_path: Path,
+) -> None:
+    argv = [mpiexec_path(), "-launcher", "fork", "-hosts", "localhost", "-n", "3"]
+    argv += [sys.executable, "-m", "tests.mpi_plane_ranks", str(tmp_path), str(SLOW_S)]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    events = result["events"]
+    splits = [e for e in events if e["kind"] == "split"]
+    # member 2 entered each split SLOW_S late: member 1 waited for it inside the
+    # collective, the master's loop turned on (each turn 10 ms apart when idle)
+    assert splits[0]["s"] >= SLOW_S * 0.9 and splits[0]["wait_s"] >= SLOW_S * 0.9
+    assert result["loop_gap_s"] < 0.5, result["loop_gap_s"]
+    assert [s["epoch"] for s in splits] == [1, 2, 3]
+    assert splits[0]["groups"] == {"decode": [2], "prefill": [1]}
+    assert splits[1]["groups"] == {"decode": [2, 3], "prefill": [1]}  # the joiner, rank 3
+    assert splits[2]["groups"] == {"decode": [2], "prefill": [1]}
+    kinds = [e["kind"] for e in events]
+    assert kinds.index("admitted") < kinds.index("leave") < kinds.index("shrink")
+    assert "split_mismatch" not in kinds  # every member counted the group the master sent
