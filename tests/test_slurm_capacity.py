@@ -15,7 +15,6 @@ from pearl_hpc.slurm.capacity import (
     CapacityManager,
     Component,
     ComponentState,
-    SlurmCapacity,
     expand_hostlist,
     gpu_ids_of,
 )
@@ -107,6 +106,31 @@ def test_adopt_takes_over_this_runs_jobs() -> None:
 
 
 # ------------------------------------------------------------- real Slurm cluster
+class SlurmCapacity:
+    """The manager run against real Slurm, one call at a time (what the Slurm backend
+    does from its watch)."""
+
+    def __init__(self, manager: CapacityManager, client: SlurmClient) -> None:
+        self.manager = manager
+        self.client = client
+
+    def acquire(self, spec: JobSpec, gpus_per_worker: int, now_s: float) -> str:
+        job_id = self.client.submit(spec)
+        self.manager.submitted(job_id, spec, gpus_per_worker, now_s)
+        return job_id
+
+    def poll(self, now_s: float) -> list[CapacityGranted | CapacityReclaimed]:
+        actions = self.manager.observe(self.client.poll(self.manager.run_tag), now_s)
+        for job_id, component in actions.cancel:
+            self.client.cancel(job_id, component)
+        return actions.events
+
+    def release(self, source: ElasticSource) -> None:
+        target = self.manager.release(source)
+        if target is not None:
+            self.client.cancel(*target)
+
+
 def wait_events(cap: SlurmCapacity, want: int, timeout_s: float = 60) -> list:
     events: list = []
     deadline = time.monotonic() + timeout_s

@@ -56,7 +56,9 @@ def measured_latencies(events: list[dict[str, Any]]) -> dict[str, list[float]]:
         "mode switch (role change)": [],
         "world start (launch -> every hello)": [],
         "elastic rank joined -> admitted": [],
-        "Comm.Split after a plan": [],
+        "Comm.Split after a plan (slowest member)": [],
+        "split sent -> every member's ack": [],
+        "universe shrink (a rank left)": [],
         "weight group rebuild (new members)": [],
         "weight broadcast, per engine": [],
     }
@@ -83,7 +85,10 @@ def measured_latencies(events: list[dict[str, Any]]) -> dict[str, list[float]]:
         elif kind == "world":
             out["world start (launch -> every hello)"].append(ev["start_s"])
         elif kind == "split":
-            out["Comm.Split after a plan"].append(ev["s"])
+            out["Comm.Split after a plan (slowest member)"].append(ev["s"])
+            out["split sent -> every member's ack"].append(ev["wait_s"])
+        elif kind == "shrink":
+            out["universe shrink (a rank left)"].append(ev["s"])
         elif kind == "publish" and ev["members"]:
             if ev["form_s"]:
                 out["weight group rebuild (new members)"].append(ev["form_s"])

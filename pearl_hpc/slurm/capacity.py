@@ -1,7 +1,8 @@
 """Elastic capacity as Slurm heterogeneous jobs: a pure state machine, clock injected.
 
 The manager turns what ``squeue`` shows into controller events and turns the
-controller's decisions into Slurm actions; :class:`SlurmCapacity` runs the actions.
+controller's decisions into Slurm actions; the Slurm backend (:mod:`pearl_hpc.backends.slurm`)
+runs them.
 
 Lifecycle of one component (``JOB+N``)::
 
@@ -27,7 +28,6 @@ from enum import StrEnum
 from pearl_hpc.core.controller import CapacityGranted, CapacityReclaimed
 from pearl_hpc.core.table import ElasticSource
 from pearl_hpc.errors import TransitionError
-from pearl_hpc.slurm.client import SlurmClient
 from pearl_hpc.slurm.parse import JobRow
 from pearl_hpc.slurm.scripts import JobSpec
 
@@ -199,27 +199,3 @@ class CapacityManager:
         if state not in _LEGAL[comp.state]:
             raise TransitionError(f"elastic component {comp.source.tag}: {comp.state} -> {state}")
         comp.state = state
-
-
-class SlurmCapacity:
-    """Runs a :class:`CapacityManager` against Slurm with a :class:`SlurmClient`."""
-
-    def __init__(self, manager: CapacityManager, client: SlurmClient) -> None:
-        self.manager = manager
-        self.client = client
-
-    def acquire(self, spec: JobSpec, gpus_per_worker: int, now_s: float) -> str:
-        job_id = self.client.submit(spec)
-        self.manager.submitted(job_id, spec, gpus_per_worker, now_s)
-        return job_id
-
-    def poll(self, now_s: float) -> list[CapacityGranted | CapacityReclaimed]:
-        actions = self.manager.observe(self.client.poll(self.manager.run_tag), now_s)
-        for job_id, component in actions.cancel:
-            self.client.cancel(job_id, component)
-        return actions.events
-
-    def release(self, source: ElasticSource) -> None:
-        target = self.manager.release(source)
-        if target is not None:
-            self.client.cancel(*target)
