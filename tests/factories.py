@@ -129,3 +129,38 @@ def uneven_batch() -> list[Any]:
         reward = float((i * 7) % 5) / 4
         out.append(Trajectory(f"u{i}", f"g{group}", segments, reward, True, {0}))
     return out
+
+
+def run_reporting(
+    procs: Sequence[Any], out: Any, want: set[Any], timeout_s: float
+) -> dict[Any, Any]:
+    """Start ``procs`` (multiprocessing processes that each put ``(key, report)`` on
+    ``out``), collect one report per key of ``want`` within ``timeout_s``, join them (a
+    process left alive is killed). A report that is a string is a member's traceback:
+    the test fails with every one of them."""
+    import queue
+    import time
+
+    import pytest
+
+    results: dict[Any, Any] = {}
+    try:
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout_s
+        while len(results) < len(want):
+            try:
+                key, report = out.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"{sorted(map(str, want - set(results)))} did not report in time")
+            results[key] = report
+        for proc in procs:
+            proc.join(timeout=15)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+    failed = {k: r for k, r in results.items() if isinstance(r, str)}
+    assert not failed, "\n".join(f"--- {k}\n{r}" for k, r in failed.items())
+    return results

@@ -30,6 +30,7 @@ from pearl_hpc.train.grpo import (  # noqa: E402
     latest_snapshot,
     token_logprobs,
 )
+from tests.factories import run_reporting  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -406,31 +407,12 @@ def test_fsdp2_on_gloo_gathers_full_weights_and_averages_gradients(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     import multiprocessing as mp
-    import queue
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     args = (str(tmp_path / "store"), str(tiny_model_dir), str(tmp_path / "snaps"), out)
     procs = [ctx.Process(target=_fsdp_member, args=(r, *args), daemon=True) for r in (0, 1)]
-    results: dict[int, Any] = {}
-    try:
-        for proc in procs:
-            proc.start()
-        while len(results) < 2:
-            try:
-                rank, report = out.get(timeout=120)
-            except queue.Empty:
-                pytest.fail(f"FSDP ranks { ({0, 1} - set(results)) } did not report in time")
-            results[rank] = report
-        for proc in procs:
-            proc.join(timeout=15)
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-    failed = {r: v for r, v in results.items() if isinstance(v, str)}
-    assert not failed, "\n".join(f"--- rank {r}\n{v}" for r, v in failed.items())
+    results = run_reporting(procs, out, {0, 1}, timeout_s=240)
 
     reference = GRPOTrainer(tiny_model_dir, GRPOConfig(lr=1e-2, minibatch_size=4))
     expected_shapes = {k: tuple(v.shape) for k, v in reference.state_dict().items()}

@@ -6,7 +6,6 @@ member that joined in a later group."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import queue
 import statistics
 import time
 import traceback
@@ -37,6 +36,7 @@ from pearl_hpc.train.wgroup import (  # noqa: E402
     group_recv_weights,
     group_send_weights,
 )
+from tests.factories import run_reporting  # noqa: E402
 
 TIMEOUT_S = 60.0
 
@@ -258,7 +258,6 @@ def test_three_members_broadcast_and_a_late_joiner_catches_up(tiny_model_dir: Pa
     state = load_file(weights_file)
     assert "lm_head.weight" in state
     ctx = mp.get_context("spawn")
-    results: dict[str, Any] = {}
     members = [TRAINER, EARLY, LATE]
     store = WeightStore("127.0.0.1")  # the trainer's, here the test's
     out = ctx.Queue()
@@ -268,25 +267,7 @@ def test_three_members_broadcast_and_a_late_joiner_catches_up(tiny_model_dir: Pa
         )
         for m in members
     ]
-    try:
-        for proc in procs:
-            proc.start()
-        deadline = time.monotonic() + 2 * TIMEOUT_S
-        while len(results) < len(procs):
-            try:
-                member_id, report = out.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"members {set(members) - set(results)} did not report in time")
-            results[member_id] = report
-        for proc in procs:
-            proc.join(timeout=15)
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-    failed = {m: r for m, r in results.items() if isinstance(r, str)}
-    assert not failed, "\n".join(f"--- {m}\n{r}" for m, r in failed.items())
+    results = run_reporting(procs, out, set(members), timeout_s=2 * TIMEOUT_S)
     assert all(proc.exitcode == 0 for proc in procs)
 
     expected = {
