@@ -4,6 +4,7 @@ elastic member launched as its own ``mpiexec -n 1`` that joins with Connect + Me
 
     mpiexec -n 3 python -m tests.mpi_plane_ranks RUN_DIR SLOW_S     (the world)
     mpiexec -n 1 python -m tests.mpi_plane_ranks RUN_DIR join       (the joiner)
+    mpiexec -n 3 python -m tests.mpi_plane_ranks RUN_DIR SLOW_S hung (a split timing out)
 
 Base member 2 sleeps SLOW_S seconds after each PARTITION before entering it (a process
 busy elsewhere). The master writes RUN_DIR/result.json: the longest its loop went
@@ -23,7 +24,7 @@ from mpi4py import MPI
 
 from pearl_hpc.backends.world import mpiexec_path
 from pearl_hpc.comm.messages import COLLECTIVE, Kind, Op
-from pearl_hpc.comm.mpi import MasterPlane, WorkerPlane, member_info
+from pearl_hpc.comm.mpi import MasterPlane, PlaneError, WorkerPlane, member_info
 from pearl_hpc.master.members import Members
 from pearl_hpc.master.records import EventLog, read_jsonl
 from pearl_hpc.slurm.client import FORK_LOCK
@@ -53,6 +54,29 @@ async def until(what: str, cond, timeout_s: float = 60.0) -> None:  # type: igno
         if time.monotonic() > deadline:
             raise TimeoutError(what)
         await asyncio.sleep(0.01)
+
+
+async def hung(run_dir: Path) -> None:
+    """A split that a member does not finish in time fails the poll (the run), with
+    the loop serving until then."""
+    plane = MasterPlane(run_dir, heartbeat_timeout_s=10.0, hello_timeout_s=60.0, fresh_s=3.0)
+    members = Members(
+        plane, EventLog(run_dir / "events.jsonl", time.monotonic), split_timeout_s=2.0
+    )
+    members.start(since_s=time.monotonic())
+    members.roles = lambda: {"base:1": "prefill", "base:2": "decode"}
+    stop = asyncio.Event()
+    poll = asyncio.create_task(members.poll_forever(stop))
+    members.split()
+    t0 = time.monotonic()
+    try:
+        await asyncio.wait_for(poll, 30)
+        error = ""
+    except PlaneError as exc:
+        error = str(exc)
+    result = {"error": error, "after_s": time.monotonic() - t0}
+    (run_dir / "result.json").write_text(json.dumps(result))
+    MPI.COMM_WORLD.Abort(0)  # the members are inside the split: nothing else ends them
 
 
 async def master(run_dir: Path) -> None:
@@ -113,7 +137,7 @@ def main() -> int:
         return member(plane, 0.0)
     rank = MPI.COMM_WORLD.Get_rank()
     if rank == 0:
-        asyncio.run(master(run_dir))
+        asyncio.run(hung(run_dir) if len(sys.argv) > 3 else master(run_dir))
         return 0
     slow_s = float(sys.argv[2]) if rank == 2 else 0.0
     return member(WorkerPlane.base(heartbeat_interval_s=0.5), slow_s)

@@ -37,3 +37,15 @@ def test_members_split_without_the_master_and_an_elastic_member_joins_and_leaves
     kinds = [e["kind"] for e in events]
     assert kinds.index("admitted") < kinds.index("leave") < kinds.index("shrink")
     assert "split_mismatch" not in kinds  # every member counted the group the master sent
+
+
+def test_a_split_a_member_does_not_finish_in_time_fails_the_run(tmp_path: Path) -> None:
+    """Member 2 enters 20 s late, the split's timeout is 2 s: the members' poll raises
+    one clear error (what happened, what to do) about 2 s after sending, not at 20 s."""
+    argv = [mpiexec_path(), "-launcher", "fork", "-hosts", "localhost", "-n", "3"]
+    argv += [sys.executable, "-m", "tests.mpi_plane_ranks", str(tmp_path), "20", "hung"]
+    subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert "re-partition 1: ['base:1', 'base:2'] did not finish in 2 s" in result["error"]
+    assert "resume the run" in result["error"]
+    assert 2.0 <= result["after_s"] < 10.0

@@ -71,9 +71,12 @@ class Members:
     """Commands to members as awaitables; joins, admission, leaving; ``Comm.Split``
     after each plan."""
 
-    def __init__(self, plane: MasterPlane, events: EventLog) -> None:
+    def __init__(
+        self, plane: MasterPlane, events: EventLog, *, split_timeout_s: float = COLLECTIVE_TIMEOUT_S
+    ) -> None:
         self.plane = plane
         self.events = events
+        self.split_timeout_s = split_timeout_s  # a re-partition not acked by then: fatal
         self.hellos: dict[str, dict[str, Any]] = {}  # member id -> what its hello said
         self.roles: Callable[[], Mapping[str, str]] = dict  # each member's group now
         self.on_failed: Callable[[Member], None] = lambda member: None
@@ -154,15 +157,15 @@ class Members:
 
     def _hold_splitting(self) -> None:
         """Members inside the re-partition cannot heartbeat: not silent meanwhile, up to
-        ``COLLECTIVE_TIMEOUT_S``; past it the run cannot go on."""
+        ``split_timeout_s``; past it the run cannot go on."""
         split = self._splitting
         if split is None:
             return
         now = time.monotonic()
-        if now - split.sent_s > COLLECTIVE_TIMEOUT_S:
+        if now - split.sent_s > self.split_timeout_s:
             raise PlaneError(
                 f"re-partition {split.epoch}: {sorted(split.waiting)} did not finish in "
-                f"{COLLECTIVE_TIMEOUT_S:.0f} s (a member died inside the collective; MPI "
+                f"{self.split_timeout_s:g} s (a member died inside the collective; MPI "
                 "cannot recover from that): resume the run"
             )
         for member_id in split.waiting:
