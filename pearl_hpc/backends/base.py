@@ -2,7 +2,8 @@
 
     scale_to(N) ──> backend ──CapacityGranted / CapacityReclaimed──> the master's queue
     release(source) <── the controller gives a component back (release_capacity)
-    attach(gpu_ids) ──> the engine worker already running on granted GPUs, or None
+    attach(gpu_ids) ──> the engine socket of the elastic rank on those GPUs, once it
+                        joined the world (None: not elastic GPUs)
 
 Grants and reclaims reach the controller only through the queue, whoever causes them
 (a trace, Slurm starting a job, a preemption signal).
@@ -16,7 +17,7 @@ from pearl_hpc.core.table import ElasticSource
 
 
 class EngineWorkerHandle(Protocol):
-    """An engine worker process the master drives (a local child or a job step)."""
+    """An engine rank's socket, as the master drives it."""
 
     client: Any  # pearl_hpc.engine.client.EngineClient
     ready: dict[str, Any]  # what it announced: host, port (its engine socket), pid...
@@ -44,8 +45,8 @@ class CapacityBackend(Protocol):
     async def attach(
         self, gpu_ids: tuple[str, ...], key: str, timeout_s: float
     ) -> EngineWorkerHandle | None:
-        """The engine worker the backend runs on ``gpu_ids``, or None: the master starts
-        one itself."""
+        """The engine worker of the elastic rank the backend started on ``gpu_ids``,
+        once it joined (None: no elastic component holds them)."""
 
     def live_workers(self) -> int:
         """Elastic workers available now (granted, not given back or being reclaimed)."""

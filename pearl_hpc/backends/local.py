@@ -181,11 +181,13 @@ class LocalBackend:
             await asyncio.sleep(0.1)
         await asyncio.to_thread(_end_process, launch.proc)
 
-    async def attach(self, gpu_ids: tuple[str, ...], key: str, timeout_s: float) -> RankWorker:
+    async def attach(
+        self, gpu_ids: tuple[str, ...], key: str, timeout_s: float
+    ) -> RankWorker | None:
         tag = gpu_ids[0].split(":", 1)[0]
         launch = self.launches.get(tag)
         if launch is None:
-            raise ValueError(f"no elastic component holds {gpu_ids}")
+            return None  # not elastic GPUs (or given back already)
         source = launch.source
 
         def ended() -> str | None:
