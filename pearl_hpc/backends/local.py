@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import shutil
 import signal
@@ -37,8 +36,6 @@ from pearl_hpc.core.controller import CapacityGranted, CapacityReclaimed, Event
 from pearl_hpc.core.table import ElasticSource
 from pearl_hpc.master.members import LEAVE_TIMEOUT_S, Members
 from pearl_hpc.slurm.client import FORK_LOCK
-
-log = logging.getLogger(__name__)
 
 END_TIMEOUT_S = 10.0  # a launch not gone this long after SIGTERM is killed
 
@@ -104,7 +101,7 @@ class LocalBackend:
         self.target = 0  # elastic workers the trace asks for
         self.counts = {"granted": 0, "reclaimed": 0}
         self._jobs = 0
-        self._ending: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()  # launches ending, replacements
 
     async def start(self, *, resume: bool) -> None:
         """Nothing to adopt: a dead master's ranks end once this one takes the lease."""
@@ -144,7 +141,6 @@ class LocalBackend:
         await self.queue.put(CapacityGranted(first.source, first.gpu_sets, also=tuple(rest)))
 
     def _launch(self, source: ElasticSource, gpu_ids: tuple[str, ...]) -> _Launch:
-        self.dir.mkdir(parents=True, exist_ok=True)
         log_path = self.dir / f"{source.tag}.out"
         argv = join_argv(
             self.run_dir, self.model_dir, source.tag, gpu_ids, self.mpiexec, self.setpriv
@@ -163,15 +159,17 @@ class LocalBackend:
         if launch is None:
             return  # given back already
         self.members.leave(source.tag)
-        task = asyncio.get_running_loop().create_task(self._end(launch))
-        self._ending.add(task)
-        task.add_done_callback(self._ending.discard)
+        self._spawn(self._end(launch))
         missing = self.target - len(self._counted())
         if launch.counted and not launch.ended_early and missing > 0:
             self.on_event("replace", {"component": source.tag})
-            task = asyncio.get_running_loop().create_task(self._grant(missing, growth=False))
-            self._ending.add(task)
-            task.add_done_callback(self._ending.discard)
+            self._spawn(self._grant(missing, growth=False))
+
+    def _spawn(self, coro: Any) -> None:
+        """Run ``coro`` as a task of the backend (awaited by :meth:`close`)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _end(self, launch: _Launch) -> None:
         """Its rank has left the world (or took ``LEAVE_TIMEOUT_S``): SIGTERM the launch,
@@ -219,7 +217,7 @@ class LocalBackend:
 
     async def close(self) -> None:
         """Every launch ended (their ranks left the world before: ``leave_all``)."""
-        for task in list(self._ending):
+        for task in list(self._tasks):
             with contextlib.suppress(Exception):
                 await task
         launches = list(self.launches.values())

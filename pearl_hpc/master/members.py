@@ -321,16 +321,19 @@ class Members:
             groups.setdefault(role, []).append(self.rank(member_id))
         self._expected[epoch] = {m: len(groups[r]) for m, r in roles.items()}
         self._splitting = _Split(epoch, groups, set(asked), time.monotonic(), [])
-        self._split_acked(None, None)  # no member at all: done at once
+        self._split_done()  # no member at all: done at once
 
-    def _split_acked(self, member_id: str | None, seconds: float | None) -> None:
+    def _split_acked(self, member_id: str, seconds: float | None) -> None:
+        """``member_id`` acked the split (``seconds`` inside it) or failed (None)."""
+        if self._splitting is not None:
+            self._splitting.waiting.discard(member_id)
+            if seconds is not None:
+                self._splitting.seconds.append(seconds)
+            self._split_done()
+
+    def _split_done(self) -> None:
         split = self._splitting
-        if split is None:
-            return
-        split.waiting.discard(member_id or "")
-        if seconds is not None:
-            split.seconds.append(seconds)
-        if split.waiting:
+        if split is None or split.waiting:
             return
         self._splitting = None
         self.events(
