@@ -80,6 +80,20 @@ def _status_of(run_dir: Path, state: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def format_pools(components: list[dict[str, Any]]) -> str:
+    """``elastic: 2 running, 1 pending`` per pool, from the backend's ``describe()``
+    (states: requested, pending, running, draining; pure)."""
+    pools: dict[str, dict[str, int]] = {}
+    for c in components:
+        states = pools.setdefault(str(c.get("pool", "local")), {})
+        states[c["state"]] = states.get(c["state"], 0) + 1
+    order = ("requested", "pending", "running", "draining", "releasing")
+    return "; ".join(
+        f"{pool}: " + ", ".join(f"{states[k]} {k}" for k in order if k in states)
+        for pool, states in sorted(pools.items())
+    )
+
+
 def format_status(doc: dict[str, Any]) -> str:
     from rich.console import Console
     from rich.table import Table
@@ -95,6 +109,7 @@ def format_status(doc: dict[str, Any]) -> str:
         "counters: " + ", ".join(f"{k} {v}" for k, v in doc["counters"].items()),
     ]
     if doc["elastic_jobs"]:
+        lines.append("elastic workers by pool: " + format_pools(doc["elastic_jobs"]))
         lines.append(
             "elastic jobs: "
             + ", ".join(

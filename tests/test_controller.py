@@ -168,6 +168,60 @@ def test_gated_expansion_gives_unprofitable_capacity_straight_back() -> None:
     assert len(controller.table) == 4
 
 
+# ------------------------------------------------- the expansion gate at request time
+def test_no_request_is_kept_for_a_worker_not_worth_its_preparation() -> None:
+    """4 reserved workers: over a 60 s window worker 5 saves less than its preparation
+    + finalisation, so none is requested; the grant-time gate agrees."""
+    controller, executor, _ = running_base(
+        expansion="gated", expected_capacity_window_s=60.0, preparation_s=30.0
+    )
+    demand = controller.elastic_demand(4)
+    assert demand.workers == 0 and demand.window_s == 60.0
+    assert demand.reason.startswith("reject expansion")
+    assert controller.handle(CapacityGranted(JOB, (gpus(10),))) is None  # given back
+    assert executor.take() == [("release_capacity", JOB.tag)]
+
+
+def test_requests_are_kept_while_each_next_worker_is_worth_it() -> None:
+    """Over a long window, workers are requested one by one while the next still saves
+    more than it costs, up to the cap; with the ungated policy the cap."""
+    controller, _, _ = running_base(1, expansion="gated", expected_capacity_window_s=3600.0)
+    demand = controller.elastic_demand(16)
+    assert 1 <= demand.workers < 16  # the predictor's saving shrinks with every worker
+    assert controller.elastic_demand(demand.workers - 1).workers == demand.workers - 1
+    profile, config = controller.profile, controller.config
+    from pearl_hpc.core.policies import gate_expansion_of
+
+    def worth(k: int) -> bool:  # the (k+1)-th elastic worker, on top of 1 reserved
+        gate = gate_expansion_of(
+            controller.policies, config, profile, num_current=1 + k, num_new=1, window_s=3600.0
+        )
+        return gate.allow
+
+    assert all(worth(k) for k in range(demand.workers)) and not worth(demand.workers)
+    always, _, _ = running_base(1, expansion="always")
+    assert always.elastic_demand(16).workers == 16
+
+
+def test_the_window_is_learnt_from_grants_and_reclaims() -> None:
+    """Capacity that Slurm takes back after 20 s, twice: the window falls from the
+    configured 1800 s towards 20 s, and fewer workers are worth requesting."""
+    controller, _, clock = running_base(1, expansion="gated", expected_capacity_window_s=1800.0)
+    before = controller.elastic_demand(16)
+    for job in ("7001", "7002"):
+        source = ElasticSource(job, 0)
+        controller.handle(CapacityGranted(source, (gpus(20 + int(job[-1])),)))
+        clock.advance(20)
+        controller.handle(CapacityReclaimed(source, clock() + 15))
+    after = controller.elastic_demand(16)
+    assert after.window_s == pytest.approx((1800 + 40) / 3)
+    assert after.workers < before.workers
+    data = json.loads(json.dumps(controller.snapshot()))
+    fresh, _, _ = make_controller()
+    fresh.restore(data)  # a resumed master continues the estimate
+    assert fresh.window.estimate_s(clock()) == pytest.approx(after.window_s)
+
+
 def test_capacity_reclaimed_stops_exactly_that_source_then_releases_it() -> None:
     controller, executor, clock = running_base(expansion="always")
     other = ElasticSource("6001", 1)

@@ -296,8 +296,8 @@ def test_gate_helpers_use_the_pd_policy_predictions():
     assert g.benefit_s == pytest.approx(t_ded - t_full)
 
     cfg = PolicyConfig()
-    e = gate_expansion_of(pol, cfg, p, num_current=4, num_new=4)
-    saving = (cfg.expected_capacity_window_s - cfg.preparation_s) * (1 - t_full / t_ded)
+    e = gate_expansion_of(pol, cfg, p, num_current=4, num_new=4, window_s=900.0)
+    saving = (900.0 - cfg.preparation_s) * (1 - t_full / t_ded)
     assert e.benefit_s == pytest.approx(saving)
     assert e.cost_s == pytest.approx(cfg.preparation_s + cfg.finalisation_s)
 

@@ -1,6 +1,8 @@
-"""The Slurm backend's submissions (one module, with its Slurm edge): a bad partition on
-the real local cluster is reported and the run goes on; sbatch meeting an unreachable
-slurmctld is retried from the watch."""
+"""The Slurm backend's standing requests (one module, with its Slurm edge): they follow
+the controller's demand (single jobs from pools in turn, or one heterogeneous job;
+requests not started are withdrawn when the demand drops; a request pending too long is
+asked again of the next pool); a bad partition on the real local cluster is reported and
+the run goes on; sbatch meeting an unreachable slurmctld is retried from the watch."""
 
 from __future__ import annotations
 
@@ -12,9 +14,10 @@ import pytest
 
 from pearl_hpc.backends import slurm as backend_mod
 from pearl_hpc.backends.slurm import SlurmBackend
-from pearl_hpc.config.run import SlurmSettings
+from pearl_hpc.config.run import ElasticConfig, PoolConfig, SlurmSettings
 from pearl_hpc.engine.vllm_engine import EngineSpec
 from pearl_hpc.slurm.client import CommandResult, SlurmClient
+from pearl_hpc.slurm.parse import SQUEUE_FORMAT
 
 
 class _NoMembers:
@@ -30,29 +33,146 @@ class _NoMembers:
         return True
 
 
-def _backend(tmp_path: Path, **settings: Any) -> tuple[SlurmBackend, list[tuple[str, dict]]]:
+def _backend(
+    tmp_path: Path, *pools: PoolConfig, clock: Any = lambda: 0.0, **elastic: Any
+) -> tuple[SlurmBackend, list[tuple[str, dict]]]:
     events: list[tuple[str, dict]] = []
     backend = SlurmBackend(
-        SlurmSettings(**{"poll_s": 0.2, **settings}),
+        SlurmSettings(poll_s=0.2),
+        ElasticConfig(**{"grace_s": 15.0, "pools": list(pools) or [PoolConfig()], **elastic}),
         EngineSpec(model_dir="m"),
         tmp_path,
         asyncio.Queue(),
-        lambda: 0.0,
-        15.0,
+        clock,
         lambda kind, fields: events.append((kind, fields)),
         _NoMembers(),  # type: ignore[arg-type]
     )
     return backend, events
 
 
+class FakeSlurm:
+    """sbatch / squeue / scancel as a tiny scheduler that starts nothing by itself:
+    submitted jobs stay PENDING until :meth:`start` (scancel removes them)."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+        self.jobs: dict[str, tuple[int, str, list[str]]] = {}  # id -> components, state, parts
+        self.scripts: list[str] = []
+        self.cancelled: list[str] = []
+
+    def start(self, job_id: str) -> None:
+        size, _, parts = self.jobs[job_id]
+        self.jobs[job_id] = (size, "RUNNING", parts)
+
+    def __call__(self, argv: Any, stdin: str | None = None) -> CommandResult:
+        if argv[0] == "sbatch":
+            job_id = str(100 + len(self.scripts))
+            self.scripts.append(stdin or "")
+            parts = [
+                line.split("=", 1)[1]
+                for line in (stdin or "").splitlines()
+                if line.startswith("#SBATCH --partition=")
+            ]
+            self.jobs[job_id] = (len(parts), "PENDING", parts)
+            return CommandResult(0, f"{job_id}\n", "")
+        if argv[0] == "scancel":
+            self.cancelled.append(argv[-1])
+            self.jobs.pop(argv[-1].split("+")[0], None)
+            return CommandResult(0, "", "")
+        assert argv[0] == "squeue" and SQUEUE_FORMAT in argv
+        lines = []
+        for job_id, (size, state, parts) in self.jobs.items():
+            for k in range(size):
+                key = f"{job_id}+{k}" if size > 1 else job_id
+                nodes = f"n{k + 1}" if state == "RUNNING" else ""
+                fields = [key, state, "pearl-elastic", f"pearl:{self.tag}", parts[k], nodes, "-"]
+                lines.append("|".join(fields))
+        return CommandResult(0, "\n".join(lines) + "\n", "")
+
+
+def _run(backend: SlurmBackend, *steps: Any) -> None:
+    """Each step: a demand (int), or a callable run between two watch rounds."""
+
+    async def go() -> None:
+        for step in steps:
+            if isinstance(step, int):
+                backend.want(step)
+            else:
+                step()
+            await backend._watch_once()
+        await backend.close()
+
+    asyncio.run(go())
+
+
+def test_single_requests_follow_the_demand_and_pools_take_turns(tmp_path: Path) -> None:
+    backend, events = _backend(tmp_path, PoolConfig(partition="a"), PoolConfig(partition="b"))
+    slurm = FakeSlurm(backend.tag)
+    backend.client = SlurmClient(slurm, min_backoff_s=0.0)
+    held: list[int] = []
+    _run(
+        backend,
+        3,  # three one-worker jobs, pools a, b, a
+        lambda: slurm.start("100"),
+        lambda: held.append(backend.live_workers()),
+        1,  # two pending requests withdrawn (newest first); the running one stays
+        lambda: held.append(backend.live_workers()),
+        0,  # the running worker is not cancelled: the controller gives it back
+    )
+    submitted = [f for k, f in events if k == "submitted"]
+    assert [s["pools"] for s in submitted] == [["a"], ["b"], ["a"]]
+    assert [f["job"] for k, f in events if k == "withdrawn"] == ["102", "101"]
+    assert held == [1, 1]
+    granted = backend.queue.get_nowait()
+    assert granted.source.tag == "100+0" and granted.gpu_sets == (("100+0:n1:gpu0",),)
+    assert "--signal=B:USR2@60" in slurm.scripts[0]
+    summary = backend.summary()
+    assert summary["requested"] == 3 and summary["granted"] == 1
+
+
+def test_a_hetjob_request_is_one_job_of_every_pools_components(tmp_path: Path) -> None:
+    pools = (
+        PoolConfig(partition="a", gpus_per_worker=2, hetjob_workers=1, qos="low"),
+        PoolConfig(partition="b", hetjob_workers=2, signal_lead_s=30),
+    )
+    backend, events = _backend(tmp_path, *pools, request="hetjob")
+    slurm = FakeSlurm(backend.tag)
+    backend.client = SlurmClient(slurm, min_backoff_s=0.0)
+    _run(backend, 1, lambda: slurm.start("100"), 1)
+    (submitted,) = [f for k, f in events if k == "submitted"]
+    assert submitted["pools"] == ["a", "b", "b"]
+    script = slurm.scripts[0]
+    assert script.count("#SBATCH hetjob") == 2 and "--qos=low" in script
+    assert "--gres=gpu:2" in script and "--gpus=2,1,1" in script
+    assert "--signal=B:USR2@30" in script  # the shortest lead of its pools
+    grant = backend.queue.get_nowait()  # the three components, one decision
+    assert [grant.source.tag, *(g.source.tag for g in grant.also)] == ["100+0", "100+1", "100+2"]
+    assert grant.gpu_sets == (("100+0:n1:gpu0", "100+0:n1:gpu1"),)
+    assert slurm.cancelled == ["100"] and not slurm.jobs  # closed: the whole job cancelled
+
+
+def test_a_request_pending_too_long_is_asked_again_of_the_next_pool(tmp_path: Path) -> None:
+    now = [0.0]
+    pools = (PoolConfig(partition="a"), PoolConfig(partition="b"))
+    backend, events = _backend(tmp_path, *pools, clock=lambda: now[0], pending_timeout_s=10)
+    slurm = FakeSlurm(backend.tag)
+    backend.client = SlurmClient(slurm, min_backoff_s=0.0)
+    _run(backend, 1, lambda: now.__setitem__(0, 5.0), lambda: now.__setitem__(0, 11.0))
+    assert [f["component"] for k, f in events if k == "pending_timeout"] == ["100+0"]
+    assert [f["pools"] for k, f in events if k == "submitted"] == [["a"], ["b"]]
+    assert "100" in slurm.cancelled
+
+
 @pytest.mark.slurm
 def test_a_bad_partition_is_reported_and_the_run_goes_on(
     slurm_cluster: str, tmp_path: Path
 ) -> None:
-    backend, events = _backend(tmp_path, partition="no-such-partition")
+    backend, events = _backend(tmp_path, PoolConfig(partition="no-such-partition"))
 
     async def go() -> None:
-        await backend.scale_to(2)  # raises nothing
+        backend.want(2)
+        await backend._request()  # raises nothing
+        await backend._request()  # the pool is not asked again
         await backend.close()
 
     asyncio.run(go())
@@ -80,7 +200,8 @@ def test_sbatch_meeting_an_unreachable_controller_is_retried(
     backend.client = SlurmClient(runner, min_backoff_s=0.01)
 
     async def go() -> None:
-        await backend.scale_to(1)
+        backend.want(1)
+        await backend._request()
         await backend._watch_once()  # the retry is the watch's
         await backend.close()
 

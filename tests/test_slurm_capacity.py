@@ -49,7 +49,7 @@ def test_expand_hostlist() -> None:
 
 def test_pending_then_running_grants_gpu_sets() -> None:
     m = CapacityManager("r", pending_timeout_s=60, grace_s=20)
-    m.submitted("5", spec("r"), gpus_per_worker=2, now_s=0)
+    m.submitted("5", spec("r"), [2, 2], now_s=0)
     assert m.observe({"5+0": row("5+0", "PENDING"), "5+1": row("5+1", "PENDING")}, 1).events == []
     out = m.observe({"5+0": row("5+0", "RUNNING", "n1"), "5+1": row("5+1", "RUNNING", "n[2-3]")}, 2)
     assert out.events == [
@@ -66,7 +66,7 @@ def test_pending_then_running_grants_gpu_sets() -> None:
 
 def test_pending_past_the_timeout_is_cancelled_and_reported() -> None:
     m = CapacityManager("r", pending_timeout_s=10, grace_s=20)
-    m.submitted("5", spec("r"), 2, now_s=0)
+    m.submitted("5", spec("r"), [2, 2], now_s=0)
     jobs = {"5+0": row("5+0", "PENDING"), "5+1": row("5+1", "PENDING")}
     assert m.observe(jobs, 5).cancel == []
     out = m.observe(jobs, 11)
@@ -78,7 +78,7 @@ def test_pending_past_the_timeout_is_cancelled_and_reported() -> None:
 
 def test_vanished_running_component_is_reclaimed_now() -> None:
     m = CapacityManager("r", pending_timeout_s=10, grace_s=20)
-    m.submitted("5", spec("r"), 2, now_s=0)
+    m.submitted("5", spec("r"), [2, 2], now_s=0)
     m.observe({"5+0": row("5+0", "RUNNING"), "5+1": row("5+1", "RUNNING")}, 1)
     out = m.observe({"5+0": row("5+0", "RUNNING")}, 7)
     assert out.events == [CapacityReclaimed(ElasticSource("5", 1), 7)]
@@ -86,7 +86,7 @@ def test_vanished_running_component_is_reclaimed_now() -> None:
 
 def test_signal_gives_a_grace_deadline_and_release_cancels_one_component() -> None:
     m = CapacityManager("r", pending_timeout_s=10, grace_s=20)
-    m.submitted("5", spec("r"), 2, now_s=0)
+    m.submitted("5", spec("r"), [2, 2], now_s=0)
     m.observe({"5+0": row("5+0", "RUNNING"), "5+1": row("5+1", "RUNNING")}, 1)
     assert m.signalled(ElasticSource("5", 0), 3) == CapacityReclaimed(ElasticSource("5", 0), 23)
     assert m.signalled(ElasticSource("5", 0), 4) is None  # already releasing
@@ -116,7 +116,7 @@ class SlurmCapacity:
 
     def acquire(self, spec: JobSpec, gpus_per_worker: int, now_s: float) -> str:
         job_id = self.client.submit(spec)
-        self.manager.submitted(job_id, spec, gpus_per_worker, now_s)
+        self.manager.submitted(job_id, spec, [gpus_per_worker] * len(spec.components), now_s)
         return job_id
 
     def poll(self, now_s: float) -> list[CapacityGranted | CapacityReclaimed]:

@@ -1,12 +1,14 @@
 """The capacity interface the master drives, the same for every backend.
 
-    scale_to(N) ──> backend ──CapacityGranted / CapacityReclaimed──> the master's queue
+    want(N) ──> backend ──CapacityGranted / CapacityReclaimed──> the master's queue
     release(source) <── the controller gives a component back (release_capacity)
     attach(gpu_ids) ──> the engine socket of the elastic rank on those GPUs, once it
                         joined the world (None: not elastic GPUs)
 
-Grants and reclaims reach the controller only through the queue, whoever causes them
-(a trace, Slurm starting a job, a preemption signal).
+``N`` is the controller's demand (:meth:`~pearl_hpc.core.controller.Controller.elastic_demand`:
+the expansion gate at request time). Grants and reclaims reach the controller only
+through the queue, whoever causes them (Slurm starting a request, a preemption signal,
+the local backend's trace).
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ class CapacityBackend(Protocol):
     async def start(self, *, resume: bool) -> None:
         """Before the first step (``resume``: a previous master's leftovers exist)."""
 
-    async def scale_to(self, workers: int, *, regrant: bool = False) -> None:
-        """Bring the elastic workers to ``workers`` (``regrant``: availability a dead
-        master had, granted again and not counted as growth)."""
+    def want(self, workers: int) -> None:
+        """The controller's demand: keep ``workers`` elastic workers held or requested
+        (fewer: requests not started are withdrawn; running workers stay until the
+        controller gives them back). Returns at once: the backend acts in its own task."""
 
     def release(self, source: ElasticSource) -> None:
         """The controller gives ``source`` back."""

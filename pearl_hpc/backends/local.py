@@ -1,12 +1,14 @@
 """The local backend: elastic capacity as ranks this machine starts, joining the world.
 
-    scale_to(N) ─ more: a "job" elJ of one component per new worker, each a launch
-                  `mpiexec -n 1 python -m pearl_hpc.worker join --group elJ+K
-                  --gpu-ids elJ+K:gpu0` (its rank Connects + Merges like a hetjob
-                  component's) ──> CapacityGranted
-                └ fewer: the last granted components ──> CapacityReclaimed (grace_s)
+    offer(N)  the trace's availability (the machine has no scheduler to ask)
+    want(M)   the controller's demand (the expansion gate at request time)
+      more than held, up to min(N, M): a "job" elJ of one component per new worker, each
+        a launch `mpiexec -n 1 python -m pearl_hpc.worker join --group elJ+K --gpu-ids
+        elJ+K:gpu0` (its rank Connects + Merges like a hetjob component's)
+        ──> CapacityGranted
+      fewer than held offered: the last granted ──> CapacityReclaimed (grace_s)
     release(source) ─ its rank leaves the world (LEAVE + Disconnect), then its launch is
-                  ended; one whose rank died while the trace still wants it is replaced
+                  ended; one whose rank died while still offered and wanted is replaced
     attach(gpu_ids) ─ the joined rank's engine socket (:func:`~.ranks.attach_rank`)
 
 GPU ids are names: on CPU they only identify which worker runs where. The master ends
@@ -32,6 +34,7 @@ from typing import Any
 
 from pearl_hpc.backends.lease import MasterLease
 from pearl_hpc.backends.ranks import RankWorker, attach_rank
+from pearl_hpc.comm.membership import MemberState
 from pearl_hpc.core.controller import CapacityGranted, CapacityReclaimed, Event
 from pearl_hpc.core.table import ElasticSource
 from pearl_hpc.master.members import LEAVE_TIMEOUT_S, Members
@@ -71,8 +74,9 @@ def join_argv(
 
 
 class LocalBackend:
-    """Elastic ranks on this machine, granted and reclaimed as the trace says (a
-    :class:`~.base.CapacityBackend`)."""
+    """Elastic ranks on this machine (a :class:`~.base.CapacityBackend`): the trace of
+    the run config stands in for a scheduler (what is available), the controller's
+    demand says how much of it to take."""
 
     def __init__(
         self,
@@ -98,7 +102,8 @@ class LocalBackend:
         self.mpiexec = mpiexec_path()
         self.setpriv = shutil.which("setpriv")
         self.launches: dict[str, _Launch] = {}  # by component tag, in grant order
-        self.target = 0  # elastic workers the trace asks for
+        self.offered = 0  # elastic workers the trace makes available
+        self.wanted = 0  # ... and the controller's demand (the expansion gate)
         self.counts = {"granted": 0, "reclaimed": 0}
         self._jobs = 0
         self._tasks: set[asyncio.Task[None]] = set()  # launches ending, replacements
@@ -113,12 +118,24 @@ class LocalBackend:
     def live_workers(self) -> int:
         return len(self._counted())
 
-    async def scale_to(self, workers: int, *, regrant: bool = False) -> None:
-        self.target = workers
+    def want(self, workers: int) -> None:
+        """The controller's demand: granted as far as the trace offers."""
+        self.wanted = workers
+        self._spawn(self._follow(regrant=False))
+
+    async def offer(self, workers: int, *, regrant: bool = False) -> None:
+        """The trace's availability (``regrant``: what a dead master had, not growth):
+        granted as far as the controller wants it; fewer than the run holds reclaims the
+        last granted."""
+        self.offered = workers
+        await self._follow(regrant=regrant)
+
+    async def _follow(self, *, regrant: bool) -> None:
         counted = self._counted()
-        if workers > len(counted):
-            await self._grant(workers - len(counted), growth=not regrant)
-        for launch in reversed(counted[workers:]):  # the last granted, first reclaimed
+        goal = min(self.offered, self.wanted)
+        if goal > len(counted):
+            await self._grant(goal - len(counted), growth=not regrant)
+        for launch in reversed(counted[self.offered :]):  # the last granted, first reclaimed
             launch.counted = False
             self.counts["reclaimed"] += 1
             deadline = self.clock() + self.grace_s
@@ -153,15 +170,20 @@ class LocalBackend:
 
     def release(self, source: ElasticSource) -> None:
         """Given back: its rank leaves the world, then its launch ends. A component whose
-        rank died after joining, while the trace still wants it, is replaced by a new
-        launch (one that never joined is not: its replacement would fail the same way)."""
+        rank died after joining, while the trace offers it and the controller wants it,
+        is replaced by a new launch (one that never joined is not: its replacement would
+        fail the same way)."""
         launch = self.launches.pop(source.tag, None)
         if launch is None:
             return  # given back already
+        died = (
+            MemberState.FAILED in self.members.group_state(source.tag)
+            or launch.proc.poll() is not None
+        )
         self.members.leave(source.tag)
         self._spawn(self._end(launch))
-        missing = self.target - len(self._counted())
-        if launch.counted and not launch.ended_early and missing > 0:
+        missing = min(self.offered, self.wanted) - len(self._counted())
+        if died and launch.counted and not launch.ended_early and missing > 0:
             self.on_event("replace", {"component": source.tag})
             self._spawn(self._grant(missing, growth=False))
 

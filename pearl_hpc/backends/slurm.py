@@ -1,32 +1,33 @@
-"""The Slurm backend: elastic engine ranks in heterogeneous jobs.
+"""The Slurm backend: elastic engine workers harvested from Slurm as standing requests.
 
     sbatch launch/run.sbatch configs/runs/slurm-local.yaml     # the master as a batch job
 
-The base job is the run's MPI world (:mod:`pearl_hpc.backends.world`). Elastic capacity:
-a grow submits one heterogeneous job with one component per engine worker
-(``--comment=pearl:<run tag>``, partition ``slurm.partition``); its batch step
-(:mod:`pearl_hpc.backends.slurm_job`) runs one engine rank per component in its own
-``srun --mpi=pmi2 --het-group=K`` step, which joins the world (Connect + Merge, see
-:mod:`pearl_hpc.master.members`); the master connects to its engine socket when the
-controller places a worker on those GPUs (:meth:`SlurmBackend.attach`). Reclaims are
-Slurm's:
+The base job is the run's MPI world (:mod:`pearl_hpc.backends.world`). Elastic capacity
+is asked of Slurm, not scripted: the controller's demand (:meth:`want`, the expansion
+gate at request time) says how many workers are worth having, and the backend keeps that
+many held or requested. A request (``--comment=pearl:<run tag>``) is one job per worker
+(``elastic.request: single``, pools in turn) or one heterogeneous job of every pool's
+``hetjob_workers`` components (``hetjob``, started together). It waits PENDING until
+Slurm finds the GPUs idle; its batch step (:mod:`pearl_hpc.backends.slurm_job`) runs one
+engine rank per component in its own ``srun --mpi=pmi2 --het-group=K`` step, which joins
+the world (Connect + Merge, see :mod:`pearl_hpc.master.members`). Reclaims are Slurm's::
 
-    squeue (thread) ──RUNNING──> CapacityGranted      the job's --signal (preemption)
-    component gone ──────────> CapacityReclaimed      ──> JOB.signal ──> CapacityReclaimed
-                                                                          (deadline = grace)
+    squeue (watch task) ──RUNNING──> CapacityGranted     the job's --signal: preemption,
+    component gone ──────────> CapacityReclaimed         or signal_lead_s before its time
+    pending_timeout_s ───────> cancelled, asked again    limit ──> JOB.signal ──>
+    demand lower ────────────> pending requests withdrawn   CapacityReclaimed (grace_s)
 
 The controller drains the component's workers (their partial turns finish elsewhere),
 releases them and calls ``release_capacity``: the component's rank leaves the world
-(LEAVE + Disconnect), then ``scancel JOB+K``. The availability trace of a run config is
-carried out for real: a trace point that lowers the elastic count submits a job on
-``slurm.preempt_partition`` to each node of the newest elastic job, and Slurm preempts it
-(the job's signal first, then cancel after the partition's GraceTime).
+(LEAVE + Disconnect), then ``scancel JOB+K``. Every Slurm command runs in the watch
+task, in a thread: a slurmctld outage delays requests and grants, never the master's
+loop (a failed squeue keeps the last known state).
 
 Every process of an elastic job ends with the master: the job's launcher watches the
 master's lease file (``RUN_DIR/elastic/master.lease``, touched every second) and ends its
 steps once it goes stale. A resumed master adopts the jobs of its run it finds by tag:
-their batch steps start their ranks again, which join the new world (no cancel, no
-resubmission); the trace then asks only for what they do not cover.
+running ones' batch steps start their ranks again, which join the new world (no cancel,
+no resubmission); pending ones stay requests.
 """
 
 from __future__ import annotations
@@ -43,18 +44,25 @@ from typing import Any
 from pearl_hpc.backends.lease import MasterLease
 from pearl_hpc.backends.ranks import RankWorker, attach_rank
 from pearl_hpc.comm.membership import MemberState
-from pearl_hpc.config.run import SlurmSettings
+from pearl_hpc.config.run import ElasticConfig, PoolConfig, SlurmSettings
 from pearl_hpc.core.controller import CapacityGranted, CapacityReclaimed, Event
 from pearl_hpc.core.table import ElasticSource
 from pearl_hpc.engine.vllm_engine import EngineSpec
 from pearl_hpc.master.members import LEAVE_TIMEOUT_S, Members
 from pearl_hpc.slurm.capacity import CapacityManager, Component, ComponentState
-from pearl_hpc.slurm.client import SlurmClient, SlurmError, run_command
+from pearl_hpc.slurm.client import SlurmClient, SlurmError
 from pearl_hpc.slurm.scripts import HetComponent, JobSpec
 
 log = logging.getLogger(__name__)
 
 GONE = ComponentState.GONE
+_SHOWN = {  # a component's state as status and the live view show it
+    ComponentState.SUBMITTED: "requested",
+    ComponentState.PENDING: "pending",
+    ComponentState.RUNNING: "running",
+    ComponentState.RELEASING: "draining",
+    ComponentState.GONE: "gone",
+}
 LIVE = {MemberState.LINKED, MemberState.MEMBER, MemberState.LEAVING}
 SUBMIT_RETRY_S = 5.0  # a submission that met an unreachable slurmctld is retried after
 # what sbatch says when the controller could not be reached (retried; anything else, e.g.
@@ -78,54 +86,75 @@ def run_tag_of(run_dir: Path) -> str:
     return "".join(c if c.isalnum() or c in "_.-" else "-" for c in run_dir.resolve().name)
 
 
+def pool_component(pool: PoolConfig) -> HetComponent:
+    """One elastic worker's component of a request to ``pool`` (pure)."""
+    extra = [f"--{key}={getattr(pool, key)}" for key in ("qos", "account", "constraint")]
+    return HetComponent(
+        partition=pool.partition,
+        gpus_per_node=pool.gpus_per_worker,
+        cpus_per_task=pool.cpus_per_worker,
+        time_limit=pool.time_limit,
+        extra=tuple(e for e in extra if not e.endswith("=")) + tuple(pool.sbatch_extra),
+    )
+
+
+def request_pools(elastic: ElasticConfig, turn: int) -> list[int]:
+    """The pools of one request's components (pure): ``single``, the pool whose turn it
+    is; ``hetjob``, every pool's ``hetjob_workers`` (one component each)."""
+    if elastic.request == "single":
+        return [turn % len(elastic.pools)]
+    return [i for i, pool in enumerate(elastic.pools) for _ in range(pool.hetjob_workers)]
+
+
 def elastic_job_spec(
+    elastic: ElasticConfig,
+    pools: list[int],
     s: SlurmSettings,
     run_tag: str,
     elastic_dir: Path,
     spec: EngineSpec,
-    workers: int,
     python: str,
 ) -> JobSpec:
-    """One grow: a heterogeneous job of ``workers`` components, one engine rank each,
-    whose batch step is :mod:`pearl_hpc.backends.slurm_job` (pure)."""
-    component = HetComponent(
-        partition=s.partition,
-        gpus_per_node=s.gpus_per_worker,
-        cpus_per_task=s.cpus_per_worker,
-        time_limit=s.time_limit,
-        extra=tuple(s.sbatch_extra),
-    )
+    """One request: a job of one component per worker (heterogeneous when more than
+    one), one engine rank each, whose batch step is :mod:`pearl_hpc.backends.slurm_job`
+    (pure). Every component is signalled ``signal_lead_s`` before a preemption or its
+    time limit (the first pool's lead: Slurm takes one --signal per job)."""
+    chosen = [elastic.pools[i] for i in pools]
     engine_args = [
         f"--run-dir={elastic_dir.parent}",
         f"--model={spec.model_dir}",
         f"--lease-timeout-s={s.lease_timeout_s:g}",
+        "--gpus=" + ",".join(str(p.gpus_per_worker) for p in chosen),
     ]
     return JobSpec(
         name="pearl-elastic",
         run_tag=run_tag,
-        components=(component,) * workers,
+        components=tuple(pool_component(p) for p in chosen),
         command=[python, "-m", "pearl_hpc.backends.slurm_job", *engine_args],
-        signal=s.signal,
+        signal=f"B:USR2@{min(p.signal_lead_s for p in chosen)}",
         output=str(elastic_dir / "job-%j.out"),
     )
 
 
 class SlurmBackend:
-    """This run's elastic heterogeneous jobs (a :class:`~.base.CapacityBackend`): submit,
-    watch, preempt (for the trace), release, and cancel everything at the end."""
+    """This run's standing requests for elastic workers (a :class:`~.base.CapacityBackend`):
+    submitted and withdrawn to follow the controller's demand, granted when Slurm starts
+    them, reclaimed when Slurm signals or ends them, released, all cancelled at the end.
+    Every Slurm command runs in the watch task, off the master's loop."""
 
     def __init__(
         self,
         settings: SlurmSettings,
+        elastic: ElasticConfig,
         spec: EngineSpec,
         run_dir: Path,
         queue: asyncio.Queue[Event],
         clock: Callable[[], float],
-        grace_s: float,
         on_event: Callable[[str, dict[str, Any]], None],
         members: Members,
     ) -> None:
         self.settings = settings
+        self.elastic = elastic
         self.spec = spec
         self.members = members  # the world the elastic ranks join
         self.dir = run_dir / "elastic"
@@ -133,23 +162,25 @@ class SlurmBackend:
         self.tag = run_tag_of(run_dir)
         self.client = SlurmClient(min_backoff_s=settings.poll_s)
         self.manager = CapacityManager(
-            self.tag, pending_timeout_s=settings.pending_timeout_s, grace_s=grace_s
+            self.tag, pending_timeout_s=elastic.pending_timeout_s, grace_s=elastic.grace_s
         )
         self.queue = queue
         self.clock = clock
         self.on_event = on_event
-        self.jobs: list[str] = []  # submitted, oldest first
-        self.preemptors: list[str] = []
+        self.jobs: list[str] = []  # submitted or adopted, oldest first
+        self.pool_of: dict[str, int] = {}  # component tag -> its pool
         self.counts = {"granted": 0, "reclaimed": 0}
-        self.target = 0  # elastic workers the trace asks for
+        self.target = 0  # the controller's demand
         self.errors: list[str] = []  # submissions that failed, for the summary
+        self.broken_pools: set[int] = set()  # refused for good (e.g. no such partition)
+        self._turn = 0  # the pool the next single request goes to
         self._retry_at: float | None = None
-        self.preempting: set[str] = set()  # jobs the trace had preempted
         self.released: set[str] = set()  # components the controller gave back
         self._held: dict[str, list[CapacityGranted]] = {}  # grants of a partly started job
         # scancel targets waiting for their component's rank to leave the world
         self._cancels: dict[str, tuple[tuple[str, int | None], float]] = {}
         self._watch_stop = asyncio.Event()
+        self._wake = asyncio.Event()  # the demand changed: act before the next poll
         self._watch: asyncio.Task[None] | None = None
         self._lease = MasterLease(self.dir)
 
@@ -164,16 +195,17 @@ class SlurmBackend:
 
     async def adopt_leftovers(self) -> list[str]:
         """Take over the elastic jobs of this run a dead master left (found by tag):
-        their batch steps start their ranks again once this master holds the lease,
-        and the ranks join this world; granted when squeue shows them running, like a
-        job of this master's. The dead master's preempting jobs are cancelled."""
+        running ones' batch steps start their ranks again once this master holds the
+        lease, and the ranks join this world (granted when squeue shows them running,
+        like a job of this master's); pending ones stay requests."""
         rows = (await asyncio.to_thread(self.client.poll, None)).values()
         mine = [r for r in rows if r.comment == f"pearl:{self.tag}"]
-        for job_id in sorted({r.job_id for r in rows if r.comment == f"pearl:{self.tag}.preempt"}):
-            with contextlib.suppress(SlurmError):
-                await asyncio.to_thread(self.client.cancel, job_id)
-        gpus = self.settings.gpus_per_worker
-        self.manager.adopt(mine, gpus, gpus, self.clock())
+        partitions = [p.partition for p in self.elastic.pools]
+        for row in mine:
+            pool = partitions.index(row.partition) if row.partition in partitions else 0
+            gpus = self.elastic.pools[pool].gpus_per_worker
+            self.manager.adopt([row], gpus, gpus, self.clock())
+            self.pool_of[ElasticSource(row.job_id, row.component or 0).tag] = pool
         jobs = sorted({r.job_id for r in mine})
         self.jobs.extend(jobs)
         if jobs:
@@ -182,128 +214,130 @@ class SlurmBackend:
         return jobs
 
     async def close(self) -> None:
-        """Cancel every elastic and preempting job of the run and see them leave squeue."""
+        """Cancel every elastic job of the run and see them leave squeue."""
         self._watch_stop.set()
         if self._watch is not None:
             with contextlib.suppress(Exception):
                 await self._watch
         self._lease.stop()
-        for job_id in self.jobs + self.preemptors:
+        for job_id in self.jobs:
             with contextlib.suppress(SlurmError):
                 await asyncio.to_thread(self.client.cancel, job_id)
         await self._wait_gone(60.0)
 
-    async def _tagged_jobs(self) -> set[str]:
-        """This run's jobs in squeue, elastic and preempting ones (one squeue call)."""
-        rows = await asyncio.to_thread(self.client.poll, None)
-        mine = {f"pearl:{self.tag}", f"pearl:{self.tag}.preempt"}
-        return {row.job_id for row in rows.values() if row.comment in mine}
-
     async def _wait_gone(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if not await self._tagged_jobs():
+            rows = await asyncio.to_thread(self.client.poll, None)
+            if not any(r.comment == f"pearl:{self.tag}" for r in rows.values()):
                 return
             await asyncio.sleep(self.settings.poll_s)
         log.error("jobs tagged pearl:%s are still in squeue after %.0f s", self.tag, timeout_s)
 
     # ---------------------------------------------------------------- capacity
     def describe(self) -> list[dict[str, Any]]:
-        """The run's live elastic components, for the journal and ``pearl-hpc status``."""
+        """The run's live elastic components, for the journal and ``pearl-hpc status``:
+        requested (submitted, pending), running, draining (signalled or given back)."""
         return [
-            {"component": c.source.tag, "state": str(c.state), "nodes": list(c.nodes)}
+            {
+                "component": c.source.tag,
+                "state": _SHOWN[c.state],
+                "pool": self.elastic.pools[self.pool_of.get(c.source.tag, 0)].partition,
+                "nodes": list(c.nodes),
+            }
             for c in self.manager.live()
         ]
 
     def _counted(self) -> list[Component]:
-        """Components that count as available: not given back, not being preempted."""
-        return [
-            c
-            for c in self.manager.live()
-            if c.state is not ComponentState.RELEASING and c.source.job_id not in self.preempting
-        ]
+        """Workers held or asked for: not given back, not being reclaimed."""
+        return [c for c in self.manager.live() if c.state is not ComponentState.RELEASING]
 
     def live_workers(self) -> int:
-        return sum(len(c.gpu_sets()) if c.nodes else 1 for c in self._counted())
+        return sum(1 for c in self._counted() if c.state is ComponentState.RUNNING)
 
     def summary(self) -> dict[str, Any]:
+        ran = [c for c in self.manager.components.values() if c.running_s is not None]
         return {
             "jobs": self.jobs,
-            "preempting_jobs": self.preemptors,
             "errors": self.errors,
             "poll_failures": self.client.poll_failures,  # squeue calls that failed
+            "requested": len(self.manager.components),
+            "granted": len(ran),
+            # submit -> RUNNING of the components this master submitted
+            "pending_s": sorted(
+                round(c.running_s - c.submitted_s, 2)
+                for c in ran
+                if c.running_s is not None and not c.adopted
+            ),
+            "worker_s": round(sum(c.held_s(self.clock()) for c in ran), 1),
         }
 
-    async def scale_to(self, workers: int, *, regrant: bool = False) -> None:
-        """The trace's availability: submit one heterogeneous job for the missing workers,
-        or preempt the newest jobs (whole jobs) until at most ``workers`` remain. (Grants
-        are counted as Slurm starts jobs; a resumed master's jobs are new ones.)"""
+    def want(self, workers: int) -> None:
+        """The controller's demand: the watch keeps that many workers held or requested."""
         self.target = workers
-        have = self.live_workers()
-        if workers > have:
-            await self._try_submit(workers - have)
-        for job_id in reversed(self.jobs):
-            if have <= workers:
-                break
-            comps = [c for c in self._counted() if c.source.job_id == job_id]
-            if not comps:
-                continue
-            have -= sum(len(c.gpu_sets()) if c.nodes else 1 for c in comps)
-            if all(c.state is ComponentState.RUNNING for c in comps):
-                await self.preempt(job_id)
-            else:  # not started yet: nothing to preempt
-                with contextlib.suppress(SlurmError):
-                    await asyncio.to_thread(self.client.cancel, job_id)
+        self._wake.set()
 
-    async def _try_submit(self, workers: int) -> None:
-        """Submit, or report why not: the run goes on without that capacity (an
-        unreachable slurmctld is retried from the watch, SUBMIT_RETRY_S later)."""
+    async def _request(self) -> None:
+        """Standing requests follow the demand: submit while fewer workers are held or
+        requested than wanted; withdraw requests not started while more are (newest
+        first; running workers stay until the controller gives them back)."""
+        if self._retry_at is not None and time.monotonic() < self._retry_at:
+            return
+        self._retry_at = None
+        counted = self._counted()
+        while len(counted) < self.target and len(self.broken_pools) < len(self.elastic.pools):
+            if not await self._try_submit():
+                return
+            counted = self._counted()
+        excess = len(counted) - self.target
+        for job_id in reversed(self.jobs):
+            job = [c for c in counted if c.source.job_id == job_id]
+            if excess <= 0:
+                break
+            if not job or len(job) > excess or any(c.state is ComponentState.RUNNING for c in job):
+                continue
+            for comp in job:
+                self.manager.release(comp.source)
+            with contextlib.suppress(SlurmError):
+                await asyncio.to_thread(self.client.cancel, job_id)
+            self.on_event("withdrawn", {"job": job_id, "components": len(job)})
+            excess -= len(job)
+
+    async def _try_submit(self) -> bool:
+        """Submit one request, or report why not: an unreachable slurmctld is retried
+        SUBMIT_RETRY_S later; a pool that refuses (e.g. no such partition) is not asked
+        again, and the run goes on without it."""
+        while self._turn % len(self.elastic.pools) in self.broken_pools:
+            self._turn += 1
+        pools = request_pools(self.elastic, self._turn)
+        self._turn += 1
         try:
-            await self.submit(workers)
+            await self.submit(pools)
+            return True
         except SlurmError as exc:
             retry = any(t in str(exc) for t in TRANSIENT_SLURM_ERRORS)
             self.errors.append(str(exc)[:300])
             self.on_event("submit_failed", {"error": str(exc)[:300], "retry": retry})
             if retry:
                 self._retry_at = time.monotonic() + SUBMIT_RETRY_S
+            else:
+                self.broken_pools.update(pools)
+            return False
 
-    async def _retry_submit(self) -> None:
-        if self._retry_at is None or time.monotonic() < self._retry_at:
-            return
-        self._retry_at = None
-        missing = self.target - self.live_workers()
-        if missing > 0:
-            await self._try_submit(missing)
-
-    async def submit(self, workers: int) -> str:
+    async def submit(self, pools: list[int]) -> str:
         job = elastic_job_spec(
-            self.settings, self.tag, self.dir.resolve(), self.spec, workers, sys.executable
-        )
+            self.elastic, pools, self.settings, self.tag, self.dir.resolve(), self.spec,
+            sys.executable,
+        )  # fmt: skip
         job_id = await asyncio.to_thread(self.client.submit, job)
-        self.manager.submitted(job_id, job, self.settings.gpus_per_worker, self.clock())
+        gpus = [self.elastic.pools[i].gpus_per_worker for i in pools]
+        self.manager.submitted(job_id, job, gpus, self.clock())
+        for k, pool in enumerate(pools):
+            self.pool_of[ElasticSource(job_id, k).tag] = pool
         self.jobs.append(job_id)
-        self.on_event("submitted", {"job": job_id, "components": workers})
+        partitions = [self.elastic.pools[i].partition for i in pools]
+        self.on_event("submitted", {"job": job_id, "components": len(pools), "pools": partitions})
         return job_id
-
-    async def preempt(self, job_id: str) -> None:
-        """Make Slurm preempt ``job_id``: a job on the preempting partition on each of its
-        nodes (what another user's high-priority job does on a shared cluster)."""
-        nodes = sorted(
-            {n for c in self.manager.live() if c.source.job_id == job_id for n in c.nodes}
-        )
-        for node in nodes:
-            argv = [
-                "sbatch", "--parsable", "-p", self.settings.preempt_partition, "-w", node,
-                f"--gres=gpu:{self.settings.gpus_per_worker}", "-n1", "-o", "/dev/null",
-                "-J", "pearl-preempt", f"--comment=pearl:{self.tag}.preempt",
-                "--wrap", f"sleep {self.settings.preempt_hold_s}",
-            ]  # fmt: skip
-            result = await asyncio.to_thread(run_command, argv)
-            if result.returncode != 0:
-                raise SlurmError(f"preempting job on {node}: {result.stderr.strip()}")
-            self.preemptors.append(result.stdout.strip().split(";")[0])
-        self.preempting.add(job_id)
-        self.on_event("preempt", {"job": job_id, "nodes": nodes})
 
     def release(self, source: ElasticSource) -> None:
         """The controller gives a component back: its rank leaves the world, then
@@ -313,7 +347,7 @@ class SlurmBackend:
         Component 0 runs the job's batch step, and cancelling it ends every component:
         while others serve, its allocation is kept (its rank has left) and given back
         with the last of them."""
-        self.manager.release(source)
+        self.manager.release(source, self.clock())
         self.released.add(source.tag)
         self.members.leave(source.tag)
         job = [c for c in self.manager.components.values() if c.source.job_id == source.job_id]
@@ -340,19 +374,24 @@ class SlurmBackend:
             self.on_event("scancel", {"target": "+".join(str(t) for t in target if t is not None)})
 
     async def watch(self, stop: asyncio.Event) -> None:
-        """squeue and the jobs' signal files -> capacity events, until ``stop``; a poll
-        that fails is logged (``watch_error``) and the next one tried."""
+        """squeue, the jobs' signal files and the demand -> capacity events and Slurm
+        commands, until ``stop``; a poll that fails is logged (``watch_error``) and the
+        next one tried."""
         while not stop.is_set():
             try:
                 await self._watch_once()
             except Exception as exc:  # the watch must outlive any one bad poll
                 log.exception("elastic job watch")
                 self.on_event("watch_error", {"error": f"{type(exc).__name__}: {exc}"[:300]})
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.settings.poll_s)
+            self._wake.clear()
+            waits = [asyncio.ensure_future(e.wait()) for e in (stop, self._wake)]
+            await asyncio.wait(waits, timeout=self.settings.poll_s, return_when="FIRST_COMPLETED")
+            for w in waits:
+                w.cancel()
 
     async def _watch_once(self) -> None:
-        """One squeue poll and the signal files, folded into capacity events."""
+        """One squeue poll and the signal files, folded into capacity events; then the
+        scancels due and the requests the demand asks for."""
         rows = await asyncio.to_thread(self.client.poll, self.tag)
         now = self.clock()
         for reclaim in self._signals(now):
@@ -368,6 +407,8 @@ class SlurmBackend:
         for job_id, component in actions.cancel:
             with contextlib.suppress(SlurmError):
                 await asyncio.to_thread(self.client.cancel, job_id, component)
+        for source in actions.timed_out:
+            self.on_event("pending_timeout", {"component": source.tag})
         for event in actions.events:
             if isinstance(event, CapacityGranted):
                 self._held.setdefault(event.source.job_id, []).append(event)
@@ -375,7 +416,7 @@ class SlurmBackend:
                 await self._put(event)
         await self._release_grants()
         await self._cancel_left()
-        await self._retry_submit()
+        await self._request()
 
     async def _release_grants(self) -> None:
         """Grants of a heterogeneous job go to the controller as one event, once every

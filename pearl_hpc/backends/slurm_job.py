@@ -44,6 +44,11 @@ def _launch(args: argparse.Namespace) -> int:
         return 2
     het = "SLURM_HET_SIZE" in os.environ
     size = int(os.environ.get("SLURM_HET_SIZE", "1"))
+    gpus = [int(g) for g in args.gpus.split(",")]  # per component: its worker's GPUs
+    if len(gpus) != size:
+        print(f"pearl_hpc.backends.slurm_job: --gpus names {len(gpus)} components, the "
+              f"job has {size}", file=sys.stderr)  # fmt: skip
+        return 2
     edir = args.run_dir / "elastic"
     lease = edir / LEASE_FILE
     steps: list[_Step] = []
@@ -55,6 +60,7 @@ def _launch(args: argparse.Namespace) -> int:
         argv += [
             sys.executable, "-m", "pearl_hpc.worker", "join",
             "--run-dir", str(args.run_dir), "--model-dir", args.model, "--group", f"{job}+{k}",
+            "--gpus", str(gpus[k]),
         ]  # fmt: skip
         return _Step(k, subprocess.Popen(argv), lease_owner(lease))
 
@@ -116,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", type=Path, required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--lease-timeout-s", type=float, default=60.0)
+    p.add_argument("--gpus", default="1", help="GPUs of each component's worker: 1,2,...")
     return _launch(p.parse_args(argv))
 
 

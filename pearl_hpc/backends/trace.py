@@ -1,21 +1,21 @@
-"""The run config's availability trace, carried out through a backend's ``scale_to``.
+"""The local backend's availability trace (the machine has no scheduler): what it offers
+the run, through :meth:`~pearl_hpc.backends.local.LocalBackend.offer`.
 
     elastic.trace   points by step: before a step's rollout (or ``after_s`` into it)
     elastic.replay  a real availability trace over the run's clock (``speedup``)
 
-On the local backend the trace is the availability; on Slurm its grants become job
-submissions and its reclaims real preemptions. A resumed run grants afresh what the
-trace gave at the step it resumes from (not counted as growth).
+The controller takes what it wants of it. A resumed run is offered afresh what the trace
+gave at the step it resumes from (not counted as growth). On Slurm there is no trace:
+capacity is what Slurm starts; slurm/replay-load replays a trace as other users' load.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from pearl_hpc.backends.base import CapacityBackend
 from pearl_hpc.config.run import ElasticConfig, TracePoint, TraceReplay
 from pearl_hpc.sim.traces import AvailabilityTrace
 
@@ -37,12 +37,13 @@ def resumed_points(trace: list[TracePoint], first_step: int) -> dict[int, TraceP
 
 
 class TraceDriver:
-    """Applies ``elastic.trace`` per step and replays ``elastic.replay`` over time."""
+    """Applies ``elastic.trace`` per step and replays ``elastic.replay`` over time, as
+    ``offer(workers, regrant=)`` (the local backend's; None: no trace, as on Slurm)."""
 
     def __init__(
         self,
         elastic: ElasticConfig,
-        backend: CapacityBackend,
+        offer: Callable[..., Awaitable[None]] | None,
         *,
         first_step: int,
         resume: bool,
@@ -51,7 +52,7 @@ class TraceDriver:
         decide_now: Callable[[], None],
     ) -> None:
         self.elastic = elastic
-        self.backend = backend
+        self.offer = offer
         self.first_step = first_step
         self.resume = resume
         self.clock = clock
@@ -63,7 +64,7 @@ class TraceDriver:
         """The step's trace point: applied now, or ``after_s`` into its rollout (a
         reclaim notice arriving mid-rollout drains turns in flight)."""
         point = self.points.get(step)
-        if point is None:
+        if point is None or self.offer is None:
             return
         if point.after_s:
             spawn(self._apply(step, point))
@@ -74,13 +75,16 @@ class TraceDriver:
         if point.after_s:
             await asyncio.sleep(point.after_s)
         regrant = step == self.first_step and self.resume
-        await self.backend.scale_to(point.workers, regrant=regrant)
+        assert self.offer is not None
+        await self.offer(point.workers, regrant=regrant)
         if not point.after_s:
             self.decide_now()  # decided before the rollout starts
 
     async def replay(self, stop: asyncio.Event) -> None:
         """The real trace over the run's clock (resumed runs continue where it was)."""
         replay = self.elastic.replay
+        if self.offer is None:
+            return
         real = replay.load()
         current = -1
         while not stop.is_set():
@@ -89,7 +93,7 @@ class TraceDriver:
             if workers != current:
                 trace_s = real.start_s + run_s * replay.speedup  # where in the trace
                 self.log_event("trace", workers=workers, trace_s=trace_s)
-                await self.backend.scale_to(workers, regrant=current < 0 and self.resume)
+                await self.offer(workers, regrant=current < 0 and self.resume)
                 current = workers
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), replay.poll_s)

@@ -3,9 +3,10 @@
     the config, checked       (one line naming the field and the fix if it is bad)
     the base job              its sbatch command (a multi-node layout) or "this node"
     the world                 the launcher's command and which rank runs what, where
-    the elastic job           the sbatch text of one grow (backend slurm)
+    the elastic request       the sbatch text of the first request (backend slurm)
     the first decision        the controller's own, on the base workers (a Controller
-                              driven with an executor that only records)
+                              driven with an executor that only records), and how many
+                              elastic workers it finds worth requesting
 
 Paths that exist only once the run starts are written ``RUN_DIR``; the output is the
 same on every machine for the same config (a golden file pins the 32-GPU one).
@@ -85,21 +86,20 @@ def dry_run(cfg: RunConfig, config_path: str) -> str:
         note = "  (overlap: time-shared with the trainer ranks)" if r.overlap else ""
         out.append(f"{r.rank:>4}  {r.kind:<8} {r.node:>4}  {devices:<12} {gpus}{note}")
     if cfg.backend == "slurm":
-        out += ["", "## elastic job (one grow)", _elastic_text(cfg).rstrip()]
+        out += ["", "## elastic request (the first)", _elastic_text(cfg).rstrip()]
     out += ["", "## the controller's first decision", *_first_decision(cfg, layout)]
     return "\n".join(out) + "\n"
 
 
 def _elastic_text(cfg: RunConfig) -> str:
-    from pearl_hpc.backends.slurm import elastic_job_spec
+    from pearl_hpc.backends.slurm import elastic_job_spec, request_pools
     from pearl_hpc.engine.vllm_engine import EngineSpec
     from pearl_hpc.slurm.scripts import render_sbatch
 
-    grow = next((p.workers for p in cfg.elastic.trace if p.workers), 0)
-    if not grow:
-        grow = cfg.elastic.replay.max_workers if cfg.elastic.replay.enabled else 1
     spec = EngineSpec(model_dir=cfg.model if cfg.model != "tiny" else "MODEL_DIR")
-    job = elastic_job_spec(cfg.slurm, "RUN_TAG", RUN_DIR / "elastic", spec, grow, "python3")
+    pools = request_pools(cfg.elastic, 0)
+    job = elastic_job_spec(cfg.elastic, pools, cfg.slurm, "RUN_TAG", RUN_DIR / "elastic", spec,
+                           "python3")  # fmt: skip
     return render_sbatch(job)
 
 
@@ -119,4 +119,9 @@ def _first_decision(cfg: RunConfig, layout: list[Any]) -> list[str]:
         if record.borrow_gate is not None:
             lines.append(f"borrowing: {record.borrow_gate.reason}")
     lines += [f"- {call}" for call in executor.calls]
+    demand = controller.elastic_demand(cfg.elastic.max_workers)
+    lines.append(
+        f"elastic workers worth requesting: {demand.workers} of at most "
+        f"{cfg.elastic.max_workers} ({demand.reason})"
+    )
     return lines

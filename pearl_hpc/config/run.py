@@ -4,8 +4,9 @@
     backend: local | slurm                   how elastic capacity comes to exist
     workers: training_gpus, reserved_rollout, overlap
     layout:  nodes and GPUs of the base world (backend slurm: its batch job's nodes)
-    elastic: trace | replay, grace_s          when capacity appears and disappears
-    slurm:   the elastic jobs (backend slurm)
+    elastic: max_workers, grace_s; pools and request (slurm: what is asked of Slurm) or
+             trace | replay (local: the machine's availability)
+    slurm:   squeue polling, socket interface, lease (backend slurm)
     run:     the workload (steps, env, batch, sampling, staleness)
 
 Strict: an unknown key, a value out of range or an inconsistent pair is a
@@ -105,45 +106,78 @@ class TraceReplay:
 
 
 @dataclass(frozen=True)
-class ElasticConfig:
-    trace: list[TracePoint] = spec_field("elastic availability, by step", default=[])
-    replay: TraceReplay = spec_field(
-        "or availability over time, from a real trace (replaces trace)", default=TraceReplay()
+class PoolConfig:
+    """Where elastic workers are requested from (backend slurm): one partition and the
+    shape of one worker there."""
+
+    partition: str = spec_field("partition (preemptible, or with idle nodes)", default="elastic")
+    qos: str = spec_field("sbatch --qos ('': the partition's default)", default="")
+    account: str = spec_field("sbatch --account ('': the user's default)", default="")
+    constraint: str = spec_field("sbatch --constraint, e.g. h100 ('': none)", default="")
+    gpus_per_worker: int = spec_field("GPUs of one elastic engine worker", default=1, ge=1)
+    cpus_per_worker: int = spec_field("CPUs of one elastic engine worker", default=1, ge=1)
+    time_limit: str = spec_field("time limit of a request (Slurm time)", default="1:00:00")
+    signal_lead_s: int = spec_field(
+        "seconds of notice before a preemption or the time limit (sbatch --signal=B:USR2@N)",
+        default=60,
+        ge=1,
     )
+    sbatch_extra: list[str] = spec_field(
+        "further sbatch options of each worker's component (e.g. --exclusive)", default=[]
+    )
+    hetjob_workers: int = spec_field(
+        "request: hetjob: components one request takes from this pool", default=1, ge=0
+    )
+
+
+REQUESTS = ("single", "hetjob")
+
+
+@dataclass(frozen=True)
+class ElasticConfig:
     grace_s: float = spec_field("reclaim deadline after the notice, seconds", default=30.0, gt=0)
+    max_workers: int = spec_field(
+        "at most this many elastic workers requested (the expansion gate decides how many "
+        "of them are worth it)",
+        default=4,
+        ge=0,
+    )
+    request: str = spec_field(
+        "backend slurm: single (one one-worker job per worker, each starts as soon as one "
+        "worker's GPUs are idle) | hetjob (one job of every pool's hetjob_workers, started "
+        "together)",
+        default="single",
+    )
+    pools: list[PoolConfig] = spec_field(
+        "backend slurm: partitions to request workers from (single: in turn)",
+        default=[PoolConfig()],
+    )
+    pending_timeout_s: float = spec_field(
+        "backend slurm: a request pending this long is cancelled and asked again (of the "
+        "next pool)",
+        default=600.0,
+        gt=0,
+    )
+    trace: list[TracePoint] = spec_field(
+        "backend local: the machine's elastic availability, by step", default=[]
+    )
+    replay: TraceReplay = spec_field(
+        "backend local: or availability over time, from a real trace (replaces trace)",
+        default=TraceReplay(),
+    )
 
 
 @dataclass(frozen=True)
 class SlurmSettings:
-    partition: str = spec_field("partition of the elastic jobs (preemptible)", default="elastic")
-    gpus_per_worker: int = spec_field("GPUs of one elastic engine worker", default=1, ge=1)
-    cpus_per_worker: int = spec_field("CPUs of one elastic engine worker", default=1, ge=1)
-    time_limit: str = spec_field("time limit of an elastic job", default="1:00:00")
-    sbatch_extra: list[str] = spec_field(
-        "further sbatch options of every component (e.g. --exclusive, --constraint=h100)",
-        default=[],
-    )
-    signal: str = spec_field(
-        "sbatch --signal of elastic jobs (delivered at preemption)", default="B:USR2@60"
-    )
     poll_s: float = spec_field("squeue poll interval, seconds", default=1.0, gt=0)
     engine_interface: str = spec_field(
         "what engine and trainer sockets bind on each node: 'hostname' (what the node's "
         "name resolves to), an interface (e.g. ib0, eth0) or an IPv4 address",
         default="hostname",
     )
-    pending_timeout_s: float = spec_field(
-        "cancel an elastic job still pending after this long", default=600.0, gt=0
-    )
-    preempt_partition: str = spec_field(
-        "partition whose jobs preempt the elastic ones: the trace's reclaims are carried out "
-        "by submitting such a job to the nodes of the newest elastic job",
-        default="high",
-    )
-    preempt_hold_s: int = spec_field("how long a preempting job holds its node", default=20, ge=1)
     lease_timeout_s: float = spec_field(
         "an elastic job whose master's lease is this old ends itself (a resume within it "
-        "finds the job and cancels it)",
+        "finds the job and adopts it)",
         default=60.0,
         gt=0,
     )
@@ -213,6 +247,9 @@ def load_run_config(path: str | Path, *, need_slurm: bool = True) -> RunConfig:
         )
     if cfg.elastic.replay.enabled:
         cfg.elastic.replay.load()  # a bad segment or file fails here, naming the fix
+    problem = elastic_problem(cfg.backend, cfg.elastic)
+    if problem:
+        raise ConfigError(f"{path}: {problem}")
     if cfg.backend not in BACKENDS:
         raise ConfigError(f"{path}: backend {cfg.backend!r}: use local or slurm")
     if not _PLAIN_NAME.fullmatch(cfg.name):
@@ -231,6 +268,37 @@ def load_run_config(path: str | Path, *, need_slurm: bool = True) -> RunConfig:
     if problem:
         raise ConfigError(f"{path}: {problem}")
     return cfg
+
+
+def elastic_problem(backend: str, elastic: ElasticConfig) -> str:
+    """What is wrong with ``elastic:`` for ``backend`` ('' if nothing; pure)."""
+    if backend == "slurm" and (elastic.trace or elastic.replay.enabled):
+        return (
+            "elastic.trace / elastic.replay: on the slurm backend capacity is what Slurm "
+            "starts (elastic.pools); remove them, and replay a trace as other users' load "
+            "with slurm/replay-load next to the run"
+        )
+    if elastic.request not in REQUESTS:
+        return f"elastic.request {elastic.request!r}: use single or hetjob"
+    if backend == "slurm" and not elastic.pools:
+        return "elastic.pools is empty: name at least one partition (elastic.pools[0].partition)"
+    if elastic.request == "hetjob" and not sum(p.hetjob_workers for p in elastic.pools):
+        return "elastic.request hetjob: every pool has hetjob_workers 0; give one 1 or more"
+    for i, pool in enumerate(elastic.pools):
+        for key in ("partition", "qos", "account", "constraint"):
+            value = getattr(pool, key)
+            if value and not _SLURM_NAME.fullmatch(value):
+                return f"elastic.pools[{i}].{key} {value!r}: letters, digits, _ . + - & | only"
+        if not _SLURM_TIME.fullmatch(pool.time_limit):
+            return (
+                f"elastic.pools[{i}].time_limit {pool.time_limit!r} is not a Slurm time: use "
+                "MM, MM:SS, HH:MM:SS or D-HH:MM:SS"
+            )
+    return ""
+
+
+_SLURM_NAME = re.compile(r"[A-Za-z0-9_.+\-&|]+")
+_SLURM_TIME = re.compile(r"(\d+-)?\d{1,2}(:\d{2}){0,2}|\d+")
 
 
 def layout_problem(workers: WorkersConfig, layout: LayoutConfig) -> str:

@@ -39,6 +39,7 @@ from pearl_hpc.core.profile import WorkloadProfile
 from pearl_hpc.core.table import IN_SERVICE, ElasticSource, RoleTable
 from pearl_hpc.core.tracker import IterationRecord, RuntimeTracker, TurnRecord
 from pearl_hpc.core.types import ROLLOUT_ROLES, PDConfig, Role, Status, Zone
+from pearl_hpc.core.window import CapacityWindow
 from pearl_hpc.errors import SpecError
 
 
@@ -175,6 +176,15 @@ class _AdmissionGroup:
     ready: set[int] = field(default_factory=set)
 
 
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """The elastic workers worth requesting (:meth:`Controller.elastic_demand`)."""
+
+    workers: int
+    window_s: float  # the expected stay of new capacity it was judged over
+    reason: str  # the expansion gate of the last worker considered
+
+
 class Controller:
     """PEARL's master-side brain. See the module docstring for the data flow."""
 
@@ -193,6 +203,7 @@ class Controller:
         self.policies = policies or make_policies(self.config)
         self.tracker = RuntimeTracker(profile, ema_alpha=self.config.tracker_ema_alpha)
         self.toggle = ToggleCostEstimator(self.config.toggle_cost_s, self.config.toggle_ema_alpha)
+        self.window = CapacityWindow(self.config.expected_capacity_window_s)
         self.executor = executor
         self.clock = clock
         self.table = table if table is not None else RoleTable()
@@ -230,6 +241,33 @@ class Controller:
     def profile(self) -> WorkloadProfile:
         return self.tracker.profile
 
+    def elastic_demand(self, max_workers: int) -> Demand:
+        """How many elastic workers are worth requesting now: the expansion gate at
+        request time. Worker ``k+1`` is asked for only while its predicted saving over
+        the expected window (estimated from this run's grants and reclaims) exceeds
+        preparation + finalisation, on top of the reserved workers and ``k`` elastic
+        ones; at most ``max_workers``."""
+        reserved = sum(
+            1
+            for s in self.table.rollout_slots()
+            if s.zone is Zone.DEDICATED and s.source is None and s.status in IN_SERVICE
+        ) + sum(1 for u in self.free_units if u.source is None)
+        window_s = self.window.estimate_s(self.clock())
+        workers, gate = 0, None
+        while workers < max_workers:
+            gate = gate_expansion_of(
+                self.policies,
+                self.config,
+                self.profile,
+                num_current=reserved + workers,
+                num_new=1,
+                window_s=window_s,
+            )
+            if not gate.allow:
+                break
+            workers += 1
+        return Demand(workers, window_s, gate.reason if gate is not None else "no elastic workers")
+
     # ------------------------------------------------------------------ events
     def handle(self, event: Event) -> Reconfiguration | None:
         """Process one event; returns the reconfiguration it caused, if any."""
@@ -242,12 +280,15 @@ class Controller:
             case CapacityGranted(also=also):
                 grants = (event, *also)
                 for grant in grants:
+                    self.window.granted(grant.source.tag, self.clock())
                     self.free_units.extend(
                         CapacityUnit(tuple(g), Zone.DEDICATED, grant.source) for g in grant.gpu_sets
                     )
                 tags = ", ".join(g.source.tag for g in grants)
                 result = self._reconfigure(f"capacity granted by {tags}")
             case CapacityReclaimed(source, deadline_s, gpu_ids):
+                if gpu_ids is None:  # the scheduler ends the component's stay
+                    self.window.ended(source.tag, self.clock(), reclaimed=True)
                 result = self._on_reclaim(source, deadline_s, gpu_ids)
             case WorkerReady(slot_id):
                 result = self._on_ready(slot_id)
@@ -416,6 +457,7 @@ class Controller:
                 profile,
                 num_current=num_dedicated,
                 num_new=len(free),
+                window_s=self.window.estimate_s(now),
             )
             if not expansion_gate.allow:
                 for source in {u.source for u in free if u.source is not None}:
@@ -565,6 +607,7 @@ class Controller:
         if source in self.released_sources:  # e.g. a reclaim of a job already given back
             return
         self.released_sources.add(source)
+        self.window.ended(source.tag, self.clock(), reclaimed=False)  # (if not reclaimed)
         self.executor.release_capacity(source)
 
     # ---------------------------------------------------------------- journal
@@ -584,6 +627,7 @@ class Controller:
             ],
             "tracker": self.tracker.to_dict(),
             "toggle": self.toggle.to_dict(),
+            "window": self.window.to_dict(),
             "training_state": self.training_state,
             "training_step": self.training_step,
             "unfinished_trajectories": self.unfinished_trajectories,
@@ -606,6 +650,8 @@ class Controller:
         ]
         self.tracker.restore(data["tracker"])
         self.toggle.restore(data["toggle"])
+        if "window" in data:
+            self.window.restore(data["window"])
         self.training_state = str(data["training_state"])
         self.training_step = data["training_step"]
         self.unfinished_trajectories = data["unfinished_trajectories"]

@@ -295,7 +295,10 @@ class PolicyConfig:
         "inter-scale finalisation (admission pause), seconds (PEARL: 11.05)", default=11.05, ge=0
     )
     expected_capacity_window_s: float = spec_field(
-        "how long granted elastic capacity is expected to stay, seconds", default=1800.0, gt=0
+        "how long granted elastic capacity is expected to stay, seconds: the prior of the "
+        "window the run then estimates from its own grants and reclaims",
+        default=1800.0,
+        gt=0,
     )
     tracker_ema_alpha: float = spec_field(
         "EMA weight of each step's profile fit", default=0.5, gt=0, le=1
@@ -367,15 +370,17 @@ def gate_expansion_of(
     *,
     num_current: int,
     num_new: int,
+    window_s: float,
 ) -> GateDecision:
     """Evaluate the expansion policy for ``num_new`` granted workers on top of
-    ``num_current``, with the configured window and reconfiguration costs."""
+    ``num_current``, over a stay of ``window_s`` with the configured reconfiguration
+    costs."""
     current_t = policies.pd.decide(profile, num_current, None).predicted_makespan_s
     expanded_t = policies.pd.decide(profile, num_current + num_new, None).predicted_makespan_s
     inputs = ExpansionInputs(
         current_t,
         expanded_t,
-        config.expected_capacity_window_s,
+        window_s,
         config.preparation_s,
         config.finalisation_s,
     )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pearl_hpc.runview import format_pools
+
 
 class LiveRollout:
     """A live line under the step log on a terminal: the rollout in progress, the
@@ -28,10 +30,8 @@ class LiveRollout:
             if w.slot_id is not None and w.role is not None
         )
         borrowed = executor.activating_overlap()
-        jobs = ""
-        if executor.backend.summary() is not None:  # the Slurm backend's elastic components
-            live = executor.backend.describe()
-            jobs = ", elastic jobs " + (" ".join(c["component"] for c in live) or "none")
+        live = executor.backend.describe()
+        jobs = f", elastic {format_pools(live) or 'none'}"
         self.live.update(
             f"step {step}: rollout {done}/{batch} trajectories, turns moved "
             f"{executor.counters.moved_turns}, roles {roles or '-'}, "

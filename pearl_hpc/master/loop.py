@@ -18,8 +18,8 @@ directory holds the journal (controller snapshot, counters, next step), weight s
 master died: the trainer from its latest snapshot, the tracker's fitted profile and the
 counters from the journal, the step in progress from the trajectory log (finished
 trajectories kept, unfinished ones resumed from their last turn). Engine workers of the
-dead master exit on their own (they watch their parent); elastic workers are granted
-again from the trace.
+dead master exit on their own (they watch their parent); elastic jobs on Slurm are
+adopted, local elastic ranks offered again by the trace.
 """
 
 from __future__ import annotations
@@ -102,11 +102,11 @@ def make_backend(
 
         return SlurmBackend(
             cfg.slurm,
+            cfg.elastic,
             spec,
             run_dir,
             queue,
             clock,
-            cfg.elastic.grace_s,
             lambda kind, fields: events(kind, **fields),
             members,
         )
@@ -168,6 +168,7 @@ class MasterRun:
         self.recorded_version = 0  # weights of the steps recorded so far
         self._last_table: list[list[Any]] = []
         self._pump_stop = asyncio.Event()
+        self._demand = -1  # the elastic workers last asked of the backend
 
     def clock(self) -> float:
         """Run time: continues across masters of the same run."""
@@ -202,7 +203,7 @@ class MasterRun:
         tlog = TrajectoryLog(self.run_dir)
         trace = TraceDriver(
             cfg.elastic,
-            self.backend,
+            self.backend.offer if isinstance(self.backend, LocalBackend) else None,
             first_step=self.first_step,
             resume=self.resume,
             clock=self.clock,
@@ -228,6 +229,7 @@ class MasterRun:
         try:
             await self.backend.start(resume=self.resume)
             await self._register_base_workers()
+            self._request_capacity()
             self.save_state(self.first_step, "running")
             if cfg.elastic.replay.enabled:  # after the base workers are registered
                 replay_task = asyncio.create_task(trace.replay(self._pump_stop))
@@ -390,6 +392,7 @@ class MasterRun:
         self.executor.sync_router()
         if planned:  # the members follow the applied plan into their role groups
             self.members.split()
+        self._request_capacity()
         table = [
             [s.slot_id, str(s.role), str(s.status), str(s.zone)]
             for s in controller.table.rollout_slots()
@@ -397,6 +400,20 @@ class MasterRun:
         if table != self._last_table:
             self._last_table = table
             log_event("table", slots=table)
+
+    def _request_capacity(self) -> None:
+        """The backend keeps what the controller's demand says is worth requesting (the
+        expansion gate at request time); logged when it changes."""
+        demand = self.controller.elastic_demand(self.cfg.elastic.max_workers)
+        if demand.workers != self._demand:
+            self._demand = demand.workers
+            self.events(
+                "demand",
+                workers=demand.workers,
+                window_s=round(demand.window_s, 1),
+                reason=demand.reason[:160],
+            )
+            self.backend.want(demand.workers)
 
     def _member_roles(self) -> dict[str, str]:
         """Each member's group after the plan: trainer ranks ``training``, an engine rank

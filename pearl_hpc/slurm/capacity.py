@@ -82,7 +82,15 @@ class Component:
     state: ComponentState = ComponentState.SUBMITTED
     submitted_s: float = 0.0
     running_s: float | None = None
+    ended_s: float | None = None  # reclaimed, given back or vanished
     nodes: tuple[str, ...] = ()
+    adopted: bool = False  # found by a resumed master (submitted_s: when it was found)
+
+    def held_s(self, now_s: float) -> float:
+        """How long it has run for the run (0 if it never started)."""
+        if self.running_s is None:
+            return 0.0
+        return max(0.0, (now_s if self.ended_s is None else self.ended_s) - self.running_s)
 
     def gpu_sets(self) -> tuple[tuple[str, ...], ...]:
         """One GPU set per prospective worker; ids are scoped by the job component
@@ -120,11 +128,14 @@ class CapacityManager:
         self.components: dict[str, Component] = {}  # keyed JOB+N
 
     # ------------------------------------------------------------------ inputs
-    def submitted(self, job_id: str, spec: JobSpec, gpus_per_worker: int, now_s: float) -> None:
-        for i, comp in enumerate(spec.components):
+    def submitted(
+        self, job_id: str, spec: JobSpec, gpus_per_worker: list[int], now_s: float
+    ) -> None:
+        """A request: component ``i`` holds workers of ``gpus_per_worker[i]`` GPUs."""
+        for i, (comp, gpus) in enumerate(zip(spec.components, gpus_per_worker, strict=True)):
             source = ElasticSource(job_id, i)
             self.components[source.tag] = Component(
-                source, comp.gpus_per_node, gpus_per_worker, submitted_s=now_s
+                source, comp.gpus_per_node, gpus, submitted_s=now_s
             )
 
     def observe(self, jobs: Mapping[str, JobRow], now_s: float) -> Actions:
@@ -139,6 +150,8 @@ class CapacityManager:
             if row is None:  # sbatch registers a job before returning: it has ended
                 if comp.state is ComponentState.RUNNING:  # preempted or died, unannounced
                     out.events.append(CapacityReclaimed(comp.source, now_s))
+                if comp.running_s is not None and comp.ended_s is None:
+                    comp.ended_s = now_s
                 self._move(comp, ComponentState.GONE)
                 continue
             if comp.state is ComponentState.RELEASING:
@@ -165,14 +178,20 @@ class CapacityManager:
         if comp is None or comp.state is not ComponentState.RUNNING:
             return None
         self._move(comp, ComponentState.RELEASING)
+        comp.ended_s = now_s
         return CapacityReclaimed(source, now_s + self.grace_s)
 
-    def release(self, source: ElasticSource) -> tuple[str, int | None] | None:
-        """The controller gives a component back: the scancel to run (None if gone)."""
+    def release(
+        self, source: ElasticSource, now_s: float | None = None
+    ) -> tuple[str, int | None] | None:
+        """The controller gives a component back (or a request is withdrawn): the
+        scancel to run (None if gone)."""
         comp = self.components.get(source.tag)
         if comp is None or comp.state in (ComponentState.RELEASING, ComponentState.GONE):
             return None
         self._move(comp, ComponentState.RELEASING)
+        if comp.running_s is not None and now_s is not None:
+            comp.ended_s = now_s
         return self.cancel_target(source)
 
     def cancel_target(self, source: ElasticSource) -> tuple[str, int | None]:
@@ -189,7 +208,7 @@ class CapacityManager:
             source = ElasticSource(row.job_id, row.component or 0)
             if source.tag not in self.components:
                 self.components[source.tag] = Component(
-                    source, gpus_per_node, gpus_per_worker, submitted_s=now_s
+                    source, gpus_per_node, gpus_per_worker, submitted_s=now_s, adopted=True
                 )
 
     def live(self) -> list[Component]:

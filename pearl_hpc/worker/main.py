@@ -102,7 +102,7 @@ def _join(args: argparse.Namespace) -> int:
         info["gpu_ids"] = args.gpu_ids.split(",")
     else:  # a job component's: its node's GPUs, split by local id
         info["gpu_ids"] = gpu_ids_of(
-            args.group, str(info["node"]), int(info["local_id"]), cfg.slurm.gpus_per_worker
+            args.group, str(info["node"]), int(info["local_id"]), args.gpus
         )
     host = "127.0.0.1" if cfg.backend == "local" else bind_address(cfg.slurm.engine_interface)
 
@@ -202,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     join.add_argument("--model-dir", required=True)
     join.add_argument("--group", required=True, help="JOB+K: this rank's job component")
     join.add_argument("--gpu-ids", help="comma-separated: its GPUs' names (else from Slurm's)")
+    join.add_argument("--gpus", type=int, default=1, help="GPUs of its worker (from Slurm's)")
     join.set_defaults(func=_join)
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("PEARL_LOG_LEVEL", "WARNING"))
