@@ -115,3 +115,62 @@ def test_high_priority_job_preempts_elastic_job_after_its_signal(
         if high_id:
             client.cancel(high_id)
     wait_for(lambda: client.poll(run), lambda j: not j)
+
+
+def test_replayed_load_starts_a_standing_request_then_preempts_it(
+    slurm_cluster: str, tmp_path: Path
+) -> None:
+    """slurm/replay-load over all four nodes of a trace "none idle, one idle for 8 s, none
+    idle": a pending one-node request on the elastic partition starts when the load
+    frees a node, and is signalled (then ended) when the load takes the node back."""
+    import json
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    trace = tmp_path / "trace.csv"
+    trace.write_text("0,0\n4,0\n4,1\n12,1\n12,0\n16,0\n")
+    log = tmp_path / "load.jsonl"
+    load = subprocess.Popen(
+        [sys.executable, "slurm/replay-load", "--file", str(trace), "--speedup", "1",
+         "--nodes", "4", "--tag", "cluster-test", "--log", str(log)],
+        cwd=repo, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    client, run = SlurmClient(min_backoff_s=0.1), tag()
+    marker = tmp_path / "signalled"
+    script = f"trap 'date +%s.%N > {marker}; exit 0' USR2; for i in $(seq 1 300); do sleep 1; done"
+    request = JobSpec(
+        "pearl-elastic",
+        run,
+        (HetComponent("elastic", gpus_per_node=1, time_limit="5:00", extra=("--exclusive",)),),
+        ["bash", "-c", script],
+        signal="B:USR2@15",
+        output=str(tmp_path / "elastic-%j.out"),
+    )
+    job_id = None
+    try:
+        time.sleep(1.5)  # the load holds every node
+        job_id = client.submit(request)
+        time.sleep(1.5)
+        assert client.poll(run)[job_id].state == "PENDING"
+        jobs = wait_for(
+            lambda: client.poll(run),
+            lambda j: job_id in j and j[job_id].state == "RUNNING",
+            timeout_s=20,
+        )
+        started = time.time()
+        wait_for(lambda: client.poll(run), lambda j: job_id not in j, timeout_s=60)
+        assert marker.exists(), "preempted without its USR2 first"
+        assert float(marker.read_text()) - started > 5  # the trace's 8 idle seconds
+        assert jobs[job_id].nodes  # it ran on the node the load left idle
+        assert load.wait(90) == 0
+    finally:
+        load.terminate()
+        load.wait(30)
+        if job_id:
+            client.cancel(job_id)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [x["idle_nodes"] for x in lines if "idle_nodes" in x] == [0, 1, 0]
+    assert lines[-1]["end"] is True
+    out = subprocess.run(["squeue", "-h", "-o", "%k"], capture_output=True, text=True)
+    assert "loadgen:cluster-test" not in out.stdout  # its jobs cancelled at the end

@@ -1,9 +1,10 @@
 """`pearl-hpc run` on the Slurm backend, on the local cluster, with real engines: the
-master is a batch job (launch/run.sbatch); elastic engine workers run in a real
-heterogeneous job; the trace's reclaim is a real preemption by a job on the high
-partition; the master is SIGKILLed mid-run and a second batch job resumes it, adopting
-the elastic job it finds by tag (its ranks join the new world; nothing is cancelled or
-resubmitted). Afterwards no job of the run is in squeue and no process of it is left.
+master is a batch job (launch/run.sbatch); elastic engine workers are a standing
+heterogeneous request on the preemptible partition that Slurm starts when other users'
+jobs free two nodes and preempts when they come back; the master is SIGKILLed mid-run
+and a second batch job resumes it, adopting the elastic job it finds by tag (its ranks
+join the new world; nothing is cancelled or resubmitted). Afterwards no job of the run
+is in squeue and no process of it is left.
 
 Four engine processes at most (reserved, overlap, two elastic)."""
 
@@ -31,36 +32,54 @@ BATCH = 4 * 4
 # enough steps that the first master is still running when its elastic engines are
 # admitted (their start takes 20-110 s here; a fast machine runs a step in ~3 s)
 STEPS = 12
-RECLAIM_STEP = 9
 STEPS_SUBMITIT = 10
+OTHERS = "others"  # the --comment of other users' jobs
 
 CONFIG = {
     **LOCAL_CONFIG,  # the local run test's workload and ungated policies
     "backend": "slurm",
     # the dead master's elastic job outlives it until the resumed master adopts it (its
     # lease would end it after lease_timeout_s; a loaded machine takes minutes to resume)
-    "slurm": {
-        "sbatch_extra": ["--exclusive"],
-        "preempt_hold_s": 10,
-        "poll_s": 0.5,
-        "lease_timeout_s": 600,
-    },
+    "slurm": {"poll_s": 0.5, "lease_timeout_s": 600},
     "elastic": {
         "grace_s": 15,  # the elastic partition's GraceTime is 20 s
-        # the reclaim late enough that the resumed master's new job runs by then, early
-        # enough that steps follow it
-        "trace": [
-            {"at_step": 0, "workers": 2},
-            {"at_step": RECLAIM_STEP, "workers": 0, "after_s": 0.5},
-        ],
+        "max_workers": 2,
+        "request": "hetjob",
+        "pools": [{"partition": "elastic", "sbatch_extra": ["--exclusive"], "hetjob_workers": 2}],
     },
     "run": {**LOCAL_CONFIG["run"], "steps": STEPS},
 }
 
 
+class OtherUsers:
+    """Other users' jobs on the high partition, one whole node each: what a busy cluster
+    does to the preemptible partition (Slurm preempts an elastic job for one)."""
+
+    def __init__(self) -> None:
+        self.jobs: list[str] = []
+
+    def take(self, nodes: int) -> None:
+        argv = ["-p", "high", "--exclusive", f"--comment={OTHERS}", "-o", "/dev/null"]
+        for _ in range(nodes):
+            self.jobs.append(_sbatch([*argv, "--wrap", "sleep 100000"], dict(os.environ)))
+
+    def give(self, nodes: int) -> None:
+        for _ in range(nodes):
+            subprocess.run(["scancel", self.jobs.pop()], check=True)
+
+    def running(self) -> int:
+        out = subprocess.run(["squeue", "-h", "-o", "%k|%T"], capture_output=True, text=True)
+        return out.stdout.splitlines().count(f"{OTHERS}|RUNNING")
+
+    def end(self) -> None:
+        if self.jobs:
+            subprocess.run(["scancel", *self.jobs], check=False)
+        self.jobs.clear()
+
+
 def _sbatch(args: list[str], env: dict[str, str]) -> str:
     out = subprocess.run(
-        ["sbatch", "--parsable", "-p", "normal", *args],
+        ["sbatch", "--parsable", *([] if "-p" in args else ["-p", "normal"]), *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -75,9 +94,14 @@ def _in_squeue(job_id: str) -> bool:
     return bool(out.stdout.strip())
 
 
+def _states(comment: str) -> dict[str, str]:
+    out = subprocess.run(["squeue", "-h", "-o", "%i|%k|%T"], capture_output=True, text=True)
+    rows = [line.split("|") for line in out.stdout.splitlines()]
+    return {job: state for job, k, state in rows if k == comment}
+
+
 def _tagged(comment: str) -> list[str]:
-    out = subprocess.run(["squeue", "-h", "-o", "%i|%k"], capture_output=True, text=True)
-    return [line.split("|")[0] for line in out.stdout.splitlines() if line.endswith(f"|{comment}")]
+    return list(_states(comment))
 
 
 def _wait(  # type: ignore[no-untyped-def]
@@ -109,15 +133,22 @@ def _elastic_logs(run_dir: Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-1500:]}" for p in logs)
 
 
+def _kinds(run_dir: Path, kind: str) -> list[dict]:
+    return [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == kind]
+
+
 @pytest.mark.slurm
 @pytest.mark.vllm
 @pytest.mark.skipif(vllm_skip_reason() is not None, reason=str(vllm_skip_reason()))
-def test_slurm_run_hetjob_preemption_master_killed_and_resumed(
+def test_slurm_run_harvests_a_standing_request_master_killed_and_resumed(
     slurm_cluster: str, tmp_path: Path
 ) -> None:
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({**CONFIG, "runs_dir": str(tmp_path / "runs")}))
     env = {**os.environ, "PEARL_HPC_CACHE": str(tmp_path / "cache")}
+    others = OtherUsers()
+    others.take(3)  # every node but the one the master's job will get
+    _wait("other users' jobs running", lambda: others.running() == 3, 60)
     first_log = tmp_path / "master-1.out"
     first = _sbatch(["-o", str(first_log), "launch/run.sbatch", str(config)], env)
     masters = [first]
@@ -134,6 +165,13 @@ def test_slurm_run_hetjob_preemption_master_killed_and_resumed(
         return any(e["kind"] == "admit" and any(s > 2 for s in e["slots"]) for e in events)
 
     try:
+        # the request waits in squeue while other users hold the nodes: nothing granted
+        _wait("the standing request", lambda: _kinds(run_dir, "submitted"), 300, first_log)
+        time.sleep(3)
+        assert set(_states(f"pearl:{tag}").values()) == {"PENDING"}
+        events = read_jsonl(run_dir / "events.jsonl")
+        assert not [e for e in events if e.get("event") == "CapacityGranted"]
+        others.give(2)  # two nodes idle: Slurm starts the heterogeneous request
         # killed as soon as the elastic workers serve: the resumed master still has most
         # steps to roll out (a step whose trajectories were all logged takes no time)
         try:
@@ -150,11 +188,21 @@ def test_slurm_run_hetjob_preemption_master_killed_and_resumed(
         second = _sbatch(
             ["-o", str(second_log), "launch/run.sbatch", "--resume", str(run_dir)], env
         )
+        masters.append(second)
+
+        def rejoined() -> bool:
+            events = read_jsonl(run_dir / "events.jsonl")
+            at = [i for i, e in enumerate(events) if e["kind"] == "adopted"]
+            return bool(at) and len([e for e in events[at[0] :] if e["kind"] == "admitted"]) == 2
+
+        _wait("the adopted ranks to join the resumed world", rejoined, 600, second_log)
+        others.take(2)  # other users come back: Slurm preempts the elastic job
         _wait("the resumed run to finish", lambda: not _in_squeue(second), 900, second_log)
         print(second_log.read_text()[-3000:])
     finally:
-        for job in masters + _tagged(f"pearl:{tag}") + _tagged(f"pearl:{tag}.preempt"):
+        for job in masters + _tagged(f"pearl:{tag}"):
             subprocess.run(["scancel", job], check=False)
+        others.end()
 
     summary = json.loads((run_dir / "summary.json").read_text())
     events = read_jsonl(run_dir / "events.jsonl")
@@ -173,24 +221,25 @@ def test_slurm_run_hetjob_preemption_master_killed_and_resumed(
     before = {e["group"] for e in events[:at] if e["kind"] == "admitted"}
     after = sorted(e["group"] for e in events[at:] if e["kind"] == "admitted")
     assert before and after == [f"{job}+0", f"{job}+1"], (before, after)
-    assert "cancelled_leftovers" not in {e["kind"] for e in events}
-    # a real heterogeneous job: two components, both granted in one decision
+    # one heterogeneous request of two components, granted in one decision
     submitted = [e for e in events if e["kind"] == "submitted"]
-    assert len(submitted) == 1 and submitted[0]["components"] == 2, submitted
+    assert submitted[0]["job"] == job and submitted[0]["components"] == 2, submitted
+    assert not [e for e in events[:at] if e["kind"] == "submitted" and e["job"] != job]
     both = [e for e in events if e["kind"] == "reconfigure" and ", " in e["cause"]]
     assert both and all(e["cause"].startswith("capacity granted by") for e in both)
     # the reclaim is Slurm's preemption: the job's signal, drained before the grace ended
-    preempt = next(e for e in events if e["kind"] == "preempt")
-    sig = next(e for e in events if e["kind"] == "signal")
-    assert sig["job"] == preempt["job"] == summary["slurm"]["jobs"][-1]
+    (sig,) = [e for e in events[at:] if e["kind"] == "signal"]
+    assert sig["job"] == job
     reclaimed = [
         e for e in events if e.get("event") == "CapacityReclaimed" and e["t_s"] >= sig["t_s"]
     ]
-    assert reclaimed and all(
+    assert len(reclaimed) == 2 and all(
         e["deadline_s"] == pytest.approx(e["t_s"] + 15, abs=1) for e in reclaimed
     )
     scancel = next(e for e in events if e["kind"] == "scancel" and e["t_s"] >= sig["t_s"])
     assert scancel["t_s"] - sig["t_s"] < 15
+    # the demand stands: asked again after the reclaim, pending until the run ended
+    assert any(e["kind"] == "submitted" and e["t_s"] > sig["t_s"] for e in events)
     assert c["grows"] >= 3 and c["reclaims"] >= 2  # 2 granted + 2 adopted; 2 preempted
     assert c["borrow_cycles"] >= 1 and c["mode_changes"] >= 1
     assert len(c["return_latency_s"]) == STEPS  # borrowed GPUs returned before every step
@@ -202,7 +251,6 @@ def test_slurm_run_hetjob_preemption_master_killed_and_resumed(
     assert json.loads(status.stdout)["status"] == "finished", status.stderr
     # nothing of the run is left: no job in squeue, no process
     _wait("the run's jobs to leave squeue", lambda: not _tagged(f"pearl:{tag}"), 60)
-    _wait("the preempting jobs to end", lambda: not _tagged(f"pearl:{tag}.preempt"), 60)
     stray = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
     assert stray.stdout.strip() == "", f"processes of the run left: {stray.stdout}"
 
@@ -216,18 +264,28 @@ STEPS_FAULTS = 12
 def test_slurm_run_survives_a_slurmctld_outage_and_a_killed_elastic_rank(
     slurm_cluster: str, tmp_path: Path
 ) -> None:
-    """Once the elastic rank serves: slurmctld is stopped for 15 s (a failed squeue keeps
-    the last known state: the master declares nobody gone), then the
-    elastic rank is SIGKILLed (declared failed, shrunk out of the universe, its job
-    given back). Every step trains its whole batch; nothing is left."""
+    """Other users hold two of the three free nodes (slurm/replay-load replaying a flat
+    trace). Once the elastic rank serves: slurmctld is stopped for 20 s (a failed squeue
+    keeps the last known state: the master declares nobody gone and keeps training),
+    then the elastic rank is SIGKILLed (declared failed, shrunk out of the universe, its
+    job given back, and asked for again: the demand stands). Every step trains its
+    whole batch; nothing is left."""
     config = tmp_path / "run.yaml"
     doc = {
         **CONFIG,
-        "elastic": {"grace_s": 15, "trace": [{"at_step": 0, "workers": 1}]},
+        "elastic": {**CONFIG["elastic"], "request": "single", "max_workers": 1},
         "run": {**CONFIG["run"], "steps": STEPS_FAULTS},
         "runs_dir": str(tmp_path / "runs"),
     }
     config.write_text(yaml.safe_dump(doc))
+    trace = tmp_path / "flat.csv"
+    trace.write_text("0,1\n3600,1\n")  # one node of three idle, for an hour
+    load = subprocess.Popen(
+        [sys.executable, "slurm/replay-load", "--file", str(trace), "--speedup", "1",
+         "--nodes", "3", "--tag", "faults", "--log", str(tmp_path / "load.jsonl")],
+        cwd=REPO, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    _wait("other users' jobs", lambda: len(_tagged("loadgen:faults")) == 2, 60)
     env = {**os.environ, "PEARL_HPC_CACHE": str(tmp_path / "cache")}
     log = tmp_path / "master.out"
     master = _sbatch(["-o", str(log), "launch/run.sbatch", str(config)], env)
@@ -245,15 +303,23 @@ def test_slurm_run_survives_a_slurmctld_outage_and_a_killed_elastic_rank(
             _wait("the elastic worker admitted", serving, 600, log, poll_s=0.1)
         except AssertionError as e:
             raise AssertionError(f"{e}\n{_elastic_logs(run_dir)}") from None
-        # slurmctld away for longer than squeue's own ~9 s of connection retries
+
+        def turns_logged() -> int:  # trajectory turns the master has logged
+            logs = (run_dir / "trajectories").glob("step-*.jsonl")
+            return sum(len(p.read_text().splitlines()) for p in logs)
+
+        before = turns_logged()
+        # slurmctld away for 20 s: longer than squeue's own ~9 s of connection retries
         pid_file = conf.parent / "run" / "slurmctld.pid"
         os.kill(int(pid_file.read_text()), signal.SIGTERM)
-        time.sleep(15)
+        time.sleep(20)
+        during = turns_logged() - before
         subprocess.run(["slurmctld", "-f", str(conf)], check=True)
         _wait("slurmctld back", lambda: "is UP" in subprocess.run(
             ["scontrol", "ping"], capture_output=True, text=True).stdout, 30)  # fmt: skip
         resume_drained_nodes()
         assert _in_squeue(master), f"the master did not survive the outage\n{log.read_text()}"
+        assert during > 0, "the master's rollout stood still during the outage"
         (joined,) = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "joined"]
         member, pid = next(iter(joined["members"].items()))
         # MPI has no fault tolerance inside a collective call: a rank that dies in a
@@ -267,6 +333,8 @@ def test_slurm_run_survives_a_slurmctld_outage_and_a_killed_elastic_rank(
         subprocess.run(["scancel", master], check=False)
         for job in _tagged(f"pearl:{tag}"):
             subprocess.run(["scancel", job], check=False)
+        load.terminate()
+        load.wait(60)
 
     summary = json.loads((run_dir / "summary.json").read_text())
     events = read_jsonl(run_dir / "events.jsonl")
@@ -282,8 +350,10 @@ def test_slurm_run_survives_a_slurmctld_outage_and_a_killed_elastic_rank(
     assert len([e for e in events if e["kind"] == "worker_failed"]) == 1
     assert len([e for e in events if e.get("event") == "WorkerFailed"]) == 1
     after = [e for e in events if e["kind"] == "split" and e["t_s"] > failed[0]["t_s"]]
-    assert after and all(sum(map(len, e["groups"].values())) == 3 for e in after)  # shrunk
+    assert after and sum(map(len, after[0]["groups"].values())) == 3  # shrunk
     assert any(e["kind"] == "scancel" and e["t_s"] > failed[0]["t_s"] for e in events)
+    # the demand stands: the worker is asked of Slurm again
+    assert any(e["kind"] == "submitted" and e["t_s"] > failed[0]["t_s"] for e in events)
     assert read_run_state(run_dir)["status"] == "finished"
     _wait("the run's jobs to leave squeue", lambda: not _tagged(f"pearl:{tag}"), 60)
     stray = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
@@ -349,7 +419,7 @@ MULTI_NODE = {
     "workers": {"training_gpus": 2, "reserved_rollout": 1, "overlap": 1},
     "layout": {"gpus_per_node": 8, "training_nodes": 1, "rollout_nodes": 1},
     "slurm": {"poll_s": 0.5},
-    "elastic": {"grace_s": 15, "trace": [{"at_step": 0, "workers": 2}]},
+    "elastic": {**CONFIG["elastic"], "pools": [{"partition": "elastic", "hetjob_workers": 2}]},
     "run": {**LOCAL_CONFIG["run"], "steps": 3},
 }
 

@@ -17,6 +17,7 @@ through the event queue (WorkerReady / WorkerReleased / WorkerFailed).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -295,11 +296,14 @@ class WorkerExecutor:
     def stop_workers(self, slot_ids: Sequence[int], deadline_s: float | None) -> None:
         for slot_id in slot_ids:
             self.router.remove(f"s{slot_id}")
-            self.spawn(self._stop(slot_id))
+            self.spawn(self._stop(slot_id, deadline_s))
 
-    async def _stop(self, slot_id: int) -> None:
+    async def _stop(self, slot_id: int, deadline_s: float | None = None) -> None:
         starting = self.starting.pop(slot_id, None)
         if starting is not None and not starting.done():
+            if deadline_s is not None:  # reclaimed while starting: no turn ran on it
+                await self._abandon_start(slot_id, starting)
+                return
             # stopped while starting (e.g. Training Begin during an activation): let the
             # start finish, then drain and release it like any serving worker
             await asyncio.gather(starting, return_exceptions=True)
@@ -326,6 +330,20 @@ class WorkerExecutor:
         if overlap:
             self.counters.deactivation_s.append(took)
         self.log_event("released", slot=slot_id, s=round(took, 2), overlap=overlap)
+        await self.queue.put(WorkerReleased(slot_id))
+
+    async def _abandon_start(self, slot_id: int, starting: asyncio.Task[None]) -> None:
+        """A worker whose capacity is reclaimed before it served: its start is cancelled
+        (an engine start can outlast the reclaim's grace) and its socket closed; its rank
+        leaves the world with its capacity."""
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        worker = self._worker_of(slot_id)
+        if worker is not None and not worker.persistent:
+            self.workers.pop(worker.gpu_ids, None)
+            with contextlib.suppress(Exception):
+                await worker.proc.stop()
+        self.log_event("released", slot=slot_id, s=0.0, overlap=False, abandoned=True)
         await self.queue.put(WorkerReleased(slot_id))
 
     def start_training(self, step: int) -> None:
