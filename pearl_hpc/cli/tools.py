@@ -28,6 +28,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from pearl_hpc.bench import local_run
 
         return local_run.main(args.config or str(REPO_CONFIGS / "runs" / "local.yaml"), args.json)
+    if args.harvest:
+        from pearl_hpc.bench import harvest
+
+        config = args.config or str(REPO_CONFIGS / "runs" / "slurm-local.yaml")
+        return harvest.main(config, args.segment, args.speedup, args.steps, args.json)
     module = sim_speed if args.sim else decision_speed
     return module.main(["--json"] if args.json else [])
 
@@ -57,11 +62,24 @@ def add_parsers(sub: Any) -> None:
         help="the local training run: pearl vs fixed colocated, reconfiguration latencies, "
         "predicted vs measured rollout",
     )
+    bench.add_argument(
+        "--harvest",
+        action="store_true",
+        help="on the local Slurm cluster: elastic worker-seconds served / idle worker-seconds "
+        "a replayed trace left, single vs hetjob requests",
+    )
+    bench.add_argument(
+        "--segment", type=int, default=1, choices=(1, 2, 3), help="with --harvest: trace segment"
+    )
+    bench.add_argument(
+        "--speedup", type=float, default=60.0, help="with --harvest: trace seconds per second"
+    )
+    bench.add_argument("--steps", type=int, default=40, help="with --harvest: steps per run")
     bench.add_argument("--model", help="with --engines: model directory (default: tiny model)")
     bench.add_argument(
         "--config",
-        help="with --slurm: cluster YAML (default: local.yaml); with --local: run YAML "
-        "(default: configs/runs/local.yaml)",
+        help="with --local: run YAML (default: configs/runs/local.yaml); with --harvest: "
+        "a slurm run YAML (default: configs/runs/slurm-local.yaml)",
     )
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(func=_cmd_bench)

@@ -234,6 +234,7 @@ class WorkerExecutor:
         self.log_event(
             "ready",
             slot=add.slot_id,
+            gpus=list(add.gpu_ids),
             role=str(add.role),
             s=round(took, 2),
             reactivate=add.reactivate,

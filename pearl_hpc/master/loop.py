@@ -185,6 +185,7 @@ class MasterRun:
         # 2. the rollout workload (tokenizer, environment)
         work = self._build_workload()
         self._t_start = time.monotonic()  # the run's clock starts with its world up
+        self.events("clock", wall=round(time.time(), 3))  # to line up outside logs
         # 3. the controller, its executor and the capacity backend
         spec = EngineSpec(model_dir=self.model_dir)
         self.router = Router(wait_for_workers_s=600)

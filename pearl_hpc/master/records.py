@@ -83,6 +83,8 @@ def event_fields(event: Event) -> dict[str, Any]:
             out[name] = value
         elif isinstance(value, ElasticSource):
             out[name] = value.tag
+        elif name == "also" and value:  # a heterogeneous job's other components
+            out[name] = [grant.source.tag for grant in value]
     return out
 
 
