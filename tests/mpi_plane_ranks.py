@@ -3,7 +3,7 @@ product's MasterPlane + Members on an asyncio loop) and two base members, plus o
 elastic member launched as its own ``mpiexec -n 1`` that joins with Connect + Merge.
 
     mpiexec -n 3 python -m tests.mpi_plane_ranks RUN_DIR SLOW_S     (the world)
-    mpiexec -n 1 python -m tests.mpi_plane_ranks RUN_DIR join       (the joiner)
+    mpiexec -n 1 python -m tests.mpi_plane_ranks RUN_DIR join [GROUP]  (a joiner)
     mpiexec -n 3 python -m tests.mpi_plane_ranks RUN_DIR SLOW_S hung (a split timing out)
 
 Base member 2 sleeps SLOW_S seconds after each PARTITION before entering it (a process
@@ -121,6 +121,22 @@ async def master(run_dir: Path) -> None:
     await until("the joiner gone", lambda: members.left(joined.split(":")[0]))
     members.split()  # the universe shrinks first, then the survivors split
     await until("the split after it left", lambda: splits() == 3)
+    # a component given back before its rank joins (reclaimed while starting): the rank
+    # that joins afterwards is sent away, never admitted
+    members.leave("el2+0")
+    with FORK_LOCK:
+        late = subprocess.Popen(
+            [mpiexec_path(), "-launcher", "fork", "-hosts", "localhost", "-n", "1",
+             sys.executable, "-m", "tests.mpi_plane_ranks", str(run_dir), "join", "el2+0"]
+        )  # fmt: skip
+
+    def joined_late() -> bool:
+        events = read_jsonl(run_dir / "events.jsonl")
+        return any(e["kind"] == "joined" and e["group"] == "el2+0" for e in events)
+
+    await until("the late joiner", joined_late, 120)
+    await until("the late joiner sent away", lambda: members.left("el2+0"), 60)
+    late.wait(30)
     stop.set()
     await poll
     await beating
@@ -133,7 +149,8 @@ async def master(run_dir: Path) -> None:
 def main() -> int:
     run_dir = Path(sys.argv[1])
     if sys.argv[2] == "join":
-        plane = WorkerPlane.join(run_dir, "el1+0", heartbeat_interval_s=0.5, timeout_s=60)
+        group = sys.argv[3] if len(sys.argv) > 3 else "el1+0"
+        plane = WorkerPlane.join(run_dir, group, heartbeat_interval_s=0.5, timeout_s=60)
         return member(plane, 0.0)
     rank = MPI.COMM_WORLD.Get_rank()
     if rank == 0:

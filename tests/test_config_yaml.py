@@ -93,8 +93,33 @@ def test_yaml_11_look_alikes_are_strings(text: str) -> None:
 def test_an_unquoted_slurm_time_limit_is_a_time_not_a_number(tmp_path: Path) -> None:
     doc = yaml.safe_load((REPO / "configs" / "runs" / "slurm-local.yaml").read_text())
     run = tmp_path / "run.yaml"
-    run.write_text(yaml.safe_dump({**doc, "slurm": {}}) + "slurm:\n  time_limit: 1:30:00\n")
-    assert load_run_config(run).slurm.time_limit == "1:30:00"  # YAML 1.1: the int 5400
+    doc.pop("elastic")
+    pools = "elastic:\n  pools:\n    - partition: elastic\n      time_limit: 1:30:00\n"
+    run.write_text(yaml.safe_dump(doc) + pools)
+    cfg = load_run_config(run, need_slurm=False)
+    assert cfg.elastic.pools[0].time_limit == "1:30:00"  # YAML 1.1: the int 5400
+
+
+@pytest.mark.parametrize(
+    ("elastic", "names"),
+    [
+        ({"trace": [{"at_step": 0, "workers": 1}]}, "elastic.trace / elastic.replay"),
+        ({"request": "bulk"}, "elastic.request 'bulk'"),
+        ({"pools": []}, "elastic.pools is empty"),
+        ({"request": "hetjob", "pools": [{"hetjob_workers": 0}]}, "hetjob_workers 0"),
+        ({"pools": [{"partition": "a b"}]}, r"elastic.pools\[0\].partition 'a b'"),
+        ({"pools": [{}, {"time_limit": "soon"}]}, r"elastic.pools\[1\].time_limit 'soon'"),
+        ({"pools": [{"gpus": 2}]}, "unknown key 'gpus'"),
+    ],
+)
+def test_a_bad_elastic_section_of_a_slurm_run_names_the_field(
+    tmp_path: Path, elastic: dict, names: str
+) -> None:
+    doc = yaml.safe_load((REPO / "configs" / "runs" / "slurm-local.yaml").read_text())
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump({**doc, "elastic": elastic}))
+    with pytest.raises(ConfigError, match=names):
+        load_run_config(run, need_slurm=False)
 
 
 def test_a_run_named_yes_is_named_yes(tmp_path: Path) -> None:

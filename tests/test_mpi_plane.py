@@ -1,7 +1,8 @@
 """The control plane on a real MPI world (MPICH, no engines): the members re-partition
 among themselves, so a member slow to enter the split never stalls the master's loop;
 an elastic member launched as its own `mpiexec` joins (Connect + Merge), splits with the
-others and leaves (LEAVE + Disconnect), and the universe shrinks before the next split."""
+others and leaves (LEAVE + Disconnect), and the universe shrinks before the next split;
+one whose component was given back before it joined is sent away, never admitted."""
 
 from __future__ import annotations
 
@@ -37,6 +38,9 @@ def test_members_split_without_the_master_and_an_elastic_member_joins_and_leaves
     kinds = [e["kind"] for e in events]
     assert kinds.index("admitted") < kinds.index("leave") < kinds.index("shrink")
     assert "split_mismatch" not in kinds  # every member counted the group the master sent
+    # given back before it joined: joined, sent away, never admitted
+    late = [e for e in events if e.get("group") == "el2+0"]
+    assert [e["kind"] for e in late] == ["joined", "leave"], late
 
 
 def test_a_split_a_member_does_not_finish_in_time_fails_the_run(tmp_path: Path) -> None:

@@ -163,6 +163,29 @@ def test_a_request_pending_too_long_is_asked_again_of_the_next_pool(tmp_path: Pa
     assert "100" in slurm.cancelled
 
 
+def test_a_resumed_master_adopts_running_and_pending_requests(tmp_path: Path) -> None:
+    """A dead master's two requests, one running and one pending, found by tag: both
+    adopted (the running one granted when squeue shows it), nothing resubmitted for a
+    demand of two."""
+    backend, events = _backend(tmp_path, PoolConfig(partition="a"))
+    slurm = FakeSlurm(backend.tag)
+    slurm.jobs = {"90": (1, "RUNNING", ["a"]), "91": (1, "PENDING", ["a"])}
+    backend.client = SlurmClient(slurm, min_backoff_s=0.0)
+
+    async def go() -> None:
+        await backend.adopt_leftovers()
+        backend.want(2)
+        await backend._watch_once()
+        await backend.close()
+
+    asyncio.run(go())
+    (adopted,) = [f for k, f in events if k == "adopted"]
+    assert adopted == {"jobs": ["90", "91"], "components": ["90+0", "91+0"]}
+    assert not [f for k, f in events if k == "submitted"]
+    granted = backend.queue.get_nowait()
+    assert granted.source.tag == "90+0" and backend.queue.empty()
+
+
 @pytest.mark.slurm
 def test_a_bad_partition_is_reported_and_the_run_goes_on(
     slurm_cluster: str, tmp_path: Path

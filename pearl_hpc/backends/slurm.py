@@ -362,9 +362,17 @@ class SlurmBackend:
         self._cancels[source.tag] = (target, time.monotonic() + LEAVE_TIMEOUT_S)
 
     async def _cancel_left(self) -> None:
-        """The scancels whose component's rank has left the world (or took too long)."""
+        """The scancels whose component's rank has left the world (or took too long). A
+        started component whose rank has not joined yet is waited for too: killed while
+        it connects, it would leave the master in ``Accept``; once it joins it is sent
+        away (:meth:`Members.leave`)."""
         for tag, (target, by) in list(self._cancels.items()):
-            if not (self.members.left(tag) or time.monotonic() > by):
+            comp = self.manager.components.get(tag)
+            if self.members.group_state(tag):
+                done = self.members.left(tag)
+            else:  # not joined: no rank to wait for unless the component runs
+                done = comp is None or comp.running_s is None or comp.state is GONE
+            if not (done or time.monotonic() > by):
                 continue
             del self._cancels[tag]
             try:
@@ -394,7 +402,9 @@ class SlurmBackend:
         scancels due and the requests the demand asks for."""
         rows = await asyncio.to_thread(self.client.poll, self.tag)
         now = self.clock()
+        reclaimed = False
         for reclaim in self._signals(now):
+            reclaimed = True
             # Slurm kills the component after its grace: its rank leaves the world now
             # (a rank killed inside a collective call would hang it), its engine drains
             self.members.leave(reclaim.source.tag)
@@ -413,10 +423,12 @@ class SlurmBackend:
             if isinstance(event, CapacityGranted):
                 self._held.setdefault(event.source.job_id, []).append(event)
             else:
+                reclaimed = True
                 await self._put(event)
         await self._release_grants()
         await self._cancel_left()
-        await self._request()
+        if not reclaimed:  # (a reclaim changes the demand: asked at the next round)
+            await self._request()
 
     async def _release_grants(self) -> None:
         """Grants of a heterogeneous job go to the controller as one event, once every

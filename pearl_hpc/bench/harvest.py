@@ -3,7 +3,7 @@ leave idle a run turns into serving elastic workers, for ``single`` and ``hetjob
 requests side by side.
 
     pearl-hpc bench --harvest [--config configs/runs/slurm-local.yaml] [--segment 1]
-                    [--speedup 60] [--steps 40]
+                    [--speedup 60] [--steps 40] [--requests single,hetjob]
 
 For each request kind: ``slurm/replay-load`` replays the availability segment on the
 cluster (other users' jobs on ``high`` hold what the trace does not leave idle), the
@@ -193,24 +193,31 @@ def run_one(
     return figures
 
 
-def main(config: str, segment: int, speedup: float, steps: int, as_json: bool) -> int:
+def main(
+    config: str,
+    segment: int,
+    speedup: float,
+    steps: int,
+    as_json: bool,
+    requests: tuple[str, ...] = REQUESTS,
+) -> int:
     if not (REPO / "slurm" / "replay-load").exists():
         print("bench --harvest: slurm/replay-load not found (needs a source checkout)",
               file=sys.stderr)  # fmt: skip
         return 2
     results = {}
-    for request in REQUESTS:
-        with tempfile.TemporaryDirectory(prefix=f"pearl-harvest-{request}-") as tmp:
-            print(f"harvest: {request} requests, segment {segment} at {speedup:g}x ...",
-                  file=sys.stderr, flush=True)  # fmt: skip
-            results[request] = run_one(Path(config), request, Path(tmp), segment, speedup, steps)
+    for request in requests:
+        work = Path(tempfile.mkdtemp(prefix=f"pearl-harvest-{request}-"))  # kept: the runs
+        print(f"harvest: {request} requests, segment {segment} at {speedup:g}x, in {work}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        results[request] = run_one(Path(config), request, work, segment, speedup, steps)
     if as_json:
         print(json.dumps(results, indent=1))
         return 0
-    rows = [k for k in results["single"] if k != "run_dir"]
-    print(f"{'':26}" + "".join(f"{r:>22}" for r in REQUESTS))
+    rows = [k for k in results[requests[0]] if k != "run_dir"]
+    print(f"{'':26}" + "".join(f"{r:>22}" for r in requests))
     for key in rows:
-        cells = [results[r][key] for r in REQUESTS]
+        cells = [results[r][key] for r in requests]
         print(f"{key:26}" + "".join(f"{_cell(c):>22}" for c in cells))
     return 0
 

@@ -32,7 +32,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from pearl_hpc.bench import harvest
 
         config = args.config or str(REPO_CONFIGS / "runs" / "slurm-local.yaml")
-        return harvest.main(config, args.segment, args.speedup, args.steps, args.json)
+        requests = tuple(args.requests.split(","))
+        return harvest.main(config, args.segment, args.speedup, args.steps, args.json, requests)
     module = sim_speed if args.sim else decision_speed
     return module.main(["--json"] if args.json else [])
 
@@ -75,6 +76,9 @@ def add_parsers(sub: Any) -> None:
         "--speedup", type=float, default=60.0, help="with --harvest: trace seconds per second"
     )
     bench.add_argument("--steps", type=int, default=40, help="with --harvest: steps per run")
+    bench.add_argument(
+        "--requests", default="single,hetjob", help="with --harvest: request kinds to run"
+    )
     bench.add_argument("--model", help="with --engines: model directory (default: tiny model)")
     bench.add_argument(
         "--config",

@@ -83,6 +83,7 @@ class Members:
         self._waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._expected: dict[int, dict[str, int]] = {}  # epoch -> member -> group size
         self._to_admit: list[str] = []  # linked groups waiting to enter the universe
+        self._given_back: set[str] = set()  # groups told to leave (one joining late too)
         self._split_wanted = False
         self._splitting: _Split | None = None
         self._prepare: _Prepare | None = None
@@ -214,6 +215,9 @@ class Members:
             self.events(
                 "joined", group=group, members={m.member_id: m.info.get("pid") for m in members}
             )
+            if group in self._given_back:  # its capacity went back before it joined
+                self.leave(group)
+                continue
             self._to_admit.append(group)
 
     def _admit_joined(self) -> None:
@@ -266,7 +270,9 @@ class Members:
 
     def leave(self, group: str) -> None:
         """The group's job is given back: its members leave the plane (LEAVE, then both
-        sides Disconnect); the universe shrinks at the next collective call."""
+        sides Disconnect); the universe shrinks at the next collective call. A group
+        that has not joined yet is sent away when it does (never admitted)."""
+        self._given_back.add(group)
         if group in self._to_admit:
             self._to_admit.remove(group)
         if self.plane.leave(group):
