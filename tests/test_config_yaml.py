@@ -110,6 +110,7 @@ def test_an_unquoted_slurm_time_limit_is_a_time_not_a_number(tmp_path: Path) -> 
         ({"pools": [{"partition": "a b"}]}, r"elastic.pools\[0\].partition 'a b'"),
         ({"pools": [{}, {"time_limit": "soon"}]}, r"elastic.pools\[1\].time_limit 'soon'"),
         ({"pools": [{"gpus": 2}]}, "unknown key 'gpus'"),
+        ({"pools": [{"role": "training"}]}, r"elastic.pools\[0\].role 'training'"),
     ],
 )
 def test_a_bad_elastic_section_of_a_slurm_run_names_the_field(

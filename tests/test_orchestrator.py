@@ -78,6 +78,26 @@ def test_grow_adds_workers_without_role_changes() -> None:
     assert table.current_config() == PDConfig(4, 6)
 
 
+def test_units_shaped_for_a_role_serve_that_role() -> None:
+    """Two units from a decode pool and one from a prefill pool, offered decode first:
+    the prefill worker goes to the prefill-shaped unit, the decode ones to theirs; the
+    set of units taken is the one offered, whatever their shape."""
+    table = make_table(PDConfig(1, 1))
+    decode = [CapacityUnit(gpus(100 + i), Zone.DEDICATED, JOB, role=Role.DECODE) for i in range(2)]
+    prefill = CapacityUnit(gpus(102), Zone.DEDICATED, JOB, role=Role.PREFILL)
+    plan = plan_transition(table, PDConfig(2, 3), [*decode, prefill])
+    assert {(a.gpu_ids, a.role) for a in plan.add} == {
+        (gpus(102), Role.PREFILL),
+        (gpus(100), Role.DECODE),
+        (gpus(101), Role.DECODE),
+    }
+    # the units taken are the first ones offered: shaped for another role, still used
+    plan = plan_transition(make_table(PDConfig(1, 1)), PDConfig(1, 2), [prefill, *decode])
+    assert [(a.gpu_ids, a.role) for a in plan.add] == [(gpus(102), Role.DECODE)]
+    plan = plan_transition(make_table(PDConfig.colocated(1)), PDConfig.colocated(2), [prefill])
+    assert [(a.gpu_ids, a.role) for a in plan.add] == [(gpus(102), Role.COLOCATED)]
+
+
 def test_same_target_is_an_empty_plan() -> None:
     table = make_table(PDConfig(3, 5))
     plan = plan_transition(table, PDConfig(3, 5), units(2))

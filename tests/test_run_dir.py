@@ -113,3 +113,16 @@ def test_a_non_utf8_config_is_one_line(tmp_path: Path) -> None:
     path.write_bytes(b"name: \xff\xfe\n")
     with pytest.raises(ConfigError, match="not UTF-8"):
         load_run_config(path)
+
+
+def test_status_counts_elastic_workers_per_pool() -> None:
+    from pearl_hpc.runview import format_pools
+
+    jobs = [
+        {"component": "7+0", "state": "running", "pool": "elastic", "nodes": ["n1"]},
+        {"component": "7+1", "state": "draining", "pool": "elastic", "nodes": ["n2"]},
+        {"component": "9+0", "state": "pending", "pool": "spot", "nodes": []},
+        {"component": "8+0", "state": "running", "pool": "elastic", "nodes": ["n3"]},
+    ]
+    assert format_pools(jobs) == "elastic: 2 running, 1 draining; spot: 1 pending"
+    assert format_pools([]) == ""

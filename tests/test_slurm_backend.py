@@ -15,6 +15,7 @@ import pytest
 from pearl_hpc.backends import slurm as backend_mod
 from pearl_hpc.backends.slurm import SlurmBackend
 from pearl_hpc.config.run import ElasticConfig, PoolConfig, SlurmSettings
+from pearl_hpc.core.types import Role
 from pearl_hpc.engine.vllm_engine import EngineSpec
 from pearl_hpc.slurm.client import CommandResult, SlurmClient
 from pearl_hpc.slurm.parse import SQUEUE_FORMAT
@@ -132,7 +133,7 @@ def test_single_requests_follow_the_demand_and_pools_take_turns(tmp_path: Path) 
 
 def test_a_hetjob_request_is_one_job_of_every_pools_components(tmp_path: Path) -> None:
     pools = (
-        PoolConfig(partition="a", gpus_per_worker=2, hetjob_workers=1, qos="low"),
+        PoolConfig(partition="a", gpus_per_worker=2, hetjob_workers=1, qos="low", role="prefill"),
         PoolConfig(partition="b", hetjob_workers=2, signal_lead_s=30),
     )
     backend, events = _backend(tmp_path, *pools, request="hetjob")
@@ -147,6 +148,7 @@ def test_a_hetjob_request_is_one_job_of_every_pools_components(tmp_path: Path) -
     assert "--signal=B:USR2@30" in script  # the shortest lead of its pools
     grant = backend.queue.get_nowait()  # the three components, one decision
     assert [grant.source.tag, *(g.source.tag for g in grant.also)] == ["100+0", "100+1", "100+2"]
+    assert [grant.role, *(g.role for g in grant.also)] == [Role.PREFILL, None, None]
     assert grant.gpu_sets == (("100+0:n1:gpu0", "100+0:n1:gpu1"),)
     assert slurm.cancelled == ["100"] and not slurm.jobs  # closed: the whole job cancelled
 

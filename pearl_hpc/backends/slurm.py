@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import sys
 import time
@@ -47,6 +48,7 @@ from pearl_hpc.comm.membership import MemberState
 from pearl_hpc.config.run import ElasticConfig, PoolConfig, SlurmSettings
 from pearl_hpc.core.controller import CapacityGranted, CapacityReclaimed, Event
 from pearl_hpc.core.table import ElasticSource
+from pearl_hpc.core.types import Role
 from pearl_hpc.engine.vllm_engine import EngineSpec
 from pearl_hpc.master.members import LEAVE_TIMEOUT_S, Members
 from pearl_hpc.slurm.capacity import CapacityManager, Component, ComponentState
@@ -437,9 +439,17 @@ class SlurmBackend:
             comps = [c for c in self.manager.live() if c.source.job_id == job_id]
             if any(c.state in (ComponentState.SUBMITTED, ComponentState.PENDING) for c in comps):
                 continue
-            first, *rest = sorted(self._held.pop(job_id), key=lambda g: g.source.het_component)
+            first, *rest = [
+                dataclasses.replace(g, role=self._pool_role(g.source))
+                for g in sorted(self._held.pop(job_id), key=lambda g: g.source.het_component)
+            ]
             self.counts["granted"] += len(rest)
-            await self._put(CapacityGranted(first.source, first.gpu_sets, also=tuple(rest)))
+            await self._put(dataclasses.replace(first, also=tuple(rest)))
+
+    def _pool_role(self, source: ElasticSource) -> Role | None:
+        """The role the component's pool is shaped for (None: any)."""
+        role = self.elastic.pools[self.pool_of.get(source.tag, 0)].role
+        return None if role == "any" else Role(role)
 
     async def _put(self, event: CapacityGranted | CapacityReclaimed) -> None:
         if isinstance(event, CapacityGranted):

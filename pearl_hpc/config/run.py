@@ -128,9 +128,15 @@ class PoolConfig:
     hetjob_workers: int = spec_field(
         "request: hetjob: components one request takes from this pool", default=1, ge=0
     )
+    role: str = spec_field(
+        "the role a worker there takes when the plan needs it (e.g. decode on nodes with "
+        "more GPU memory): any | prefill | decode",
+        default="any",
+    )
 
 
 REQUESTS = ("single", "hetjob")
+POOL_ROLES = ("any", "prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -289,6 +295,8 @@ def elastic_problem(backend: str, elastic: ElasticConfig) -> str:
             value = getattr(pool, key)
             if value and not _SLURM_NAME.fullmatch(value):
                 return f"elastic.pools[{i}].{key} {value!r}: letters, digits, _ . + - & | only"
+        if pool.role not in POOL_ROLES:
+            return f"elastic.pools[{i}].role {pool.role!r}: use any, prefill or decode"
         if not _SLURM_TIME.fullmatch(pool.time_limit):
             return (
                 f"elastic.pools[{i}].time_limit {pool.time_limit!r} is not a Slurm time: use "

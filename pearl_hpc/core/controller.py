@@ -68,6 +68,7 @@ class CapacityGranted:
     source: ElasticSource
     gpu_sets: tuple[tuple[str, ...], ...]
     also: tuple[CapacityGranted, ...] = ()
+    role: Role | None = None  # the role its GPUs are shaped for (its pool's); None: any
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,7 +283,8 @@ class Controller:
                 for grant in grants:
                     self.window.granted(grant.source.tag, self.clock())
                     self.free_units.extend(
-                        CapacityUnit(tuple(g), Zone.DEDICATED, grant.source) for g in grant.gpu_sets
+                        CapacityUnit(tuple(g), Zone.DEDICATED, grant.source, role=grant.role)
+                        for g in grant.gpu_sets
                     )
                 tags = ", ".join(g.source.tag for g in grants)
                 result = self._reconfigure(f"capacity granted by {tags}")
@@ -622,6 +624,7 @@ class Controller:
                     "source": None
                     if u.source is None
                     else [u.source.job_id, u.source.het_component],
+                    "role": None if u.role is None else u.role.value,
                 }
                 for u in self.free_units
             ],
@@ -645,6 +648,7 @@ class Controller:
                 None
                 if u["source"] is None
                 else ElasticSource(str(u["source"][0]), int(u["source"][1])),
+                role=None if u.get("role") is None else Role(u["role"]),
             )
             for u in data["free_units"]
         ]

@@ -13,7 +13,8 @@ Greedy (optimal):
   3. survivors keep their role up to the target count of that role;
   4. remaining deficits are filled by re-assigned survivors (lowest slot first, roles in
      the order prefill, decode, colocated), then by new workers from ``available``,
-     taken in the order given.
+     taken in the order given; among those taken, a unit shaped for a role
+     (``CapacityUnit.role``) serves that role if the target needs it.
 ``remove`` lists overlap (borrowed) workers first: returning them is never delayed.
 """
 
@@ -41,6 +42,7 @@ class CapacityUnit:
     zone: Zone = Zone.DEDICATED
     source: ElasticSource | None = None
     slot_id: int | None = None  # set for an existing inactive overlap worker
+    role: Role | None = None  # the role its GPUs are shaped for (an elastic pool's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +97,16 @@ def _removal_key(slot: WorkerSlot) -> tuple[int, int, int, int]:
         0 if slot.status is Status.JOINING else 1,
         -slot.slot_id,
     )
+
+
+def _take_unit(units: list[CapacityUnit], role: Role) -> CapacityUnit:
+    """The unit a new ``role`` worker goes to: one shaped for that role, else one shaped
+    for none, else the first (in the order offered; removed from ``units``)."""
+    for wanted in (role, None):
+        for i, unit in enumerate(units):
+            if unit.role is wanted:
+                return units.pop(i)
+    return units.pop(0)
 
 
 def plan_transition(
@@ -153,14 +165,13 @@ def plan_transition(
     role_changes: list[tuple[int, Role]] = []
     adds: list[WorkerAdd] = []
     spare_iter = iter(spare)
-    unit_iter = iter(units)
     for r in ROLLOUT_ROLES:
         for _ in range(deficit[r]):
             survivor = next(spare_iter, None)
             if survivor is not None:
                 role_changes.append((survivor.slot_id, r))
                 continue
-            unit = next(unit_iter)
+            unit = _take_unit(units, r)
             slot_id = unit.slot_id if unit.slot_id is not None else next(new_ids)
             adds.append(
                 WorkerAdd(
