@@ -201,6 +201,11 @@ def main(
     as_json: bool,
     requests: tuple[str, ...] = REQUESTS,
 ) -> int:
+    unknown = [r for r in requests if r not in REQUESTS]
+    if unknown:
+        print(f"bench --harvest: --requests {','.join(unknown)}: use single and/or hetjob",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if not (REPO / "slurm" / "replay-load").exists():
         print("bench --harvest: slurm/replay-load not found (needs a source checkout)",
               file=sys.stderr)  # fmt: skip
