@@ -187,7 +187,7 @@ def test_requests_are_kept_while_each_next_worker_is_worth_it() -> None:
     more than it costs, up to the cap; with the ungated policy the cap."""
     controller, _, _ = running_base(1, expansion="gated", expected_capacity_window_s=3600.0)
     demand = controller.elastic_demand(16)
-    assert 1 <= demand.workers < 16  # the predictor's saving shrinks with every worker
+    assert 0 < demand.workers < 16  # the predictor's saving shrinks with every worker
     assert controller.elastic_demand(demand.workers - 1).workers == demand.workers - 1
     profile, config = controller.profile, controller.config
     from pearl_hpc.core.policies import gate_expansion_of

@@ -131,14 +131,17 @@ class LocalBackend:
         await self._follow(regrant=regrant)
 
     async def _follow(self, *, regrant: bool) -> None:
-        counted = self._counted()
-        goal = min(self.offered, self.wanted)
-        if goal > len(counted):
-            await self._grant(goal - len(counted), growth=not regrant)
-        for launch in reversed(counted[self.offered :]):  # the last granted, first reclaimed
+        missing = min(self.offered, self.wanted) - len(self._counted())
+        if missing > 0:
+            await self._grant(missing, growth=not regrant)
+        # what is held beyond the offer, read after the grant and marked before any
+        # await (want and offer may follow at once): the last granted, first reclaimed
+        reclaimed = list(reversed(self._counted()[self.offered :]))
+        for launch in reclaimed:
             launch.counted = False
             self.counts["reclaimed"] += 1
-            deadline = self.clock() + self.grace_s
+        deadline = self.clock() + self.grace_s
+        for launch in reclaimed:
             await self.queue.put(CapacityReclaimed(launch.source, deadline, launch.gpu_ids))
 
     async def _grant(self, workers: int, *, growth: bool) -> None:
