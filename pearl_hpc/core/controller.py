@@ -289,7 +289,7 @@ class Controller:
                 tags = ", ".join(g.source.tag for g in grants)
                 result = self._reconfigure(f"capacity granted by {tags}")
             case CapacityReclaimed(source, deadline_s, gpu_ids):
-                if gpu_ids is None:  # the scheduler ends the component's stay
+                if self._reclaims_all(source, gpu_ids):  # the scheduler ends its stay
                     self.window.ended(source.tag, self.clock(), reclaimed=True)
                 result = self._on_reclaim(source, deadline_s, gpu_ids)
             case WorkerReady(slot_id):
@@ -600,6 +600,14 @@ class Controller:
                         self.table.transition(member, Status.ACTIVE, now_s=self.clock())
                     del self._groups[group_id]
                     self.executor.admit(members)
+
+    def _reclaims_all(self, source: ElasticSource, gpu_ids: tuple[str, ...] | None) -> bool:
+        """A reclaim of every GPU ``source`` holds (not a partial shrink of it)."""
+        if gpu_ids is None:
+            return True
+        held = [u.gpu_ids for u in self.free_units if u.source == source]
+        held += [s.gpu_ids for s in self.table.rollout_slots() if s.source == source]
+        return all(not set(gpus).isdisjoint(gpu_ids) for gpus in held)
 
     def _release_if_empty(self, source: ElasticSource) -> None:
         if any(s.source == source for s in self.table.rollout_slots()):
