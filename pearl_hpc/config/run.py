@@ -26,6 +26,7 @@ from pearl_hpc.core.schema import from_mapping, spec_field
 from pearl_hpc.errors import ConfigError
 from pearl_hpc.rollout.envs import ENV_NAMES
 from pearl_hpc.sim.traces import AvailabilityTrace, load_segment, load_trace
+from pearl_hpc.slurm.scripts import SLURM_TIME
 
 BACKENDS = ("local", "slurm")
 
@@ -297,7 +298,7 @@ def elastic_problem(backend: str, elastic: ElasticConfig) -> str:
                 return f"elastic.pools[{i}].{key} {value!r}: letters, digits, _ . + - & | only"
         if pool.role not in POOL_ROLES:
             return f"elastic.pools[{i}].role {pool.role!r}: use any, prefill or decode"
-        if not _SLURM_TIME.fullmatch(pool.time_limit):
+        if not SLURM_TIME.fullmatch(pool.time_limit):
             return (
                 f"elastic.pools[{i}].time_limit {pool.time_limit!r} is not a Slurm time: use "
                 "MM, MM:SS, HH:MM:SS or D-HH:MM:SS"
@@ -306,7 +307,6 @@ def elastic_problem(backend: str, elastic: ElasticConfig) -> str:
 
 
 _SLURM_NAME = re.compile(r"[A-Za-z0-9_.+\-&|]+")
-_SLURM_TIME = re.compile(r"(\d+-)?\d{1,2}(:\d{2}){0,2}|\d+")
 
 
 def layout_problem(workers: WorkersConfig, layout: LayoutConfig) -> str:

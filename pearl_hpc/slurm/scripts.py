@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from pearl_hpc.errors import ConfigError
 
-_TIME_RE = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$|^\d+$")
+SLURM_TIME = re.compile(r"(\d+-)?\d{1,2}(:\d{2}){0,2}|\d+")  # fullmatch: a Slurm time
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 
 
@@ -38,7 +38,7 @@ class HetComponent:
                 raise ConfigError(f"{what} must be >= 1, got {value}")
         if self.gpus_per_node < 0:
             raise ConfigError(f"gpus_per_node must be >= 0, got {self.gpus_per_node}")
-        if not _TIME_RE.match(self.time_limit):
+        if not SLURM_TIME.fullmatch(self.time_limit):
             raise ConfigError(
                 f"time_limit {self.time_limit!r} is not a Slurm time: use MM, MM:SS, "
                 "HH:MM:SS or D-HH:MM:SS"
