@@ -68,8 +68,7 @@ class OtherUsers:
             subprocess.run(["scancel", self.jobs.pop()], check=True)
 
     def running(self) -> int:
-        out = subprocess.run(["squeue", "-h", "-o", "%k|%T"], capture_output=True, text=True)
-        return out.stdout.splitlines().count(f"{OTHERS}|RUNNING")
+        return _squeue("%k|%T").count(f"{OTHERS}|RUNNING")
 
     def end(self) -> None:
         if self.jobs:
@@ -89,14 +88,25 @@ def _sbatch(args: list[str], env: dict[str, str]) -> str:
     return out.stdout.strip().split(";")[0]
 
 
+def _squeue(fmt: str, timeout_s: float = 60.0) -> list[str]:
+    """Every job's line of ``squeue -o FMT``. A failed call (slurmctld busy or restarting)
+    is tried again, never read as an empty queue (a test would see its jobs gone)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        out = subprocess.run(["squeue", "-h", "-o", fmt], capture_output=True, text=True)
+        if out.returncode == 0:
+            return out.stdout.splitlines()
+        if time.monotonic() > deadline:
+            raise AssertionError(f"squeue kept failing: {out.stderr.strip()}")
+        time.sleep(1.0)
+
+
 def _in_squeue(job_id: str) -> bool:
-    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
-    return bool(out.stdout.strip())
+    return job_id in _squeue("%i")
 
 
 def _states(comment: str) -> dict[str, str]:
-    out = subprocess.run(["squeue", "-h", "-o", "%i|%k|%T"], capture_output=True, text=True)
-    rows = [line.split("|") for line in out.stdout.splitlines()]
+    rows = [line.split("|") for line in _squeue("%i|%k|%T")]
     return {job: state for job, k, state in rows if k == comment}
 
 
@@ -131,6 +141,27 @@ def _elastic_logs(run_dir: Path) -> str:
     """The tails of the run's elastic job logs and member logs (what a failure shows)."""
     logs = sorted((run_dir / "elastic").glob("job-*.out")) + sorted(run_dir.glob("rank*.log"))
     return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-1500:]}" for p in logs)
+
+
+def _ended_without_summary(master: str, log: Path, run_dir: Path, conf: Path) -> str:
+    """What a master that left no summary shows: how Slurm saw it end, its log, the last
+    events and the other ranks' logs."""
+    acct = subprocess.run(["scontrol", "-o", "show", "job", master], capture_output=True, text=True)
+    events = (run_dir / "events.jsonl").read_text().splitlines()[-15:]
+    logs = conf.parent / "log"
+    slurm = [
+        f"{p.name}: {line}"
+        for p in sorted(logs.glob("*.log"))
+        for line in p.read_text(errors="replace").splitlines()
+        if f"JobId={master}" in line or f"job {master}" in line or f"StepId={master}." in line
+    ]
+    return (
+        f"the master left no summary\n--- scontrol show job\n{acct.stdout}{acct.stderr}"
+        "--- Slurm's logs on it\n" + "\n".join(slurm[-30:]) + "\n"
+        f"--- master log\n{log.read_text()[-4000:]}\n--- last events\n"
+        + "\n".join(events)
+        + f"\n{_elastic_logs(run_dir)}"
+    )
 
 
 def _kinds(run_dir: Path, kind: str) -> list[dict]:
@@ -295,18 +326,20 @@ def test_slurm_run_survives_a_slurmctld_outage_and_a_killed_elastic_rank(
         run_dir = next((tmp_path / "runs").glob("t-*"))
         tag = run_tag_of(run_dir)
 
-        def serving() -> bool:
-            events = read_jsonl(run_dir / "events.jsonl")
-            return any(e["kind"] == "admit" and any(s > 2 for s in e["slots"]) for e in events)
-
-        try:
-            _wait("the elastic worker admitted", serving, 600, log, poll_s=0.1)
-        except AssertionError as e:
-            raise AssertionError(f"{e}\n{_elastic_logs(run_dir)}") from None
-
         def turns_logged() -> int:  # trajectory turns the master has logged
             logs = (run_dir / "trajectories").glob("step-*.jsonl")
             return sum(len(p.read_text().splitlines()) for p in logs)
+
+        def serving() -> bool:  # the elastic worker admitted and the rollout going (it
+            # can be ready before the base engines are)
+            events = read_jsonl(run_dir / "events.jsonl")
+            admitted = any(e["kind"] == "admit" and any(s > 2 for s in e["slots"]) for e in events)
+            return admitted and turns_logged() > 0
+
+        try:
+            _wait("the elastic worker serving", serving, 600, log, poll_s=0.1)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{_elastic_logs(run_dir)}") from None
 
         before = turns_logged()
         # slurmctld away for 20 s: longer than squeue's own ~9 s of connection retries
@@ -336,6 +369,7 @@ def test_slurm_run_survives_a_slurmctld_outage_and_a_killed_elastic_rank(
         load.terminate()
         load.wait(60)
 
+    assert (run_dir / "summary.json").exists(), _ended_without_summary(master, log, run_dir, conf)
     summary = json.loads((run_dir / "summary.json").read_text())
     events = read_jsonl(run_dir / "events.jsonl")
     metrics = read_jsonl(run_dir / "metrics.jsonl")
