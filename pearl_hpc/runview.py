@@ -18,7 +18,7 @@ from typing import Any
 
 from pearl_hpc.errors import PearlError
 from pearl_hpc.master.journal import JournalError, lock_held, read_run_state
-from pearl_hpc.master.records import read_jsonl, read_metrics, read_tables
+from pearl_hpc.master.records import StepMetrics, read_jsonl, read_metrics, read_tables
 
 _ROLE_LETTER = {"prefill": "P", "decode": "D", "colocated": "C"}
 
@@ -122,7 +122,9 @@ def format_status(doc: dict[str, Any]) -> str:
         lines.append(
             f"last step {last['step']}: {last['tokens_per_s']:.0f} tok/s, reward "
             f"{last['mean_reward']:.3f}, rollout {last['rollout_s']:.1f} s "
-            f"(predicted {last['predicted_s']:.1f} s as {last['config']})"
+            f"(predicted {last['predicted_s']:.1f} s as {last['config']}), off-policy "
+            f"|log(pi_old/mu)| mean {last.get('mismatch_mean', 0.0):.4f} max "
+            f"{last.get('mismatch_max', 0.0):.3f}, capped {last.get('capped_frac', 0.0):.1%}"
         )
     table = Table(title="workers")
     for col in ("slot", "role", "status", "zone", "GPUs"):
@@ -226,18 +228,49 @@ def write_run_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     ax.legend(fontsize=8)
     written.append(save_figure(plt, fig, out / "prediction.png"))
 
+    written.append(_plot_off_policy(plt, metrics, out / "off_policy.png"))
+
     path = out / "steps.md"
-    head = "| step | config | rollout s | predicted s | tokens/s | reward | borrowed | return s |"
-    rows = [head, "|" + "---|" * 8]
+    head = (
+        "| step | config | rollout s | predicted s | tokens/s | reward | borrowed | return s "
+        "| staleness | mismatch mean | mismatch max | capped | clipped |"
+    )
+    rows = [head, "|" + "---|" * 13]
     for m in metrics:
         rows.append(
             f"| {m.step} | {m.config} | {m.rollout_s:.2f} | {m.predicted_s:.2f} | "
             f"{m.tokens_per_s:.0f} | {m.mean_reward:.3f} | "
-            f"{'yes' if m.borrowed else 'no'} | {m.return_latency_s:.2f} |"
+            f"{'yes' if m.borrowed else 'no'} | {m.return_latency_s:.2f} | {m.max_staleness} | "
+            f"{m.mismatch_mean:.4f} | {m.mismatch_max:.3f} | {m.capped_frac:.1%} | "
+            f"{m.clip_frac:.1%} |"
         )
     path.write_text("\n".join(rows) + "\n")
     written.append(path)
     return written
+
+
+def _plot_off_policy(plt: Any, metrics: list[StepMetrics], path: Path) -> Path:
+    """Per step: the gap between the trainer's pre-update policy and the engine's
+    (mean and max |log(pi_old/mu)| per token), the share of tokens the importance-weight
+    cap clamped or dropped, the clip fraction, and the batch's staleness."""
+    fig, ax = plt.subplots(figsize=(8, 4))
+    share_ax = ax.twinx()
+    steps = [m.step for m in metrics]
+    ax.plot(steps, [m.mismatch_mean for m in metrics], "o-", label="mean |log(pi_old/mu)|")
+    ax.plot(steps, [m.mismatch_max for m in metrics], "^:", label="max |log(pi_old/mu)|")
+    share_ax.plot(steps, [m.capped_frac for m in metrics], "s--", color="red", label="capped")
+    share_ax.plot(steps, [m.clip_frac for m in metrics], "d--", color="purple", label="clipped")
+    for m in metrics:
+        ax.annotate(f"s{m.max_staleness}", (m.step, m.mismatch_mean), fontsize=7)
+    ax.set_xlabel("step (annotated: the batch's staleness)")
+    ax.set_ylabel("nats per token")
+    share_ax.set_ylabel("share of policy tokens")
+    lines = ax.get_legend_handles_labels()
+    shares = share_ax.get_legend_handles_labels()
+    ax.legend(lines[0] + shares[0], lines[1] + shares[1], fontsize=8)
+    from pearl_hpc.sim.report import save_figure
+
+    return save_figure(plt, fig, path)
 
 
 def _master_alive(run_dir: Path, pid: int) -> bool:

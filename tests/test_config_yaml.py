@@ -147,3 +147,36 @@ def test_load_yaml_reads_a_file_with_these_rules(tmp_path: Path) -> None:
     path = tmp_path / "x.yaml"
     path.write_text("a: 2e-5\nb: on\n")
     assert load_yaml(path) == {"a": 2e-5, "b": "on"}
+
+
+@pytest.mark.parametrize(
+    ("train", "names"),
+    [
+        ({"correction": "is"}, "train.correction 'is': use one of none, tis, decoupled"),
+        ({"loss_type": "mean"}, "train.loss_type 'mean'"),
+        ({"advantage_std": "n-1"}, "train.advantage_std 'n-1'"),
+        ({"is_cap": 0.5}, "is_cap"),
+        ({"clip": 0.2}, "unknown key 'clip'"),
+    ],
+)
+def test_a_bad_train_section_names_the_field(tmp_path: Path, train: dict, names: str) -> None:
+    doc = yaml.safe_load(RUN.read_text())
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump({**doc, "train": train}))
+    with pytest.raises(ConfigError, match=names):
+        load_run_config(run)
+
+
+def test_the_train_section_reaches_the_trainer(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    from pearl_hpc.worker.trainer import grpo_config
+
+    doc = yaml.safe_load(RUN.read_text())
+    run = tmp_path / "run.yaml"
+    train = {"correction": "decoupled", "is_cap": 3.0, "loss_type": "dr_grpo"}
+    run.write_text(yaml.safe_dump({**doc, "train": train}))
+    cfg = load_run_config(run)
+    grpo = grpo_config(cfg)
+    assert (grpo.correction, grpo.is_cap, grpo.loss_type) == ("decoupled", 3.0, "dr_grpo")
+    assert grpo.temperature == cfg.run.temperature
+    assert grpo.max_completion_tokens == cfg.run.max_turns * cfg.run.max_tokens_per_turn

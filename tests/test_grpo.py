@@ -21,13 +21,11 @@ from hypothesis import strategies as st  # noqa: E402
 from pearl_hpc.engine.tinymodel import build_tiny_model  # noqa: E402
 from pearl_hpc.errors import ConfigError  # noqa: E402
 from pearl_hpc.rollout.types import Segment, Trajectory  # noqa: E402
-from pearl_hpc.train.grpo import (  # noqa: E402
-    GRPOConfig,
-    GRPOTrainer,
+from pearl_hpc.train.grpo import GRPOConfig, GRPOTrainer, latest_snapshot  # noqa: E402
+from pearl_hpc.train.objective import (  # noqa: E402
     TrainError,
     group_advantages,
     grpo_loss,
-    latest_snapshot,
     token_logprobs,
 )
 from tests.factories import run_reporting  # noqa: E402

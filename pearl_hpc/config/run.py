@@ -8,6 +8,7 @@
              trace | replay (local: the machine's availability)
     slurm:   squeue polling, socket interface, lease (backend slurm)
     run:     the workload (steps, env, batch, sampling, staleness)
+    train:   the GRPO objective (off-policy correction, loss aggregation, KL, advantages)
 
 Strict: an unknown key, a value out of range or an inconsistent pair is a
 :class:`~pearl_hpc.errors.ConfigError` naming the field and the fix.
@@ -214,6 +215,39 @@ class RunSettings:
         return self.num_groups * self.group_size
 
 
+CORRECTIONS = ("none", "tis", "decoupled")  # train/objective.py's (no torch here)
+LOSS_TYPES = ("bnpo", "grpo", "dr_grpo")
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """The GRPO objective (formulas: train/objective.py and the README)."""
+
+    correction: str = spec_field(
+        "off-policy correction against the engine's log-probs: none | tis (truncated "
+        "importance weight) | decoupled (AReaL: weights above is_cap dropped)",
+        default="tis",
+    )
+    is_cap: float = spec_field("the importance weight's cap C", default=2.0, ge=1)
+    sequence_mask: float = spec_field(
+        "> 0: drop whole sequences whose mean |log(pi_old/mu)| per token exceeds this",
+        default=0.0,
+        ge=0,
+    )
+    loss_type: str = spec_field(
+        "how token losses add up (TRL's names): bnpo (token mean) | grpo (mean of "
+        "sequence means) | dr_grpo (token sum / sequences x max tokens)",
+        default="bnpo",
+    )
+    kl_coef: float = spec_field("weight of the k3 KL to the initial model", default=0.0, ge=0)
+    kl_bias_correction: bool = spec_field(
+        "the k3 term times the ratio pi/pi_old (TRL's use_bias_correction_kl)", default=False
+    )
+    advantage_std: str = spec_field(
+        "a group's reward std: population (n) | sample (n - 1: TRL, verl)", default="population"
+    )
+
+
 @dataclass(frozen=True)
 class RunConfig:
     name: str = spec_field("run name (labels the run directory)")
@@ -233,6 +267,7 @@ class RunConfig:
     layout: LayoutConfig = spec_field("nodes and GPUs of the base world", default=LayoutConfig())
     elastic: ElasticConfig = spec_field("elastic capacity", default=ElasticConfig())
     run: RunSettings = spec_field("the workload", default=RunSettings())
+    train: TrainSettings = spec_field("the GRPO objective", default=TrainSettings())
 
 
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")  # a run directory's stem
@@ -271,10 +306,22 @@ def load_run_config(path: str | Path, *, need_slurm: bool = True) -> RunConfig:
         )
     if cfg.run.env not in ENV_NAMES:
         raise ConfigError(f"{path}: run.env {cfg.run.env!r}: use one of {list(ENV_NAMES)}")
-    problem = layout_problem(cfg.workers, cfg.layout)
+    problem = layout_problem(cfg.workers, cfg.layout) or train_problem(cfg.train)
     if problem:
         raise ConfigError(f"{path}: {problem}")
     return cfg
+
+
+def train_problem(train: TrainSettings) -> str:
+    """What is wrong with ``train:`` ('' if nothing; pure)."""
+    for key, choices in (
+        ("correction", CORRECTIONS),
+        ("loss_type", LOSS_TYPES),
+        ("advantage_std", ("population", "sample")),
+    ):
+        if getattr(train, key) not in choices:
+            return f"train.{key} {getattr(train, key)!r}: use one of {', '.join(choices)}"
+    return ""
 
 
 def elastic_problem(backend: str, elastic: ElasticConfig) -> str:

@@ -52,6 +52,9 @@ class TurnResult:
     num_cached_tokens: int  # prompt tokens not computed here (prefix cache or remote KV)
     kv_transfer_params: dict[str, Any] | None = None  # set by a prefill-only request
     wall_s: float = 0.0  # from admission to the result
+    # each generated token's log-probability under the sampling distribution (after
+    # temperature; raw logits for greedy requests); () when the engine gives none
+    logprobs: tuple[float, ...] = ()
 
     @property
     def aborted(self) -> bool:

@@ -174,6 +174,7 @@ class _Live:
     future: Future[TurnResult]
     admitted_at_s: float
     token_ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()  # of token_ids, as sampled
     num_cached_tokens: int = 0
 
 
@@ -302,6 +303,9 @@ class EngineRunner:
             "seed": spec.seed,
             "kv_transfer_config": spec.kv_transfer_config(role),
             "enable_logging_iteration_details": True,
+            # the sampled tokens' log-probabilities as sampled (after temperature): the
+            # behaviour policy the trainer corrects stale samples against
+            "logprobs_mode": "processed_logprobs",
         }
         if spec.device == "cuda":
             args["gpu_memory_utilization"] = spec.gpu_memory_utilization
@@ -366,6 +370,7 @@ class EngineRunner:
             # step ("CPU Generator does not use offset"), so CPU engines sample unseeded
             seed=request.seed if self.spec.device != "cpu" else None,
             stop_token_ids=list(request.stop_token_ids),
+            logprobs=0,  # the sampled token's own
             extra_args=extra or None,
         )
         try:
@@ -396,6 +401,7 @@ class EngineRunner:
             worker_id=self.worker_id,
             token_ids=live.token_ids,
             finish_reason=reason,
+            logprobs=live.logprobs,
             weight_version=self.weight_version,
             num_prompt_tokens=len(live.request.prompt_token_ids),
             num_cached_tokens=live.num_cached_tokens,
@@ -438,6 +444,7 @@ class EngineRunner:
                 new = len(completion.token_ids) - len(live.token_ids)
                 self.generated_tokens += max(0, new)
                 live.token_ids = tuple(completion.token_ids)
+                live.logprobs = _sampled_logprobs(completion, live.logprobs)
             if out.num_cached_tokens is not None:
                 live.num_cached_tokens = out.num_cached_tokens
             if out.finished:
@@ -447,6 +454,16 @@ class EngineRunner:
                     remote = live.request.kv_transfer_params.get("remote_num_tokens", 0)
                     self.kv_tokens_injected += int(remote or 0)
                 live.future.set_result(self._result(live, str(reason), out.kv_transfer_params))
+
+
+def _sampled_logprobs(completion: Any, known: tuple[float, ...]) -> tuple[float, ...]:
+    """The sampled tokens' log-probabilities of a (cumulative) completion, extending the
+    ``known`` ones; () when the engine returned none."""
+    entries = completion.logprobs
+    if not entries:
+        return ()
+    fresh = zip(completion.token_ids[len(known) :], entries[len(known) :], strict=False)
+    return known + tuple(float(entry[token].logprob) for token, entry in fresh)
 
 
 def rss_bytes(pid: int | None = None) -> int:

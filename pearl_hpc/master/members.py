@@ -379,6 +379,21 @@ class TrainResult:
     max_staleness: int
     loss: float
     wall_s: float
+    # the step's off-policy figures (train/objective.py)
+    clip_frac: float = 0.0
+    mismatch_mean: float = 0.0
+    mismatch_max: float = 0.0
+    capped_frac: float = 0.0
+    behaviour_coverage: float = 0.0
+
+
+OFF_POLICY_FIGURES = (
+    "clip_frac",
+    "mismatch_mean",
+    "mismatch_max",
+    "capped_frac",
+    "behaviour_coverage",
+)
 
 
 class RemoteTrainer:
@@ -411,6 +426,7 @@ class RemoteTrainer:
             max_staleness=int(lead["max_staleness"]),
             loss=float(lead["loss"]),
             wall_s=float(lead["wall_s"]),
+            **{k: float(lead.get(k, 0.0)) for k in OFF_POLICY_FIGURES},
         )
 
     async def publish(

@@ -60,6 +60,14 @@ class StepMetrics:
     predicted_s: float  # the tracker's prediction of this rollout (before it ran)
     config: str  # the serving configuration at rollout start, e.g. 2C or 1P1D
     max_staleness: int = 0  # largest (trainer version - generating version) in the batch
+    # the off-policy gap the trainer corrected (train/objective.py): per policy token
+    # with the engine's log-prob mu, mean and max |log(pi_old / mu)|; the share the
+    # importance-weight cap clamped or dropped; the PPO clip fraction
+    mismatch_mean: float = 0.0
+    mismatch_max: float = 0.0
+    capped_frac: float = 0.0
+    clip_frac: float = 0.0
+    behaviour_coverage: float = 0.0  # share of policy tokens that had a mu
 
 
 class EventLog:
@@ -142,7 +150,8 @@ def format_step(m: StepMetrics) -> str:
         f"rollout {m.rollout_s:.1f} s, train {m.train_s:.1f} s, return "
         f"{m.return_latency_s:.2f} s, elastic {m.elastic_workers}, "
         f"borrowed {'yes' if m.borrowed else 'no'}, moved turns {m.moved_turns}, "
-        f"roles {roles}" + (f", resumed {m.resumed} trajectories" if m.resumed else "")
+        f"roles {roles}, off-policy {m.mismatch_mean:.3f}/{m.mismatch_max:.2f}"
+        + (f", resumed {m.resumed} trajectories" if m.resumed else "")
     )
 
 

@@ -264,5 +264,10 @@ class StepPipeline:
                 predicted_s=round(done.predicted_s, 3),
                 config=done.config,
                 max_staleness=stats.max_staleness,
+                mismatch_mean=round(stats.mismatch_mean, 5),
+                mismatch_max=round(stats.mismatch_max, 4),
+                capped_frac=round(stats.capped_frac, 4),
+                clip_frac=round(stats.clip_frac, 4),
+                behaviour_coverage=round(stats.behaviour_coverage, 4),
             )
         )

@@ -181,10 +181,16 @@ async def run_trajectory(
             generated.extend(result.token_ids)
             workers.append(result.worker_id)
             traj.weight_versions.add(result.weight_version)
+            if result.token_ids:  # one segment per attempt: its own log-probs and weights
+                attempt = Segment(
+                    result.token_ids, True, result.logprobs, weight_version=result.weight_version
+                )
+                traj.segments.append(attempt)
             if not result.aborted:
                 break
             interruptions += 1
-        traj.segments.append(Segment(tuple(generated), generated=True))
+        if not generated:
+            traj.segments.append(Segment((), generated=True))  # an empty response
         context.extend(generated)
         closed = bool(generated) and generated[-1] == eos
         t0 = clock()
@@ -217,20 +223,36 @@ class ReplayError(RuntimeError):
     """A journaled trajectory does not replay: the environment is not deterministic."""
 
 
+def turn_pieces(traj: Trajectory) -> list[tuple[list[int], list[int] | None]]:
+    """Each turn's response (its generated segments joined: a resumed turn has several)
+    and the observation after it (None after the last turn), in order."""
+    pieces: list[tuple[list[int], list[int] | None]] = []
+    response: list[int] | None = None
+    for segment in traj.segments[1:]:
+        if segment.generated:
+            response = (response or []) + list(segment.token_ids)
+        else:
+            pieces.append((response or [], list(segment.token_ids)))
+            response = None
+    if response is not None:
+        pieces.append((response, None))
+    return pieces
+
+
 async def _replay(env: Env, chat: ChatFormat, traj: Trajectory, first: list[int]) -> float:
     """Step ``env`` through ``traj``'s recorded actions; the total reward so far."""
-    segments = traj.segments
-    if list(segments[0].token_ids) != first:
+    if list(traj.segments[0].token_ids) != first:
         raise ReplayError(f"{traj.trajectory_id}: the environment's prompt differs on replay")
+    pieces = turn_pieces(traj)
     total = 0.0
     for i in range(len(traj.turns)):
-        generated = segments[2 * i + 1].token_ids
-        step = await env.step(chat.tokenizer.decode(list(generated), skip_special_tokens=True))
+        generated, observed = pieces[i] if i < len(pieces) else ([], None)
+        step = await env.step(chat.tokenizer.decode(generated, skip_special_tokens=True))
         total += float(step.reward)
         closed = bool(generated) and generated[-1] == chat.tokenizer.eos_token_id
-        if step.observation is None or 2 * i + 2 >= len(segments):
+        if step.observation is None or observed is None:
             raise ReplayError(f"{traj.trajectory_id}: the episode ends early on replay")
-        if list(segments[2 * i + 2].token_ids) != chat.observation(step.observation, closed):
+        if observed != chat.observation(step.observation, closed):
             raise ReplayError(f"{traj.trajectory_id}: turn {i} observes something else on replay")
     return total
 

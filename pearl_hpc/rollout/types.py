@@ -3,11 +3,15 @@
 A trajectory is a list of token *segments*: prompt and environment tokens
 (``generated=False``, masked out of the loss) and model tokens (``generated=True``).
 Segments carry token ids, never text, so what the trainer scores is exactly what the
-engines produced.
+engines produced. A generated segment is one engine attempt: the log-probability the
+engine sampled each token with (the *behaviour* policy, for the trainer's off-policy
+correction) and the weight version it ran; a turn drained mid-generation and resumed
+elsewhere is two or more generated segments in a row.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -18,6 +22,21 @@ class Segment:
 
     token_ids: tuple[int, ...]
     generated: bool  # True: sampled by the policy (trained on); False: prompt/environment
+    # generated: each token's log-probability under the engine's sampling distribution
+    # (after temperature); () when the engine did not report them
+    logprobs: tuple[float, ...] = ()
+    weight_version: int | None = None  # generated: the weights that sampled it
+
+    def to_list(self) -> list[Any]:
+        if not self.generated or (not self.logprobs and self.weight_version is None):
+            return [list(self.token_ids), self.generated]
+        return [list(self.token_ids), True, list(self.logprobs), self.weight_version]
+
+    @classmethod
+    def from_list(cls, data: list[Any]) -> Segment:
+        ids, generated, *rest = data
+        logprobs, version = rest if rest else ((), None)
+        return cls(tuple(ids), bool(generated), tuple(float(x) for x in logprobs), version)
 
 
 @dataclass(slots=True)
@@ -53,6 +72,17 @@ class Trajectory:
         """1 for policy tokens, 0 for prompt / environment tokens; same length as token_ids."""
         return [int(s.generated) for s in self.segments for _ in s.token_ids]
 
+    def behaviour_logprobs(self) -> list[float]:
+        """The engine's log-probability of every token (same length as token_ids); NaN
+        for prompt / environment tokens and for tokens the engine gave none for."""
+        out: list[float] = []
+        for s in self.segments:
+            if s.generated and len(s.logprobs) == len(s.token_ids):
+                out.extend(s.logprobs)
+            else:
+                out.extend([math.nan] * len(s.token_ids))
+        return out
+
     def num_generated(self) -> int:
         return sum(len(s.token_ids) for s in self.segments if s.generated)
 
@@ -65,7 +95,7 @@ class Trajectory:
         return {
             "trajectory_id": self.trajectory_id,
             "group_id": self.group_id,
-            "segments": [[list(s.token_ids), s.generated] for s in self.segments],
+            "segments": [s.to_list() for s in self.segments],
             "reward": self.reward,
             "done": self.done,
             "weight_versions": sorted(self.weight_versions),
@@ -78,7 +108,7 @@ class Trajectory:
         return cls(
             trajectory_id=str(data["trajectory_id"]),
             group_id=str(data["group_id"]),
-            segments=[Segment(tuple(ids), bool(gen)) for ids, gen in data["segments"]],
+            segments=[Segment.from_list(s) for s in data["segments"]],
             reward=data["reward"],
             done=bool(data["done"]),
             weight_versions={int(v) for v in data["weight_versions"]},

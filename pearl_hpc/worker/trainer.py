@@ -47,7 +47,7 @@ class TrainerRank:
         host: str,
         resume: bool,
     ) -> None:
-        from pearl_hpc.train.grpo import GRPOConfig, GRPOTrainer, latest_snapshot
+        from pearl_hpc.train.grpo import GRPOTrainer, latest_snapshot
         from pearl_hpc.train.loop import WeightSync
         from pearl_hpc.train.wgroup import WeightGroup
 
@@ -63,7 +63,7 @@ class TrainerRank:
         if size > 1:
             store = self.sync.store.store if self.sync is not None else None
             group = WeightGroup(addr[0], addr[1], "dp/", self.index, size, store=store)
-        grpo = GRPOConfig(lr=cfg.run.lr, seed=cfg.run.seed)  # accepts batches one version old
+        grpo = grpo_config(cfg)
         # a resumed run continues from its newest snapshot (the launcher dropped any newer
         # than the journal); a new run starts from the model's weights
         snapshot = latest_snapshot(self.snapshots) if resume else None
@@ -119,6 +119,11 @@ class TrainerRank:
             "loss": stats.loss,
             "num_tokens": stats.num_tokens,
             "wall_s": stats.wall_s,
+            "clip_frac": stats.clip_frac,
+            "mismatch_mean": stats.mismatch_mean,
+            "mismatch_max": stats.mismatch_max,
+            "capped_frac": stats.capped_frac,
+            "behaviour_coverage": stats.behaviour_coverage,
         }
 
     async def _client(self, name: str, host: str, port: int) -> Any:
@@ -192,3 +197,24 @@ class TrainerRank:
 
     def _ack(self, cmd: Command, **args: Any) -> None:
         self.plane.report(Kind.ACK, cmd.seq, op=cmd.op, **args)
+
+
+def grpo_config(cfg: RunConfig) -> Any:
+    """The trainer's settings from the run config: ``run.lr``, ``run.seed``, the
+    rollout's temperature and token budget, and the objective of ``train:``."""
+    from pearl_hpc.train.grpo import GRPOConfig
+
+    t = cfg.train
+    return GRPOConfig(
+        lr=cfg.run.lr,
+        seed=cfg.run.seed,  # max_staleness 1 (default): accepts batches one version old
+        temperature=cfg.run.temperature,
+        max_completion_tokens=cfg.run.max_turns * cfg.run.max_tokens_per_turn,
+        correction=t.correction,
+        is_cap=t.is_cap,
+        sequence_mask=t.sequence_mask,
+        loss_type=t.loss_type,
+        kl_coef=t.kl_coef,
+        kl_bias_correction=t.kl_bias_correction,
+        advantage_std=t.advantage_std,
+    )
