@@ -31,6 +31,9 @@ class TurnRequest:
     prefill_only: bool = False  # PD: prefill then hand the KV over (max_tokens forced to 1)
     kv_transfer_params: dict[str, Any] | None = None  # PD: from the prefill worker's result
     stop_token_ids: tuple[int, ...] = ()
+    # return each generated token's log-prob (the trainer's behaviour policy); it costs a
+    # log-softmax over the vocabulary per token (small next to a real model's forward)
+    logprobs: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -370,7 +370,7 @@ class EngineRunner:
             # step ("CPU Generator does not use offset"), so CPU engines sample unseeded
             seed=request.seed if self.spec.device != "cpu" else None,
             stop_token_ids=list(request.stop_token_ids),
-            logprobs=0,  # the sampled token's own
+            logprobs=0 if request.logprobs else None,  # 0: the sampled token's own
             extra_args=extra or None,
         )
         try:

@@ -58,6 +58,7 @@ class RolloutConfig:
     max_context_tokens: int = 768  # a trajectory stops before its context passes this
     temperature: float = 1.0  # 0 = greedy
     seed: int = 0
+    record_logprobs: bool = True  # the engines' log-prob of every generated token (mu)
 
     def __post_init__(self) -> None:
         for name in ("num_groups", "group_size", "max_tokens_per_turn", "max_context_tokens"):
@@ -175,6 +176,7 @@ async def run_trajectory(
                 if config.temperature == 0
                 else sample_seed * 7919 + turn * 131 + interruptions,
                 stop_token_ids=(eos,),
+                logprobs=config.record_logprobs,
             )
             routed = await router.generate(trajectory_id, request)
             result = routed.result

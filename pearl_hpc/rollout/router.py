@@ -226,7 +226,7 @@ class Router:
     async def _disaggregated(self, trajectory_id: str, request: TurnRequest) -> RoutedTurn:
         pid = self.table.choose(Role.PREFILL)
         assert pid is not None
-        pre = await self._call(pid, _replace(request, prefill_only=True), None)
+        pre = await self._call(pid, _replace(request, prefill_only=True, logprobs=False), None)
         if pre.aborted or pre.kv_transfer_params is None:
             raise _Retry  # drained during prefill: nothing generated yet, start over
         did = self.table.choose(Role.DECODE)
