@@ -345,10 +345,6 @@ class MasterPlane:
         """A group whose members died: forget its link without a collective call."""
         self.links.pop(group, None)
 
-    def abort(self) -> None:
-        """The master failed: end every base rank now (the caller cancels elastic jobs)."""
-        self.links["base"].Abort(1)
-
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Tell every live member to exit and wait (bounded) until they and the members
         already leaving have acknowledged."""
