@@ -116,7 +116,10 @@ class ManualClock:
 def uneven_batch() -> list[Any]:
     """8 finished trajectories in 2 GRPO groups from raw token ids, of very different
     lengths (3 to 24 generated tokens): split over data-parallel ranks, the ranks hold
-    different numbers of policy tokens."""
+    different numbers of policy tokens. Every other one has behaviour log-probs (near the
+    untrained tiny model's -log(vocabulary), some far enough for the cap to act)."""
+    import math
+
     from pearl_hpc.rollout.types import Segment, Trajectory
 
     out = []
@@ -124,8 +127,10 @@ def uneven_batch() -> list[Any]:
         group = i // 4
         prompt = tuple(range(40 + 5 * group, 46 + 5 * group))
         generated = tuple(200 + 13 * i + k for k in range(3 + 3 * i))
+        mu = tuple(-11.9 + 1.2 * math.sin(3 * i + k) for k in range(len(generated)))
         tail = tuple(range(90, 90 + i % 3))  # an environment observation (no loss)
-        segments = [Segment(prompt, False), Segment(generated, True), Segment(tail, False)]
+        policy = Segment(generated, True, mu if i % 2 == 0 else (), weight_version=0)
+        segments = [Segment(prompt, False), policy, Segment(tail, False)]
         reward = float((i * 7) % 5) / 4
         out.append(Trajectory(f"u{i}", f"g{group}", segments, reward, True, {0}))
     return out

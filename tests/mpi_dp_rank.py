@@ -18,7 +18,8 @@ from pearl_hpc.train.grpo import GRPOConfig, GRPOTrainer
 from pearl_hpc.train.wgroup import WeightGroup, WeightStore
 from tests.factories import uneven_batch
 
-DP_CONFIG = GRPOConfig(lr=1e-2, minibatch_size=4, epochs=2)
+DP_CONFIG = GRPOConfig(lr=1e-2, minibatch_size=4, epochs=2, correction="tis", sequence_mask=3.5)
+OFF_POLICY = ("mismatch_mean", "mismatch_max", "capped_frac", "masked_sequences")
 
 
 def main(model_dir: str, out_dir: str) -> int:
@@ -34,7 +35,14 @@ def main(model_dir: str, out_dir: str) -> int:
     out = Path(out_dir)
     torch.save(trainer.state_dict(), out / f"rank{rank}.pt")
     (out / f"rank{rank}.json").write_text(
-        json.dumps({"loss": stats.loss, "grad_norm": stats.grad_norm, "kl": stats.kl})
+        json.dumps(
+            {
+                "loss": stats.loss,
+                "grad_norm": stats.grad_norm,
+                "kl": stats.kl,
+                **{k: getattr(stats, k) for k in OFF_POLICY},
+            }
+        )
     )
     comm.Barrier()  # rank 0's store outlives every rank's last collective
     return 0
