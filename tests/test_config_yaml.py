@@ -157,6 +157,7 @@ def test_load_yaml_reads_a_file_with_these_rules(tmp_path: Path) -> None:
         ({"advantage_std": "n-1"}, "train.advantage_std 'n-1'"),
         ({"is_cap": 0.5}, "is_cap"),
         ({"clip": 0.2}, "unknown key 'clip'"),
+        ({"record_logprobs": False}, "train.record_logprobs false: correction tis needs"),
     ],
 )
 def test_a_bad_train_section_names_the_field(tmp_path: Path, train: dict, names: str) -> None:

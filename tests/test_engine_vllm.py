@@ -240,15 +240,14 @@ def test_trajectory_interrupted_by_drain_resumes_on_another_worker(fleet: Fleet,
     fleet.run(other.set_role(Role.PREFILL))
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_behaviour_logprobs_equal_the_trainers_across_drain_pd_and_resume(
-    fleet: Fleet, chat: ChatFormat, tiny_model_dir: str, temperature: float
+    fleet: Fleet, chat: ChatFormat, tiny_model_dir: str
 ):
     """The log-probs the engines record per generated token (the behaviour policy mu)
     equal the trainer's recomputed ones of the same weights at the same temperature:
-    through a turn drained mid-generation and resumed on another worker, a trajectory
-    prefilled and decoded on two PD workers, and that one resumed after its first turn
-    from its journal record (what a restarted master does)."""
+    through a turn drained mid-generation and resumed on another worker (temperature 1),
+    a trajectory prefilled and decoded on two PD workers, and that one resumed after its
+    first turn from its journal record, what a restarted master does (temperature 0.7)."""
     import torch
 
     from pearl_hpc.rollout.types import Trajectory
@@ -256,11 +255,11 @@ def test_behaviour_logprobs_equal_the_trainers_across_drain_pd_and_resume(
     from pearl_hpc.train.objective import token_logprobs
 
     col, other = fleet.client("col"), fleet.client("pre")
-    config = RolloutConfig(
-        num_groups=1, group_size=1, max_tokens_per_turn=200, temperature=temperature
-    )
 
-    def trajectory(router: Router, name: str, resume: Trajectory | None = None):
+    def trajectory(router: Router, name: str, temperature: float, resume=None):
+        config = RolloutConfig(
+            num_groups=1, group_size=1, max_tokens_per_turn=200, temperature=temperature
+        )
         return run_trajectory(
             router, ScriptedEnv(), chat, trajectory_id=name, group_id="g", env_seed=5,
             sample_seed=5, config=config, resume=resume,
@@ -269,7 +268,7 @@ def test_behaviour_logprobs_equal_the_trainers_across_drain_pd_and_resume(
     fleet.run(other.set_role(Role.COLOCATED))
     router = _router(fleet, {"col": Role.COLOCATED, "pre": Role.COLOCATED}, Mode.COLOCATED)
     router.table.workers["pre"].in_flight = 100  # make "col" the first choice
-    running = asyncio.run_coroutine_threadsafe(trajectory(router, "drained"), fleet.loop)
+    running = asyncio.run_coroutine_threadsafe(trajectory(router, "drained", 1.0), fleet.loop)
     _wait_generating(fleet, "col", 5)
     router.remove("col")
     router.table.workers["pre"].in_flight = 0
@@ -282,22 +281,20 @@ def test_behaviour_logprobs_equal_the_trainers_across_drain_pd_and_resume(
     assert [s.generated for s in first_turn] == [True, True]
     assert all(len(s.logprobs) == len(s.token_ids) > 0 for s in first_turn)
 
-    pd = fleet.run(
-        trajectory(
-            _router(fleet, {"pre": Role.PREFILL, "dec": Role.DECODE}, Mode.DISAGGREGATED), "pd"
-        )
-    )
+    pd_router = _router(fleet, {"pre": Role.PREFILL, "dec": Role.DECODE}, Mode.DISAGGREGATED)
+    pd = fleet.run(trajectory(pd_router, "pd", 0.7))
     record = Trajectory.from_dict(json.loads(json.dumps(pd.to_dict())))  # the journal's line
     cut = next(i for i, s in enumerate(record.segments) if i and not s.generated)
     record.segments, record.turns = record.segments[: cut + 1], record.turns[:1]
     record.done, record.reward = False, None
     resumed = fleet.run(
-        trajectory(_router(fleet, {"col": Role.COLOCATED}, Mode.COLOCATED), "pd", resume=record)
+        trajectory(_router(fleet, {"col": Role.COLOCATED}, Mode.COLOCATED), "pd", 0.7, record)
     )
     assert resumed.segments[: cut + 1] == pd.segments[: cut + 1]  # the prefix's mu kept
 
-    trainer = GRPOTrainer(tiny_model_dir, GRPOConfig(temperature=temperature))
-    for name, traj in (("drained", drained), ("pd", pd), ("pd resumed", resumed)):
+    trainer = GRPOTrainer(tiny_model_dir, GRPOConfig())
+    runs = (("drained", drained, 1.0), ("pd", pd, 0.7), ("pd resumed", resumed, 0.7))
+    for name, traj, temperature in runs:
         ids = torch.tensor([traj.token_ids()])
         with torch.no_grad():
             recomputed = token_logprobs(trainer.model, ids, torch.ones_like(ids), temperature)[0]

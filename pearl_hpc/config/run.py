@@ -246,6 +246,12 @@ class TrainSettings:
     advantage_std: str = spec_field(
         "a group's reward std: population (n) | sample (n - 1: TRL, verl)", default="population"
     )
+    record_logprobs: bool = spec_field(
+        "the engines return each generated token's log-prob (a log-softmax over the "
+        "vocabulary per token); false only with correction none: the gap is then not "
+        "measured",
+        default=True,
+    )
 
 
 @dataclass(frozen=True)
@@ -321,6 +327,11 @@ def train_problem(train: TrainSettings) -> str:
     ):
         if getattr(train, key) not in choices:
             return f"train.{key} {getattr(train, key)!r}: use one of {', '.join(choices)}"
+    if not train.record_logprobs and train.correction != "none":
+        return (
+            f"train.record_logprobs false: correction {train.correction} needs the engines' "
+            "log-probs; record them, or use correction none"
+        )
     return ""
 
 

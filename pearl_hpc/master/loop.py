@@ -290,6 +290,7 @@ class MasterRun:
             max_tokens_per_turn=cfg.run.max_tokens_per_turn,
             temperature=cfg.run.temperature,
             seed=cfg.run.seed,
+            record_logprobs=cfg.train.record_logprobs,
         )
 
         def make() -> Any:
