@@ -28,6 +28,7 @@ from pearl_hpc.errors import ConfigError
 from pearl_hpc.rollout.envs import ENV_NAMES
 from pearl_hpc.sim.traces import AvailabilityTrace, load_segment, load_trace
 from pearl_hpc.slurm.scripts import SLURM_TIME
+from pearl_hpc.train import CORRECTIONS, LOSS_TYPES
 
 BACKENDS = ("local", "slurm")
 
@@ -213,10 +214,6 @@ class RunSettings:
     @property
     def batch_size(self) -> int:
         return self.num_groups * self.group_size
-
-
-CORRECTIONS = ("none", "tis", "decoupled")  # train/objective.py's (no torch here)
-LOSS_TYPES = ("bnpo", "grpo", "dr_grpo")
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from pearl_hpc.errors import PearlError
-
-CORRECTIONS = ("none", "tis", "decoupled")
-LOSS_TYPES = ("bnpo", "grpo", "dr_grpo")
+from pearl_hpc.train import CORRECTIONS, LOSS_TYPES
 
 
 class TrainError(PearlError):
