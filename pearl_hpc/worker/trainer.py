@@ -27,6 +27,7 @@ from pearl_hpc.comm.messages import COLLECTIVE, Command, Kind, Op
 from pearl_hpc.comm.mpi import WorkerPlane
 from pearl_hpc.config.run import RankSpec, RunConfig
 from pearl_hpc.master.journal import prune_snapshots
+from pearl_hpc.master.members import OFF_POLICY_FIGURES
 from pearl_hpc.rollout.types import Trajectory
 
 log = logging.getLogger(__name__)
@@ -119,11 +120,7 @@ class TrainerRank:
             "loss": stats.loss,
             "num_tokens": stats.num_tokens,
             "wall_s": stats.wall_s,
-            "clip_frac": stats.clip_frac,
-            "mismatch_mean": stats.mismatch_mean,
-            "mismatch_max": stats.mismatch_max,
-            "capped_frac": stats.capped_frac,
-            "behaviour_coverage": stats.behaviour_coverage,
+            **{k: getattr(stats, k) for k in OFF_POLICY_FIGURES},
         }
 
     async def _client(self, name: str, host: str, port: int) -> Any:
