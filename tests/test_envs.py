@@ -64,7 +64,7 @@ def synthetic_episode(seed: int, action: str = "x", **options: Any) -> list[EnvS
 
 
 def test_registry_names() -> None:
-    assert set(ENV_NAMES) == {"calc", "synthetic"}
+    assert set(ENV_NAMES) == {"calc", "code", "synthetic"}
     for name in ENV_NAMES:
         env = make_env(name)
         assert env.name == name
@@ -74,7 +74,12 @@ def test_registry_names() -> None:
 @pytest.mark.parametrize(
     ("name", "options", "match"),
     [
-        ("chess", {}, "unknown environment 'chess'; valid: calc, synthetic"),
+        ("chess", {}, "run.env 'chess' is unknown; built-in: calc, code, synthetic; plugins"),
+        ("no_such_pkg.mod:make", {}, "cannot import 'no_such_pkg.mod'.*PYTHONPATH"),
+        ("pearl_hpc.rollout.envs:nothing", {}, "has no 'nothing'"),
+        ("pearl_hpc.rollout.envs:ENV_NAMES", {}, "names tuple, not a factory"),
+        ("pearl_hpc.rollout.envs:CalcConfig", {}, "needs an async reset"),
+        ("code", {"split": "test"}, "code.split='test' is unknown; valid: train, eval, all"),
         ("calc", {"max_turn": 3}, "unknown option.*max_turn; valid: max_turns"),
         ("calc", {"limits": {"timeout": 1}}, "calc.limits: unknown option.*timeout_s"),
         ("calc", {"max_turns": 0}, "calc.max_turns"),

@@ -84,7 +84,13 @@ class FakeTokenizer:
         return [ord(c) % 50 + 1 for c in text]
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        if not skip_special_tokens:
+            return " ".join("|" if i == EOS else str(i) for i in ids)
         return " ".join(str(i) for i in ids if i != EOS)
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **_):
+        text = "".join(f"{m['role'][0]}:{m['content']}|" for m in messages)  # "|": the eos
+        return text + ("a:" if add_generation_prompt else "")
 
 
 @dataclass

@@ -7,8 +7,9 @@
     elastic: max_workers, grace_s; pools and request (slurm: what is asked of Slurm) or
              trace | replay (local: the machine's availability)
     slurm:   squeue polling, socket interface, lease (backend slurm)
-    run:     the workload (steps, env, batch, sampling, staleness)
+    run:     the workload (steps, env and its options, tasks, batch, sampling, staleness)
     train:   the GRPO objective (off-policy correction, loss aggregation, KL, advantages)
+    dashboards: TensorBoard event files, Weights & Biases (the metrics.jsonl keys)
 
 Strict: an unknown key, a value out of range or an inconsistent pair is a
 :class:`~pearl_hpc.errors.ConfigError` naming the field and the fix.
@@ -19,13 +20,17 @@ from __future__ import annotations
 import re
 import shutil
 from dataclasses import dataclass, replace
+from importlib.util import find_spec
 from pathlib import Path
+from typing import Any
 
 from pearl_hpc.config.files import load_yaml
 from pearl_hpc.core.policies import PolicyConfig
 from pearl_hpc.core.schema import from_mapping, spec_field
 from pearl_hpc.errors import ConfigError
-from pearl_hpc.rollout.envs import ENV_NAMES
+from pearl_hpc.rollout.envs import make_env
+from pearl_hpc.rollout.sandbox import SandboxUnavailable
+from pearl_hpc.rollout.tasks import TaskSet, load_task_set
 from pearl_hpc.sim.traces import AvailabilityTrace, load_segment, load_trace
 from pearl_hpc.slurm.scripts import SLURM_TIME
 from pearl_hpc.train import CORRECTIONS, LOSS_TYPES
@@ -193,9 +198,38 @@ class SlurmSettings:
 
 
 @dataclass(frozen=True)
+class TasksSettings:
+    path: str = spec_field(
+        "tasks: a .jsonl or .parquet file or a datasets directory, one task per row "
+        "(handed to the environment's reset); '' = the environment draws its own",
+        default="",
+    )
+    eval_path: str = spec_field("held-out tasks; '' = eval_fraction of path", default="")
+    eval_fraction: float = spec_field(
+        "share of path held out (eval split) when there is no eval_path", default=0.0, ge=0, le=0.9
+    )
+    shuffle: bool = spec_field("a new seeded order every pass over the tasks", default=True)
+
+
+@dataclass(frozen=True)
 class RunSettings:
     steps: int = spec_field("training steps", default=4, ge=1)
-    env: str = spec_field("environment: calc | synthetic", default="calc")
+    env: str = spec_field(
+        "environment: calc | code | synthetic, an installed plugin's name (entry point "
+        "group pearl_hpc.environments) or an import path package.module:factory",
+        default="calc",
+    )
+    env_options: dict[str, Any] = spec_field(
+        "keyword options of the environment's factory (its config fields)", default={}
+    )
+    env_timeout_s: float = spec_field(
+        "one environment reset or step; past it that trajectory fails (kept out of training)",
+        default=120.0,
+        gt=0,
+    )
+    tasks: TasksSettings = spec_field(
+        "the task dataset (none: built-in tasks)", default=TasksSettings()
+    )
     max_turns: int = spec_field("turns per trajectory", default=2, ge=1)
     num_groups: int = spec_field("prompts per step", default=2, ge=1)
     group_size: int = spec_field("samples per prompt (GRPO group)", default=4, ge=1)
@@ -251,6 +285,23 @@ class TrainSettings:
     )
 
 
+WANDB_MODES = ("offline", "online")
+
+
+@dataclass(frozen=True)
+class DashboardSettings:
+    tensorboard: bool = spec_field(
+        "TensorBoard event files in RUN_DIR/tensorboard (pip install tensorboard)", default=False
+    )
+    wandb_project: str = spec_field(
+        "a Weights & Biases project to log to; '' = off (pip install wandb)", default=""
+    )
+    wandb_mode: str = spec_field(
+        "offline (no network; `wandb sync RUN_DIR/wandb/offline-run-*` later) | online",
+        default="offline",
+    )
+
+
 @dataclass(frozen=True)
 class RunConfig:
     name: str = spec_field("run name (labels the run directory)")
@@ -271,6 +322,9 @@ class RunConfig:
     elastic: ElasticConfig = spec_field("elastic capacity", default=ElasticConfig())
     run: RunSettings = spec_field("the workload", default=RunSettings())
     train: TrainSettings = spec_field("the GRPO objective", default=TrainSettings())
+    dashboards: DashboardSettings = spec_field(
+        "metrics dashboards besides metrics.jsonl", default=DashboardSettings()
+    )
 
 
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")  # a run directory's stem
@@ -307,12 +361,64 @@ def load_run_config(path: str | Path, *, need_slurm: bool = True) -> RunConfig:
             f"{path}: backend slurm needs the Slurm commands (sbatch not on PATH); run on a "
             "Slurm cluster (slurm/local-cluster.sh up for a local one) or use backend: local"
         )
-    if cfg.run.env not in ENV_NAMES:
-        raise ConfigError(f"{path}: run.env {cfg.run.env!r}: use one of {list(ENV_NAMES)}")
-    problem = layout_problem(cfg.workers, cfg.layout) or train_problem(cfg.train)
+    problem = (
+        layout_problem(cfg.workers, cfg.layout)
+        or train_problem(cfg.train)
+        or dashboards_problem(cfg.dashboards)
+    )
     if problem:
         raise ConfigError(f"{path}: {problem}")
+    try:
+        check_environment(cfg.run)
+        load_tasks(cfg.run)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
     return cfg
+
+
+def environment(run: RunSettings) -> Any:
+    """A fresh environment of the run (one per trajectory)."""
+    return make_env(run.env, max_turns=run.max_turns, **run.env_options)
+
+
+def check_environment(run: RunSettings) -> None:
+    """``run.env`` and its options make an environment (a machine without the tool
+    sandbox is told so when the run starts, not by a config check)."""
+    try:
+        environment(run)
+    except SandboxUnavailable:
+        pass
+    except ConfigError as e:
+        raise ConfigError(
+            str(e) if str(e).startswith("run.env") else f"run.env_options: {e}"
+        ) from None
+
+
+def load_tasks(run: RunSettings) -> TaskSet | None:
+    """``run.tasks`` read (None when unset)."""
+    t = run.tasks
+    if not t.path:
+        if t.eval_path:
+            raise ConfigError("run.tasks.eval_path is set without run.tasks.path; set both")
+        return None
+    return load_task_set(
+        t.path,
+        eval_path=t.eval_path,
+        eval_fraction=t.eval_fraction,
+        shuffle=t.shuffle,
+        seed=run.seed,
+    )
+
+
+def dashboards_problem(dashboards: DashboardSettings) -> str:
+    """What is wrong with ``dashboards:`` ('' if nothing; pure but for import checks)."""
+    if dashboards.wandb_mode not in WANDB_MODES:
+        return f"dashboards.wandb_mode {dashboards.wandb_mode!r}: use offline or online"
+    if dashboards.tensorboard and find_spec("tensorboard") is None:
+        return "dashboards.tensorboard needs the tensorboard package: pip install tensorboard"
+    if dashboards.wandb_project and find_spec("wandb") is None:
+        return "dashboards.wandb_project needs the wandb package: pip install wandb"
+    return ""
 
 
 def train_problem(train: TrainSettings) -> str:

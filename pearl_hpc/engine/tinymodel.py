@@ -26,12 +26,34 @@ from typing import Any
 MARKER = "pearl-tiny-model.json"  # written last: a directory without it is incomplete
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML with tools and the tool role in the Qwen3 / Hermes layout: tool specs in the
+# system message inside <tools>, calls as <tool_call> JSON, results in <tool_response>
+# inside a user turn (consecutive results share it).
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    '{{- \'# Tools\\n\\nCall a tool by writing <tool_call>{\\"name\\": NAME, '
+    '\\"arguments\\": {...}}</tool_call>. The tools:\\n<tools>\' }}'
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools><|im_end|>\\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif message['role'] != 'system' or not loop.first %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+TEMPLATE_VERSION = 2  # in the marker: a model built with another template is rebuilt
 
 
 @dataclass(frozen=True)
@@ -144,7 +166,8 @@ def build_tiny_model(out_dir: Path | str, spec: TinyModelSpec | None = None) -> 
     spec = spec or TinyModelSpec()
     out = Path(out_dir)
     marker = out / MARKER
-    if marker.exists() and json.loads(marker.read_text()) == asdict(spec):
+    built = {**asdict(spec), "template_version": TEMPLATE_VERSION}
+    if marker.exists() and json.loads(marker.read_text()) == built:
         return out
     out.mkdir(parents=True, exist_ok=True)
     marker.unlink(missing_ok=True)
@@ -171,5 +194,5 @@ def build_tiny_model(out_dir: Path | str, spec: TinyModelSpec | None = None) -> 
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    marker.write_text(json.dumps(asdict(spec)))
+    marker.write_text(json.dumps(built))
     return out

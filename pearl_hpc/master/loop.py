@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -40,11 +41,12 @@ from pearl_hpc.backends.local import LocalBackend
 from pearl_hpc.backends.trace import TraceDriver
 from pearl_hpc.comm.mpi import MasterPlane
 from pearl_hpc.config.files import REPO_CONFIGS, load_profile
-from pearl_hpc.config.run import ENGINE, TRAINER, RunConfig, base_layout
+from pearl_hpc.config.run import ENGINE, TRAINER, DashboardSettings, RunConfig, base_layout
 from pearl_hpc.core.controller import Controller, Event
 from pearl_hpc.core.table import IN_SERVICE
 from pearl_hpc.core.types import Mode
 from pearl_hpc.engine.vllm_engine import EngineSpec
+from pearl_hpc.master.dashboards import Dashboards
 from pearl_hpc.master.executor import WorkerExecutor
 from pearl_hpc.master.journal import (
     TrajectoryLog,
@@ -169,6 +171,8 @@ class MasterRun:
         self._last_table: list[list[Any]] = []
         self._pump_stop = asyncio.Event()
         self._demand = -1  # the elastic workers last asked of the backend
+        config = json.loads(json.dumps(asdict(cfg), default=str))
+        self.dashboards = Dashboards(cfg.dashboards, run_dir, cfg.name, config)
 
     def clock(self) -> float:
         """Run time: continues across masters of the same run."""
@@ -247,6 +251,7 @@ class MasterRun:
             if replay_task is not None:
                 replay_task.cancel()
             tlog.close()
+            self.dashboards.close()
             self._pump_stop.set()
             with contextlib.suppress(Exception):
                 await pump_task
@@ -279,8 +284,8 @@ class MasterRun:
     def _build_workload(self) -> Workload:
         from transformers import AutoTokenizer
 
+        from pearl_hpc.config.run import environment, load_tasks
         from pearl_hpc.rollout.agent import ChatFormat, RolloutConfig
-        from pearl_hpc.rollout.envs import make_env
 
         cfg = self.cfg
         chat = ChatFormat(cast(Any, AutoTokenizer.from_pretrained(self.model_dir)))
@@ -291,12 +296,10 @@ class MasterRun:
             temperature=cfg.run.temperature,
             seed=cfg.run.seed,
             record_logprobs=cfg.train.record_logprobs,
+            env_timeout_s=cfg.run.env_timeout_s,
         )
-
-        def make() -> Any:
-            return make_env(cfg.run.env, max_turns=cfg.run.max_turns)
-
-        return Workload(chat=chat, rollout=rollout, make_env=make)
+        tasks = load_tasks(cfg.run)
+        return Workload(chat, rollout, functools.partial(environment, cfg.run), tasks)
 
     def _profile(self) -> Any:
         path = Path(self.cfg.profile)
@@ -441,6 +444,12 @@ class MasterRun:
         with (self.run_dir / "metrics.jsonl").open("a") as f:
             f.write(json.dumps(asdict(m)) + "\n")
         self.save_state(m.step + 1, "running")
+        try:
+            self.dashboards.log(m)
+        except Exception as e:
+            self.events("dashboards_failed", error=f"{type(e).__name__}: {e}")
+            self.dashboards.close()
+            self.dashboards = Dashboards(DashboardSettings(), self.run_dir, self.cfg.name, {})
         if self.on_step is not None:
             self.on_step(m)
 

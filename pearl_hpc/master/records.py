@@ -55,7 +55,7 @@ class StepMetrics:
     elastic_workers: int
     borrowed: bool
     moved_turns: int
-    trajectories: int  # finished (done, rewarded) trajectories trained on
+    trajectories: int  # trajectories trained on (those an environment fault ended left out)
     resumed: int  # trajectories of the step recovered from a previous master's journal
     predicted_s: float  # the tracker's prediction of this rollout (before it ran)
     config: str  # the serving configuration at rollout start, e.g. 2C or 1P1D
@@ -68,6 +68,7 @@ class StepMetrics:
     capped_frac: float = 0.0
     clip_frac: float = 0.0
     behaviour_coverage: float = 0.0  # share of policy tokens that had a mu
+    env_failures: int = 0  # trajectories an environment fault ended (reason in the journal)
 
 
 class EventLog:

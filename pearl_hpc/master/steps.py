@@ -40,6 +40,7 @@ from pearl_hpc.master.members import RemoteTrainer, TrainResult
 from pearl_hpc.master.records import StepMetrics
 from pearl_hpc.rollout.agent import rollout_batch, tracker_turns
 from pearl_hpc.rollout.router import Router
+from pearl_hpc.rollout.tasks import TaskSet
 from pearl_hpc.rollout.types import Trajectory
 
 
@@ -65,6 +66,7 @@ class Workload:
     chat: Any  # pearl_hpc.rollout.agent.ChatFormat
     rollout: Any  # pearl_hpc.rollout.agent.RolloutConfig
     make_env: Callable[[], Any]
+    tasks: TaskSet | None = None  # run.tasks (None: the environment draws its own)
 
 
 def serving_prediction(controller: Controller) -> tuple[str, float]:
@@ -163,6 +165,7 @@ class StepPipeline:
             step=step,
             on_turn=functools.partial(self._record_turn, step),
             journaled=journaled,
+            tasks=self.work.tasks,
         )
         rollout_s = time.perf_counter() - t0
         iterations = []
@@ -224,7 +227,8 @@ class StepPipeline:
             )
         executor.counters.return_latency_s.append(return_latency)
         t1 = time.perf_counter()
-        stats = await self.trainer.train(step, trajectories)  # trainer 0 writes the snapshot
+        trained = trainable(step, trajectories)
+        stats = await self.trainer.train(step, trained)  # trainer 0 writes the snapshot
         train_s = time.perf_counter() - t1
         return stats, train_s, return_latency
 
@@ -259,7 +263,8 @@ class StepPipeline:
                 elastic_workers=self.elastic_workers(),
                 borrowed=done.borrowed,
                 moved_turns=done.moved_turns,
-                trajectories=sum(1 for t in done.trajectories if t.done and t.reward is not None),
+                trajectories=sum(1 for t in done.trajectories if not t.info.get("failed")),
+                env_failures=sum(1 for t in done.trajectories if t.info.get("failed")),
                 resumed=done.resumed,
                 predicted_s=round(done.predicted_s, 3),
                 config=done.config,
@@ -271,3 +276,16 @@ class StepPipeline:
                 behaviour_coverage=round(stats.behaviour_coverage, 4),
             )
         )
+
+
+def trainable(step: int, trajectories: list[Trajectory]) -> list[Trajectory]:
+    """The batch without the trajectories an environment fault ended (their reward says
+    nothing about the policy); a step where every one failed stops the run, naming why."""
+    kept = [t for t in trajectories if not t.info.get("failed")]
+    if trajectories and not kept:
+        reasons = sorted({str(t.info["failed"]) for t in trajectories})
+        raise RuntimeError(
+            f"step {step}: the environment failed all {len(trajectories)} trajectories: "
+            + "; ".join(reasons[:3])
+        )
+    return kept

@@ -79,13 +79,13 @@ def make_setup(
             prefix_affinity=prefix_affinity,
         )
 
-    reserved = rollout_gpus if fixed else RESERVED_ROLLOUT_GPUS
+    reserved = rollout_gpus if rollout_gpus is not None else RESERVED_ROLLOUT_GPUS
     _check_gpus("--rollout-gpus" if fixed else "reserved rollout GPUs", reserved, tp)
     _check_gpus("--training-gpus", training_gpus, tp)
     if name == "roll":  # 4 GPUs, or the fixed resources every system gets
         return setup(_policy(base, coloc, none), reserved, False, False)
     if name == "roll-large":
-        gpus = rollout_gpus if fixed else ROLL_LARGE_GPUS.get(segment or 0)
+        gpus = rollout_gpus if rollout_gpus is not None else ROLL_LARGE_GPUS.get(segment or 0)
         if gpus is None:
             raise SimConfigError("roll-large needs --segment 1|2|3 or --rollout-gpus N")
         _check_gpus("roll-large rollout GPUs", gpus, tp)

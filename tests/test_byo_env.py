@@ -1,0 +1,131 @@
+"""Bring your own environment and tasks: a third-party package, built and pip-installed
+in the test, found by its entry point; `pearl-hpc run` trains on it with a task file,
+one environment fault stays in its trajectories, and the step metrics reach TensorBoard
+event files that TensorBoard's own reader reads."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pearl_hpc.backends.world import run_to_summary
+from pearl_hpc.config.run import load_run_config
+from pearl_hpc.errors import ConfigError
+from pearl_hpc.rollout.envs import make_env
+from pearl_hpc.rollout.envs.registry import plugin_names
+from tests.conftest import vllm_skip_reason
+from tests.plugin_env import ENTRY_POINT, IMPORT_PATH, install_package
+
+
+@pytest.fixture(scope="module")
+def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return install_package(tmp_path_factory.mktemp("plugin"))
+
+
+def test_an_installed_package_registers_its_environment(plugin_site: Path, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(plugin_site))
+    assert ENTRY_POINT in plugin_names()
+    by_entry_point, by_path = make_env(ENTRY_POINT, max_turns=3), make_env(IMPORT_PATH)
+    assert type(by_entry_point).__name__ == type(by_path).__name__ == "EchoEnv"
+    assert by_entry_point.max_turns == 3
+
+    async def play() -> float:
+        await by_path.reset(0, {"id": "a", "word": "tool"})
+        return (await by_path.step("a tool")).reward
+
+    assert asyncio.run(play()) == 0.5
+    with pytest.raises(
+        ConfigError, match=r"echo-word: unknown option\(s\) turns; valid: max_turns"
+    ):
+        make_env(ENTRY_POINT, turns=3)
+    with pytest.raises(ConfigError, match=r"echo-word.max_turns must be int like its default 2"):
+        make_env(ENTRY_POINT, max_turns="three")
+
+
+CONFIG = {
+    "name": "byo",
+    "profile": "profiles/tiny-cpu.yaml",
+    "workers": {"training_gpus": 1, "reserved_rollout": 1, "overlap": 0},
+    "run": {
+        "steps": 2,
+        "env": ENTRY_POINT,
+        "env_options": {"fail_on": "broken"},
+        "max_turns": 2,
+        "num_groups": 2,
+        "group_size": 4,
+        "max_tokens_per_turn": 12,
+        "max_staleness": 0,
+    },
+    "dashboards": {"tensorboard": True},
+}
+
+
+def _write(tmp_path: Path, config: dict) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({**config, "runs_dir": str(tmp_path / "runs")}))
+    return path
+
+
+def test_run_config_checks_the_environment_and_the_tasks(tmp_path: Path) -> None:
+    bad_env = {**CONFIG, "run": {**CONFIG["run"], "env": "no_such_env"}}
+    with pytest.raises(ConfigError, match=r"run\.env 'no_such_env' is unknown"):
+        load_run_config(_write(tmp_path, bad_env))
+    bad_options = {**CONFIG, "run": {**CONFIG["run"], "env": "calc", "env_options": {"x": 1}}}
+    with pytest.raises(ConfigError, match=r"run.env_options: calc: unknown option\(s\) x"):
+        load_run_config(_write(tmp_path, bad_options))
+    tasks = {"path": str(tmp_path / "none.jsonl")}
+    no_file = {**CONFIG, "run": {**CONFIG["run"], "env": "calc", "env_options": {}, "tasks": tasks}}
+    with pytest.raises(ConfigError, match=r"run.tasks.path: .*none.jsonl does not exist"):
+        load_run_config(_write(tmp_path, no_file))
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(vllm_skip_reason() is not None, reason=str(vllm_skip_reason()))
+def test_pearl_hpc_run_trains_a_plugin_environment_on_a_task_file(
+    tmp_path: Path, plugin_site: Path, monkeypatch
+) -> None:
+    monkeypatch.setenv("PEARL_HPC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PYTHONPATH", str(plugin_site))  # the world's ranks import it too
+    monkeypatch.syspath_prepend(str(plugin_site))
+    rows = [{"id": "broken", "word": "x"}] + [
+        {"id": f"w{i}", "word": w} for i, w in enumerate(["tool", "value", "answer"])
+    ]
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tasks = {"path": str(tmp_path / "tasks.jsonl"), "shuffle": False}
+    config = {**CONFIG, "run": {**CONFIG["run"], "tasks": tasks}}
+    cfg = load_run_config(_write(tmp_path, config))
+    run_dir = tmp_path / "runs" / "byo"
+    summary = run_to_summary(cfg, run_dir)
+    assert summary["steps"] == 2
+
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # step 0: tasks broken, w0 (the broken one's 4 trajectories fail, the run goes on);
+    # step 1: w1, w2
+    assert [m["env_failures"] for m in metrics] == [4, 0]
+    assert [m["trajectories"] for m in metrics] == [4, 8]
+    assert [m["version"] for m in metrics] == [1, 2]
+    journal = [
+        json.loads(line)
+        for f in sorted((run_dir / "trajectories").glob("*.jsonl"))
+        for line in f.read_text().splitlines()
+    ]
+    last = {t["trajectory_id"]: t for t in journal}  # the latest record of each
+    failed = [t for t in last.values() if t["info"].get("failed")]
+    assert len(failed) == 4 and {t["info"]["task_id"] for t in failed} == {"broken"}
+    assert "raised RuntimeError: task broken is broken" in failed[0]["info"]["failed"]
+    assert {t["info"]["task_id"] for t in last.values()} == {"broken", "w0", "w1", "w2"}
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    rewards = events.Scalars("pearl/mean_reward")
+    assert [e.step for e in rewards] == [0, 1]
+    assert [round(e.value, 4) for e in rewards] == [m["mean_reward"] for m in metrics]
+    assert {"pearl/rollout_s", "pearl/env_failures", "pearl/mismatch_mean"} <= set(
+        events.Tags()["scalars"]
+    )
