@@ -21,8 +21,8 @@ T = TypeVar("T")
 
 
 class Fleet:
-    def __init__(self, model_dir: str, run_dir: Path) -> None:
-        self.spec = EngineSpec(model_dir=model_dir)
+    def __init__(self, model_dir: str, run_dir: Path, max_model_len: int = 1024) -> None:
+        self.spec = EngineSpec(model_dir=model_dir, max_model_len=max_model_len)
         self.run_dir = run_dir
         self.key = new_key()
         self.workers: dict[str, WorkerProcess] = {}

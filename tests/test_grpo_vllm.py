@@ -11,7 +11,7 @@ import pytest
 
 from pearl_hpc.core.types import Mode, Role
 from pearl_hpc.engine.types import TurnRequest
-from pearl_hpc.rollout.agent import ChatFormat, RolloutConfig
+from pearl_hpc.rollout.agent import ChatFormat, RolloutConfig, rollout_batch
 from pearl_hpc.rollout.envs import make_env
 from pearl_hpc.rollout.router import Router
 from tests.conftest import vllm_skip_reason
@@ -26,7 +26,8 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def setup(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
 
-    fleet = Fleet(tiny_model_dir, tmp_path_factory.mktemp("grpo-engines"))
+    # 2048: HumanEval prompts with the tool specs are 1.0-1.8K of the tiny model's tokens
+    fleet = Fleet(tiny_model_dir, tmp_path_factory.mktemp("grpo-engines"), max_model_len=2048)
     try:
         fleet.start({"w0": Role.COLOCATED, "late": None})  # "late" starts released
         sync = fleet.run(_make_sync())
@@ -140,3 +141,54 @@ def test_grpo_on_the_calculator_environment_reports_a_reward_curve(setup, chat, 
     # seeded chunked prefill), so it varies run to run; 64 trajectories per step at lr
     # 5e-3 lift the rise clear of that noise (two runs: 0.358 -> 0.446, 0.362 -> 0.415)
     assert sum(curve[3:]) / 3 > curve[0]
+
+
+def test_grpo_on_the_code_environment_and_on_a_plugin_by_import_path(
+    setup, chat, tiny_model_dir, tmp_path, monkeypatch
+):
+    """The tiny model on HumanEval through the chat template's tools (it writes no valid
+    call yet: every turn is answered in the tool role, rewards are 0), one GRPO step on
+    that; then one step on a third-party environment named by its import path."""
+    from pearl_hpc.train.grpo import GRPOConfig, GRPOTrainer
+    from pearl_hpc.train.loop import grpo_steps
+    from tests.plugin_env import IMPORT_PATH, write_package
+
+    fleet, sync = setup
+    w0 = fleet.client("w0")
+    sync.versions = type(sync.versions)(max_staleness=1)  # fresh runs: the initial weights
+    fleet.run(w0.load_weights(0, path=str(Path(tiny_model_dir) / "model.safetensors")))
+    router = Router()
+    router.set_workers({"w0": w0}, {"w0": Role.COLOCATED}, Mode.COLOCATED)
+    rollout = RolloutConfig(
+        num_groups=2, group_size=2, max_tokens_per_turn=24, max_context_tokens=2048, seed=5
+    )
+    trajectories = fleet.run(
+        rollout_batch(router, lambda: make_env("code", max_turns=2), chat, rollout)
+    )
+    tokenizer = chat.tokenizer
+    for traj in trajectories:
+        prompt = tokenizer.decode(traj.segments[0].token_ids)
+        assert '"name": "submit"' in prompt and "```python" in prompt
+        assert traj.done and 0.0 <= traj.reward <= 1.0 and not traj.info.get("failed")
+        assert len(traj.turns) == 2
+        observation = tokenizer.decode(
+            next(s for s in traj.segments[1:] if not s.generated).token_ids
+        )
+        assert "<tool_response>\nerror: " in observation
+    trainer = GRPOTrainer(tiny_model_dir, GRPOConfig(lr=5e-3, seed=0))
+    assert trainer.train_step(trajectories).version == 1
+
+    monkeypatch.syspath_prepend(str(write_package(tmp_path)))
+    trainer = GRPOTrainer(tiny_model_dir, GRPOConfig(lr=5e-3, seed=0))
+    records = fleet.run(
+        grpo_steps(
+            router,
+            chat,
+            lambda: make_env(IMPORT_PATH, max_turns=2),
+            trainer,
+            rollout,
+            steps=1,
+            publish=sync.publish,
+        )
+    )
+    assert [r.version for r in records] == [1] and 0.0 <= records[0].mean_reward <= 1.0

@@ -93,10 +93,10 @@ def dry_run(cfg: RunConfig, config_path: str) -> str:
 
 def _elastic_text(cfg: RunConfig) -> str:
     from pearl_hpc.backends.slurm import elastic_job_spec, request_pools
-    from pearl_hpc.engine.vllm_engine import EngineSpec
+    from pearl_hpc.config.run import engine_spec
     from pearl_hpc.slurm.scripts import render_sbatch
 
-    spec = EngineSpec(model_dir=cfg.model if cfg.model != "tiny" else "MODEL_DIR")
+    spec = engine_spec(cfg, cfg.model if cfg.model != "tiny" else "MODEL_DIR")
     pools = request_pools(cfg.elastic, 0)
     job = elastic_job_spec(cfg.elastic, pools, cfg.slurm, "RUN_TAG", RUN_DIR / "elastic", spec,
                            "python3")  # fmt: skip

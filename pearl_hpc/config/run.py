@@ -234,6 +234,11 @@ class RunSettings:
     num_groups: int = spec_field("prompts per step", default=2, ge=1)
     group_size: int = spec_field("samples per prompt (GRPO group)", default=4, ge=1)
     max_tokens_per_turn: int = spec_field("generation budget per turn", default=16, ge=1)
+    max_context_tokens: int = spec_field(
+        "a trajectory stops before its context passes this (the engines' max_model_len)",
+        default=1024,
+        ge=64,
+    )
     temperature: float = spec_field("sampling temperature", default=1.0, ge=0)
     lr: float = spec_field("GRPO learning rate", default=0.02, gt=0)
     seed: int = spec_field("rollout and training seed", default=0, ge=0)
@@ -374,6 +379,13 @@ def load_run_config(path: str | Path, *, need_slurm: bool = True) -> RunConfig:
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
     return cfg
+
+
+def engine_spec(cfg: RunConfig, model_dir: str) -> Any:
+    """The engine every rank of the run builds (an ``EngineSpec``)."""
+    from pearl_hpc.engine.vllm_engine import EngineSpec
+
+    return EngineSpec(model_dir=model_dir, max_model_len=cfg.run.max_context_tokens)
 
 
 def environment(run: RunSettings) -> Any:

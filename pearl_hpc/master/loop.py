@@ -41,7 +41,14 @@ from pearl_hpc.backends.local import LocalBackend
 from pearl_hpc.backends.trace import TraceDriver
 from pearl_hpc.comm.mpi import MasterPlane
 from pearl_hpc.config.files import REPO_CONFIGS, load_profile
-from pearl_hpc.config.run import ENGINE, TRAINER, DashboardSettings, RunConfig, base_layout
+from pearl_hpc.config.run import (
+    ENGINE,
+    TRAINER,
+    DashboardSettings,
+    RunConfig,
+    base_layout,
+    engine_spec,
+)
 from pearl_hpc.core.controller import Controller, Event
 from pearl_hpc.core.table import IN_SERVICE
 from pearl_hpc.core.types import Mode
@@ -191,7 +198,7 @@ class MasterRun:
         self._t_start = time.monotonic()  # the run's clock starts with its world up
         self.events("clock", wall=round(time.time(), 3))  # to line up outside logs
         # 3. the controller, its executor and the capacity backend
-        spec = EngineSpec(model_dir=self.model_dir)
+        spec = engine_spec(cfg, self.model_dir)
         self.router = Router(wait_for_workers_s=600)
         self.executor = executor = self._build_executor(spec)
         self.controller = controller = Controller(
@@ -293,6 +300,7 @@ class MasterRun:
             num_groups=cfg.run.num_groups,
             group_size=cfg.run.group_size,
             max_tokens_per_turn=cfg.run.max_tokens_per_turn,
+            max_context_tokens=cfg.run.max_context_tokens,
             temperature=cfg.run.temperature,
             seed=cfg.run.seed,
             record_logprobs=cfg.train.record_logprobs,

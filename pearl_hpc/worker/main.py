@@ -72,10 +72,10 @@ def _rank(args: argparse.Namespace) -> int:
             plane_w, trainers, cfg, me, run_dir, args.model_dir, key, host, args.resume
         )
         return rank.serve(hello)
-    from pearl_hpc.engine.vllm_engine import EngineSpec
+    from pearl_hpc.config.run import engine_spec
     from pearl_hpc.worker.engine import engine_rank_id, serve_engine
 
-    spec = EngineSpec(model_dir=args.model_dir)
+    spec = engine_spec(cfg, args.model_dir)
     return serve_engine(lambda: plane_w, spec, engine_rank_id(me), run_dir, key, hello, host)
 
 
@@ -88,9 +88,8 @@ def _join(args: argparse.Namespace) -> int:
     from pearl_hpc.backends.lease import LEASE_FILE, lease_watcher
     from pearl_hpc.comm.mpi import WorkerPlane, member_info
     from pearl_hpc.comm.net import bind_address
-    from pearl_hpc.config.run import ENGINE, load_run_config
+    from pearl_hpc.config.run import ENGINE, engine_spec, load_run_config
     from pearl_hpc.engine.rpc import read_key
-    from pearl_hpc.engine.vllm_engine import EngineSpec
     from pearl_hpc.slurm.capacity import gpu_ids_of
     from pearl_hpc.worker.engine import serve_engine
 
@@ -111,7 +110,7 @@ def _join(args: argparse.Namespace) -> int:
 
     return serve_engine(
         connect,
-        EngineSpec(model_dir=args.model_dir),
+        engine_spec(cfg, args.model_dir),
         f"{args.group}-" + "-".join(info["gpu_ids"]),
         run_dir / "elastic",
         read_key(run_dir / KEY_FILE),
