@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,3 +131,16 @@ def test_pearl_hpc_run_trains_a_plugin_environment_on_a_task_file(
     assert {"pearl/rollout_s", "pearl/env_failures", "pearl/mismatch_mean"} <= set(
         events.Tags()["scalars"]
     )
+
+    # pass@1 of the trained weights (the latest snapshot) on HumanEval's held-out split
+    evaluate = [sys.executable, "-m", "pearl_hpc.cli", "eval", str(run_dir)]
+    no_split = subprocess.run(evaluate, capture_output=True, text=True, timeout=120)
+    assert no_split.returncode == 2 and "have no eval split" in no_split.stderr
+    assert len(no_split.stderr.strip().splitlines()) == 1
+    options = ["--env", "code", "--problems", "2", "--max-turns", "1", "--max-tokens", "16"]
+    done = subprocess.run([*evaluate, *options], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads((run_dir / "eval" / "code-v2.json").read_text())
+    assert report["weights_version"] == 2 and report["problems"] == 2
+    assert [p["id"] for p in report["per_problem"]] == ["HumanEval/4", "HumanEval/9"]
+    assert 0.0 <= report["pass_at_1"] <= 1.0 and "pass@1" in done.stdout
