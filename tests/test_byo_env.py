@@ -48,6 +48,30 @@ def test_an_installed_package_registers_its_environment(plugin_site: Path, monke
         make_env(ENTRY_POINT, max_turns="three")
 
 
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_the_readmes_environment_example_runs(tmp_path: Path, monkeypatch) -> None:
+    """The README's "Bring your own environment" block, as a user would save it."""
+    text = README.read_text()
+    marker = "<!-- readme-example: my_envs/guess.py -->\n```python\n"
+    source = text.split(marker, 1)[1].split("```", 1)[0]
+    (tmp_path / "my_envs").mkdir()
+    (tmp_path / "my_envs" / "guess.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = make_env("my_envs.guess:make_guess", max_turns=3, high=50)
+
+    async def play() -> list:
+        assert "between 1 and 50" in await env.reset(0, {"id": "t", "secret": 7})
+        return [await env.step(a) for a in ("I say 5", "then 9", "7!")]
+
+    steps = asyncio.run(play())
+    assert [s.observation for s in steps] == ["higher", "lower", None]
+    assert [s.reward for s in steps] == [0.0, 0.0, 1.0] and steps[-1].done
+    with pytest.raises(ConfigError, match=r"guess: unknown option\(s\) hi; valid: max_turns"):
+        make_env("my_envs.guess:make_guess", hi=3)
+
+
 CONFIG = {
     "name": "byo",
     "profile": "profiles/tiny-cpu.yaml",
