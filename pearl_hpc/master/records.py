@@ -153,6 +153,7 @@ def format_step(m: StepMetrics) -> str:
         f"borrowed {'yes' if m.borrowed else 'no'}, moved turns {m.moved_turns}, "
         f"roles {roles}, off-policy {m.mismatch_mean:.3f}/{m.mismatch_max:.2f}"
         + (f", resumed {m.resumed} trajectories" if m.resumed else "")
+        + (f", {m.env_failures} failed by the environment" if m.env_failures else "")
     )
 
 
