@@ -143,52 +143,81 @@ def test_grpo_on_the_calculator_environment_reports_a_reward_curve(setup, chat, 
     assert sum(curve[3:]) / 3 > curve[0]
 
 
-def test_grpo_on_the_code_environment_and_on_a_plugin_by_import_path(
+def test_grpo_on_a_plugin_environment_by_import_path(
     setup, chat, tiny_model_dir, tmp_path, monkeypatch
 ):
-    """The tiny model on HumanEval through the chat template's tools (it writes no valid
-    call yet: every turn is answered in the tool role, rewards are 0), one GRPO step on
-    that; then one step on a third-party environment named by its import path."""
+    """One GRPO step on a third-party environment named by its import path (the
+    package's source directory on sys.path, not installed)."""
     from pearl_hpc.train.grpo import GRPOConfig, GRPOTrainer
     from pearl_hpc.train.loop import grpo_steps
     from tests.plugin_env import IMPORT_PATH, write_package
 
     fleet, sync = setup
     w0 = fleet.client("w0")
-    sync.versions = type(sync.versions)(max_staleness=1)  # fresh runs: the initial weights
+    sync.versions = type(sync.versions)(max_staleness=1)  # a fresh run: the initial weights
     fleet.run(w0.load_weights(0, path=str(Path(tiny_model_dir) / "model.safetensors")))
     router = Router()
     router.set_workers({"w0": w0}, {"w0": Role.COLOCATED}, Mode.COLOCATED)
-    rollout = RolloutConfig(
-        num_groups=2, group_size=2, max_tokens_per_turn=24, max_context_tokens=2048, seed=5
-    )
-    trajectories = fleet.run(
-        rollout_batch(router, lambda: make_env("code", max_turns=2), chat, rollout)
-    )
-    tokenizer = chat.tokenizer
-    for traj in trajectories:
-        prompt = tokenizer.decode(traj.segments[0].token_ids)
-        assert '"name": "submit"' in prompt and "```python" in prompt
-        assert traj.done and 0.0 <= traj.reward <= 1.0 and not traj.info.get("failed")
-        assert len(traj.turns) == 2
-        observation = tokenizer.decode(
-            next(s for s in traj.segments[1:] if not s.generated).token_ids
-        )
-        assert "<tool_response>\nerror: " in observation
-    trainer = GRPOTrainer(tiny_model_dir, GRPOConfig(lr=5e-3, seed=0))
-    assert trainer.train_step(trajectories).version == 1
-
+    rollout = RolloutConfig(num_groups=2, group_size=2, max_tokens_per_turn=24, seed=5)
     monkeypatch.syspath_prepend(str(write_package(tmp_path)))
     trainer = GRPOTrainer(tiny_model_dir, GRPOConfig(lr=5e-3, seed=0))
     records = fleet.run(
         grpo_steps(
-            router,
-            chat,
-            lambda: make_env(IMPORT_PATH, max_turns=2),
-            trainer,
-            rollout,
-            steps=1,
-            publish=sync.publish,
+            router, chat, lambda: make_env(IMPORT_PATH, max_turns=2), trainer, rollout,
+            steps=1, publish=sync.publish,
         )
-    )
+    )  # fmt: skip
     assert [r.version for r in records] == [1] and 0.0 <= records[0].mean_reward <= 1.0
+
+
+def test_grpo_on_the_code_environment_with_real_tool_calls(chat, tiny_model_dir, tmp_path):
+    """The engines write Qwen3 tool calls (the tiny model taught one reply, a submit, by
+    a few SFT steps: on its own it writes none); the code environment runs the hidden
+    tests in the sandbox; the reward is their pass share; one GRPO step trains on it."""
+    import asyncio
+    import json
+
+    from pearl_hpc.rollout.agent import trajectory_seed
+    from pearl_hpc.rollout.envs.code import harness_source, hidden_test_share, split_problems
+    from pearl_hpc.rollout.sandbox import run_python
+    from pearl_hpc.train.grpo import GRPOConfig, GRPOTrainer
+    from tests.sft import teach_reply
+
+    tokenizer = chat.tokenizer
+    rollout = RolloutConfig(
+        num_groups=3, group_size=2, max_tokens_per_turn=80, max_context_tokens=2048,
+        temperature=0, seed=0,
+    )  # fmt: skip
+    env = make_env("code", split="eval", max_turns=2)
+    seeds = [trajectory_seed(0, g) for g in range(rollout.num_groups)]
+    prompts = [chat.prompt(asyncio.run(env.reset(s)), env.tools) for s in seeds]
+    code = "    return []\n"  # passes 0, 1 of 4, 1 of 3 hidden tests of HumanEval/4, /9, /14
+    body = json.dumps({"name": "submit", "arguments": {"code": code}})
+    reply = [*tokenizer.encode(f"<tool_call>\n{body}\n</tool_call>"), tokenizer.eos_token_id]
+    taught = teach_reply(tiny_model_dir, tmp_path / "taught", prompts, reply, steps=200)
+
+    fleet = Fleet(str(taught), tmp_path / "engines", max_model_len=2048)
+    try:
+        fleet.start({"c0": Role.COLOCATED})
+        router = Router()
+        router.set_workers({"c0": fleet.client("c0")}, {"c0": Role.COLOCATED}, Mode.COLOCATED)
+        trajectories = fleet.run(
+            rollout_batch(
+                router, lambda: make_env("code", split="eval", max_turns=2), chat, rollout
+            )
+        )
+    finally:
+        fleet.close()
+    problems = split_problems("eval")
+    for traj in trajectories:
+        group = int(traj.group_id.rsplit("g", 1)[1])
+        problem = problems[seeds[group] % len(problems)]
+        response = tokenizer.decode(traj.segments[1].token_ids, skip_special_tokens=True)
+        assert response == f"<tool_call>\n{body}\n</tool_call>"  # the engine wrote the call
+        assert len(traj.turns) == 1 and traj.done  # submit ended the episode
+        solo = asyncio.run(run_python(harness_source(problem, problem.prompt + code)))
+        assert traj.reward == hidden_test_share(problem, solo)[0]  # the sandboxed tests' share
+        assert 0.0 <= traj.reward <= 1.0
+    assert sorted({round(t.reward, 3) for t in trajectories}) == [0.0, 0.25, 0.333]
+    trainer = GRPOTrainer(str(taught), GRPOConfig(lr=5e-3, seed=0))
+    assert trainer.train_step(trajectories).version == 1
