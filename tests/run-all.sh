@@ -20,7 +20,7 @@ fi
 
 python3 -m ruff check pearl_hpc tests
 python3 -m mypy
-python3 -m pytest "$@"
+python3 -m pytest --durations=25 "$@"  # the slowest, to keep the suite under 30 min
 [ "$started_cluster" = 0 ] || squeue -h | { ! grep -q .; } || {
   echo "run-all: jobs left in squeue after the tests:" >&2; squeue >&2; exit 1; }
 # no stray process either: engine workers exit within a second of their master, Slurm

@@ -170,7 +170,7 @@ def test_grpo_on_a_plugin_environment_by_import_path(
     assert [r.version for r in records] == [1] and 0.0 <= records[0].mean_reward <= 1.0
 
 
-def test_grpo_on_the_code_environment_with_real_tool_calls(chat, tiny_model_dir, tmp_path):
+def test_grpo_on_the_code_environment_with_real_tool_calls(setup, chat, tiny_model_dir, tmp_path):
     """The engines write Qwen3 tool calls (the tiny model taught one reply, a submit, by
     a few SFT steps: on its own it writes none); the code environment runs the hidden
     tests in the sandbox; the reward is their pass share; one GRPO step trains on it."""
@@ -196,18 +196,15 @@ def test_grpo_on_the_code_environment_with_real_tool_calls(chat, tiny_model_dir,
     reply = [*tokenizer.encode(f"<tool_call>\n{body}\n</tool_call>"), tokenizer.eos_token_id]
     taught = teach_reply(tiny_model_dir, tmp_path / "taught", prompts, reply, steps=200)
 
-    fleet = Fleet(str(taught), tmp_path / "engines", max_model_len=2048)
-    try:
-        fleet.start({"c0": Role.COLOCATED})
-        router = Router()
-        router.set_workers({"c0": fleet.client("c0")}, {"c0": Role.COLOCATED}, Mode.COLOCATED)
-        trajectories = fleet.run(
-            rollout_batch(
-                router, lambda: make_env("code", split="eval", max_turns=2), chat, rollout
-            )
-        )
-    finally:
-        fleet.close()
+    fleet, sync = setup
+    w0 = fleet.client("w0")  # the module's engine, given the taught weights as version 0
+    sync.versions = type(sync.versions)(max_staleness=1)
+    fleet.run(w0.load_weights(0, path=str(taught / "model.safetensors")))
+    router = Router()
+    router.set_workers({"w0": w0}, {"w0": Role.COLOCATED}, Mode.COLOCATED)
+    trajectories = fleet.run(
+        rollout_batch(router, lambda: make_env("code", split="eval", max_turns=2), chat, rollout)
+    )
     problems = split_problems("eval")
     for traj in trajectories:
         group = int(traj.group_id.rsplit("g", 1)[1])
