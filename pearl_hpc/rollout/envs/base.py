@@ -36,7 +36,7 @@ from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any, Protocol, TypeVar
 
 from pearl_hpc.errors import ConfigError
-from pearl_hpc.rollout.sandbox import SandboxResult
+from pearl_hpc.rollout.sandbox import SandboxLimits, SandboxResult
 from pearl_hpc.rollout.tasks import Task  # one row of run.tasks; "id" always set
 
 ROLES = ("user", "tool")
@@ -143,6 +143,13 @@ def require_number(env: str, name: str, value: object) -> None:
         or value < 0
     ):
         raise ConfigError(f"{env}.{name} must be a finite number >= 0, got {value!r}")
+
+
+def require_limits(env: str, value: object) -> None:
+    if not isinstance(value, SandboxLimits):
+        raise ConfigError(
+            f"{env}.limits must be SandboxLimits or a mapping of its fields, got {value!r}"
+        )
 
 
 def require_choice(env: str, name: str, value: object, choices: tuple[str, ...]) -> None:

@@ -46,19 +46,18 @@ import ast
 import math
 import random
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-from pearl_hpc.errors import ConfigError
 from pearl_hpc.rollout.envs.base import (
     EnvStep,
     Task,
-    check_option_names,
     clip,
     describe_output,
+    options_config,
     require_choice,
     require_int,
+    require_limits,
     require_number,
 )
 from pearl_hpc.rollout.sandbox import (
@@ -123,10 +122,7 @@ class CalcConfig:
         require_number("calc", "format_weight", self.format_weight)
         require_number("calc", "correct_weight", self.correct_weight)
         require_choice("calc", "tool_format", self.tool_format, TOOL_FORMATS)
-        if not isinstance(self.limits, SandboxLimits):
-            raise ConfigError(
-                f"calc.limits must be SandboxLimits or a mapping of its fields, got {self.limits!r}"
-            )
+        require_limits("calc", self.limits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,10 +276,8 @@ class CalcEnv:
 
     @classmethod
     def from_options(cls, **options: Any) -> CalcEnv:
-        check_option_names("calc", options, [f.name for f in fields(CalcConfig)])
-        if isinstance(options.get("limits"), Mapping):
-            options["limits"] = _limits_from_mapping(options["limits"])
-        return cls(CalcConfig(**options))
+        """Strict options (a ``limits`` mapping becomes :class:`SandboxLimits`)."""
+        return cls(options_config("calc", CalcConfig, options))
 
     @property
     def task(self) -> CalcTask:
@@ -391,9 +385,3 @@ class CalcEnv:
         result = await run_python(code, self.config.limits)
         observation = clip(prefix + describe_output(result), self.config.max_observation_chars)
         return _ToolOutcome(tool, observation, _stdout_value(result), result.wall_s)
-
-
-def _limits_from_mapping(raw: Mapping[str, Any]) -> SandboxLimits:
-    valid = [f.name for f in fields(SandboxLimits)]
-    check_option_names("calc.limits", dict(raw), valid)
-    return SandboxLimits(**raw)

@@ -37,8 +37,7 @@ import gzip
 import importlib.resources
 import json
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -46,11 +45,12 @@ from pearl_hpc.errors import ConfigError
 from pearl_hpc.rollout.envs.base import (
     EnvStep,
     Task,
-    check_option_names,
     clip,
     describe_output,
+    options_config,
     require_choice,
     require_int,
+    require_limits,
 )
 from pearl_hpc.rollout.sandbox import SandboxLimits, SandboxResult, require_sandbox, run_python
 from pearl_hpc.rollout.toolcalls import argument, function_spec, parse_tool_calls
@@ -117,10 +117,7 @@ class CodeConfig:
         require_int("code", "max_turns", self.max_turns, minimum=1)
         require_int("code", "max_observation_chars", self.max_observation_chars, minimum=64)
         require_choice("code", "split", self.split, SPLITS)
-        if not isinstance(self.limits, SandboxLimits):
-            raise ConfigError(
-                f"code.limits must be SandboxLimits or a mapping of its fields, got {self.limits!r}"
-            )
+        require_limits("code", self.limits)
 
 
 @lru_cache(maxsize=1)
@@ -279,12 +276,8 @@ class CodeEnv:
 
     @classmethod
     def from_options(cls, **options: Any) -> CodeEnv:
-        check_option_names("code", options, [f.name for f in fields(CodeConfig)])
-        if isinstance(options.get("limits"), Mapping):
-            raw = dict(options["limits"])
-            check_option_names("code.limits", raw, [f.name for f in fields(SandboxLimits)])
-            options["limits"] = SandboxLimits(**raw)
-        return cls(CodeConfig(**options))
+        """Strict options (a ``limits`` mapping becomes :class:`SandboxLimits`)."""
+        return cls(options_config("code", CodeConfig, options))
 
     @property
     def problem(self) -> Problem:
