@@ -70,7 +70,12 @@ class Dashboards:
             self._tb.close()
             self._tb = None
         if self._wandb is not None:
+            import wandb
+
             self._wandb.finish()
+            # finish() returns once the run's exit is acknowledged; its record file is
+            # flushed when the W&B service closes the stream, which teardown waits for.
+            wandb.teardown()
             self._wandb = None
 
     def _tensorboard(self) -> Any:
