@@ -54,6 +54,9 @@ write_config() {
   cat >"$CONF" <<EOF
 # written by slurm/local-cluster.sh; a test cluster on one host
 ClusterName=pearl
+# a requeued job waits cred_expire before it starts again (default 120 s); the step
+# credentials it also bounds are checked seconds after they are issued on this one host
+AuthInfo=cred_expire=30
 SlurmctldHost=localhost
 SlurmctldPort=$PORT
 SlurmUser=root

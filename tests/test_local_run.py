@@ -49,6 +49,9 @@ CONFIG = {
         "max_tokens_per_turn": 24,
     },
 }
+# the single-engine profile measured here: colocation wins at every size, so a run with
+# it never switches modes (each switch restarts every engine's role: ~15 s on 2 cores)
+MEASURED = "profiles/tiny-cpu.yaml"
 
 
 def _write(tmp_path: Path, config: dict) -> Path:
@@ -175,7 +178,8 @@ def test_a_real_spot_trace_grants_and_reclaims_over_the_run_clock(tmp_path: Path
     instances) and granted again ~23 s in; nothing is lost."""
     monkeypatch.setenv("PEARL_HPC_CACHE", str(tmp_path / "cache"))
     replay = {"segment": 1, "speedup": 80, "instances_per_worker": 6, "max_workers": 1}
-    config = {**CONFIG, "elastic": {"grace_s": 30, "replay": replay}}
+    # the measured profile: colocated throughout (the mode switches are the test above's)
+    config = {**CONFIG, "profile": MEASURED, "elastic": {"grace_s": 30, "replay": replay}}
     config["run"] = {**CONFIG["run"], "steps": 4}
     cfg = load_run_config(_write(tmp_path, config))
     run_dir = tmp_path / "runs" / "t"
@@ -222,6 +226,7 @@ def test_a_master_killed_mid_step_resumes_without_losing_anything(tmp_path: Path
     resumed master from its complete trajectory log."""
     config = {
         **CONFIG,
+        "profile": MEASURED,  # colocated throughout: the journal is under test, not PD
         "elastic": {"grace_s": 30, "trace": [{"at_step": 0, "workers": 1}]},
         "run": {**CONFIG["run"], "max_staleness": staleness},
     }
@@ -314,7 +319,7 @@ def test_a_worker_killed_mid_rollout_loses_no_trajectory(tmp_path: Path, monkeyp
     monkeypatch.setenv("PEARL_HPC_CACHE", str(tmp_path / "cache"))
     config = {
         **CONFIG,
-        "profile": "profiles/tiny-cpu.yaml",
+        "profile": MEASURED,
         "workers": {"training_gpus": 1, "reserved_rollout": 1, "overlap": 0},
         "elastic": {"grace_s": 30, "trace": [{"at_step": 0, "workers": 1}]},
         "run": {**CONFIG["run"], "steps": 4},
