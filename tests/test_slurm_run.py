@@ -26,6 +26,7 @@ from pearl_hpc.master.journal import read_run_state
 from pearl_hpc.master.records import read_jsonl
 from tests.conftest import resume_drained_nodes, vllm_skip_reason
 from tests.test_local_run import CONFIG as LOCAL_CONFIG
+from tests.test_local_run import MEASURED
 
 REPO = Path(__file__).resolve().parents[1]
 BATCH = 4 * 4
@@ -307,6 +308,7 @@ def test_slurm_run_survives_a_slurmctld_outage_and_a_killed_elastic_rank(
     config = tmp_path / "run.yaml"
     doc = {
         **CONFIG,
+        "profile": MEASURED,  # colocated throughout: faults under test, not mode switches
         "elastic": {**CONFIG["elastic"], "request": "single", "max_workers": 1},
         "run": {**CONFIG["run"], "steps": STEPS_FAULTS},
         "runs_dir": str(tmp_path / "runs"),
@@ -452,6 +454,7 @@ def test_submitit_run_is_requeued_when_preempted_and_resumes(
 
 MULTI_NODE = {
     **LOCAL_CONFIG,
+    "profile": MEASURED,  # colocated throughout: the placement is under test
     "backend": "slurm",
     "workers": {"training_gpus": 2, "reserved_rollout": 1, "overlap": 1},
     "layout": {"gpus_per_node": 8, "training_nodes": 1, "rollout_nodes": 1},
