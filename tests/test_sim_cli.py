@@ -161,7 +161,7 @@ def test_fixed_resources_sweep() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
-    assert list(doc["systems"]) == ["pearl", "static-coloc", "static-1P1D"]
+    assert list(doc["systems"]) == ["pd-only", "static-coloc", "static-1P1D"]
     assert doc["segment"] is None and doc["trace"] is None and doc["rollout_gpus"] == 4
     assert all(r["throughput_tokens_per_s"] > 0 for r in doc["systems"].values())
     assert doc["ratios_vs_static-coloc"]["static-coloc"] == 1

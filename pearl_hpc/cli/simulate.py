@@ -135,7 +135,7 @@ def add_parsers(sub: Any) -> None:
         default=None,
         help="comma list of roll, roll-large, rlboost+, pd-only, pd+toggle, pearl, "
         "static-coloc, static-<P>P<D>D (default: roll,roll-large,rlboost+,pearl; with "
-        "--sweep-static: pearl and the sweep)",
+        "--sweep-static: pd-only and the sweep)",
     )
     sim.add_argument(
         "--rollout-gpus",

@@ -50,7 +50,7 @@ def _fixed(
         segment=None,
         rollout_gpus=gpus,
         duration_s=DURATION_S,
-        systems=["pearl"] if sweep else ["static-coloc"],
+        systems=["pd-only"] if sweep else ["static-coloc"],
         sweep_static=sweep,
         router=router,
         batch_size=batch,

@@ -107,8 +107,8 @@ def system_names(req: SimRequest) -> list[str]:
                 "--sweep-static needs fixed resources: --rollout-gpus N --no-elastic"
             )
         workers = req.rollout_gpus // req.tp
-        if "pearl" not in names:  # the decision engine alone: adaptive PD, no borrowing
-            names.append("pearl")
+        if "pd-only" not in names:  # the decision engine alone: adaptive PD, no borrowing
+            names.append("pd-only")
         names += ["static-coloc"] + [f"static-{p}P{workers - p}D" for p in range(1, workers)]
     return names
 

@@ -97,8 +97,6 @@ def make_setup(
     if name == "pd+toggle":
         return setup(_policy(base, adaptive, ungated), reserved, True, True)
     if name == "pearl":
-        if fixed:  # fixed resources: the decision engine alone, against static splits
-            return setup(_policy(base, adaptive, none), reserved, False, False)
         return setup(_policy(base, adaptive, gated), reserved, True, True)
     if name == "static-coloc":
         return setup(_policy(base, coloc, none), reserved, False, False)
