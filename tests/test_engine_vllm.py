@@ -130,8 +130,6 @@ def test_disaggregated_tokens_equal_colocated_with_real_kv_transfer(fleet: Fleet
     fit = fit_step(
         tracker_turns(pd, {"dec": 2}, {"dec": Role.DECODE}),
         records,
-        batch_size=len(seeds),
-        rollout_s=None,
         prior_decode_fixed_s=0.01,
     )
     assert fit.values["turns"] == 3

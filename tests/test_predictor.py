@@ -100,32 +100,34 @@ def test_t_decode_bubbles_stretch_only_the_fixed_cost(p):
 
 # ----------------------------------------------------------------------- t_prefill
 @pytest.mark.parametrize(
-    ("n_p", "expected"),
+    ("n_p", "n_d", "expected"),
     [
-        # tokens B*dL = 400; transfer 400*1000/1e6 = 0.4 s per turn
-        # N_P=1: (400/1)*0.001 = 0.4; S*(0.4 + 0.4) = 1.6
-        (1, 1.6),
-        # N_P=2: (400/2)*0.001 = 0.2; 2*(0.2 + 0.4) = 1.2
-        (2, 1.2),
-        # N_P=4: (400/4)*0.001 = 0.1; 2*(0.1 + 0.4) = 1.0
-        (4, 1.0),
+        # tokens B*dL = 400; over one link 400*1000/1e6 = 0.4 s per turn
+        # N_P=1, N_D=4: one link; (400/1)*0.001 = 0.4; S*(0.4 + 0.4) = 1.6
+        (1, 4, 1.6),
+        # N_P=2, N_D=2: two links, 0.2; (400/2)*0.001 = 0.2; 2*(0.2 + 0.2) = 0.8
+        (2, 2, 0.8),
+        # N_P=4, N_D=1: one link (decode's), 0.4; (400/4)*0.001 = 0.1; 2*(0.1 + 0.4) = 1.0
+        (4, 1, 1.0),
+        # N_P=4, N_D=4: four links, 0.1; 0.1 + 0.1 = 0.2 per turn; 2*0.2 = 0.4
+        (4, 4, 0.4),
     ],
 )
-def test_t_prefill_by_hand(p, n_p, expected):
-    assert float(predictor.t_prefill(p, n_p)) == approx(expected)
+def test_t_prefill_by_hand(p, n_p, n_d, expected):
+    assert float(predictor.t_prefill(p, n_p, n_d)) == approx(expected)
 
 
-def test_t_prefill_transfer_term_does_not_shrink_with_more_prefill_workers(p):
-    # t_prefill=0 leaves only the transfer lower bound: S * 400*1000/1e6 = 2*0.4 = 0.8
+def test_t_prefill_transfer_crosses_the_narrower_pools_links(p):
+    # t_prefill=0 leaves only the transfer: S * 400*1000/(links*1e6) = 0.8 / links
     q = p.replace(prefill_s_per_token=0.0)
-    for n_p in (1, 2, 7, 100):
-        assert float(predictor.t_prefill(q, n_p)) == approx(0.8)
+    for n_p, n_d, links in ((1, 7, 1), (2, 7, 2), (7, 2, 2), (100, 100, 100)):
+        assert float(predictor.t_prefill(q, n_p, n_d)) == approx(0.8 / links)
 
 
 # --------------------------------------------------------------------------- t_dis
 def test_t_dis_prefill_bound(p):
-    # N_P=2, N_D=2: max(T_prefill 1.2, T_decode 0.6) + T_env 3 = 4.2
-    assert float(predictor.t_dis(p, 2, 2)) == approx(4.2)
+    # N_P=2, N_D=2: max(T_prefill 0.8, T_decode 0.6) + T_env 3 = 3.8
+    assert float(predictor.t_dis(p, 2, 2)) == approx(3.8)
     # N_P=4, N_D=1: max(1.0, 0.8) + 3 = 4.0
     assert float(predictor.t_dis(p, 4, 1)) == approx(4.0)
 
@@ -197,9 +199,9 @@ def test_prefill_feasible_env_time_counts_toward_the_span(p):
 
 # ------------------------------------------------------------------------- predict
 def test_predict_dispatches_on_mode(p):
-    # colocated 2 workers -> t_coloc(2) = 4.8; 2P2D -> t_dis = 4.2
+    # colocated 2 workers -> t_coloc(2) = 4.8; 2P2D -> t_dis = 3.8
     assert predictor.predict(p, 0, 0, 2) == approx(4.8)
-    assert predictor.predict(p, 2, 2, 0) == approx(4.2)
+    assert predictor.predict(p, 2, 2, 0) == approx(3.8)
     assert isinstance(predictor.predict(p, 2, 2, 0), float)
 
 
@@ -210,7 +212,7 @@ def test_array_inputs_equal_scalar_calls(p):
     n_d = 17 - n
     coloc = predictor.t_coloc(p, n)
     dec = predictor.t_decode(p, n_d)
-    pre = predictor.t_prefill(p, n_p)
+    pre = predictor.t_prefill(p, n_p, n_d)
     dis = predictor.t_dis(p, n_p, n_d)
     kv = predictor.kv_feasible(p, n_d)
     pf = predictor.prefill_feasible(p, n_p, n_d)
@@ -220,7 +222,7 @@ def test_array_inputs_equal_scalar_calls(p):
     for i, (a, d) in enumerate(zip(n_p.tolist(), n_d.tolist(), strict=True)):
         assert coloc[i] == predictor.t_coloc(p, a)
         assert dec[i] == predictor.t_decode(p, d)
-        assert pre[i] == predictor.t_prefill(p, a)
+        assert pre[i] == predictor.t_prefill(p, a, d)
         assert dis[i] == predictor.t_dis(p, a, d)
         assert bool(kv[i]) is bool(predictor.kv_feasible(p, d))
         assert bool(pf[i]) is bool(predictor.prefill_feasible(p, a, d))
@@ -230,8 +232,10 @@ def test_array_values_by_hand(p):
     # the hand values above, as arrays
     np.testing.assert_allclose(predictor.t_coloc(p, np.array([1, 2, 4])), [5.4, 4.8, 4.5])
     np.testing.assert_allclose(predictor.t_decode(p, np.array([1, 2, 4])), [0.8, 0.6, 0.5])
-    np.testing.assert_allclose(predictor.t_prefill(p, np.array([1, 2, 4])), [1.6, 1.2, 1.0])
-    np.testing.assert_allclose(predictor.t_dis(p, np.array([2, 4]), np.array([2, 1])), [4.2, 4.0])
+    np.testing.assert_allclose(
+        predictor.t_prefill(p, np.array([1, 2, 4, 4]), np.array([4, 2, 1, 4])), [1.6, 0.8, 1.0, 0.4]
+    )
+    np.testing.assert_allclose(predictor.t_dis(p, np.array([2, 4]), np.array([2, 1])), [3.8, 4.0])
     assert predictor.kv_feasible(p, np.array([1, 2, 3])).tolist() == [False, True, True]
     assert predictor.prefill_feasible(p, np.array([1, 3]), np.array([1, 2])).tolist() == [
         False,
@@ -243,7 +247,7 @@ def test_makespans_decrease_with_more_workers():
     # More workers never hurt any single path (formulas are 1/N plus constants).
     q = make_profile()
     n = np.arange(1, 65)
-    for f in (predictor.t_coloc, predictor.t_decode, predictor.t_prefill):
+    for f in (predictor.t_coloc, predictor.t_decode, lambda q, n: predictor.t_prefill(q, n, n)):
         t = np.asarray(f(q, n))
         assert np.all(np.diff(t) <= 0)
         assert np.all(t > 0)

@@ -29,13 +29,14 @@ def _gain_and_best(profile, batch: int) -> tuple[float, str]:
 
 
 def test_qwen3_30b_profile_lands_as_documented() -> None:
-    """Documented in the YAML: +7.5% at 32, +5.3% at 80, -7.0% at 96 (PEARL: +9.7, +1.4,
-    -6.1), best 4P4D at 48 and 64 (PEARL: 4P4D, 5P3D)."""
+    """Documented in the YAML: +7.5% at 32, +10.3% at 80, -1.5% at 96 (PEARL: +9.7, +1.4,
+    -6.1: the sign at 96 reproduced, the fall from 32 to 80 not), best 3P5D at 48 and
+    4P4D at 64 (PEARL: 4P4D, 5P3D)."""
     profile = load_profile(REPO_CONFIGS / "profiles" / "qwen3-30b-a3b-h800-tp2.yaml")
-    expected = {32: 0.075, 80: 0.053, 96: -0.070}
+    expected = {32: 0.075, 80: 0.103, 96: -0.015}
     for batch, gain in expected.items():
         assert _gain_and_best(profile, batch)[0] == pytest.approx(gain, abs=0.005)
-    assert _gain_and_best(profile, 48)[1] == "4P4D"
+    assert _gain_and_best(profile, 48)[1] == "3P5D"
     assert _gain_and_best(profile, 64)[1] == "4P4D"
 
 

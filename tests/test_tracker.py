@@ -30,9 +30,15 @@ def pre(tokens: int, wall: float, n: int = 0, slot: int = 0) -> IterationRecord:
 
 
 def turn(
-    traj: str, i: int, env: float = 0.0, new: int = 100, gen: int = 50, slot: int = 0
+    traj: str,
+    i: int,
+    env: float = 0.0,
+    new: int = 100,
+    gen: int = 50,
+    slot: int = 0,
+    generate_s: float = 0.0,
 ) -> TurnRecord:
-    return TurnRecord(traj, i, new, gen, (i + 1) * (new + gen), env, slot, Role.DECODE)
+    return TurnRecord(traj, i, new, gen, (i + 1) * (new + gen), env, slot, Role.DECODE, generate_s)
 
 
 def synthetic_iterations(noise: float = 0.0, seed: int = 0) -> list[IterationRecord]:
@@ -48,14 +54,13 @@ def synthetic_iterations(noise: float = 0.0, seed: int = 0) -> list[IterationRec
     return out
 
 
-def fit(turns=(), iterations=(), *, batch_size=8, rollout_s=None, prior_a=0.008):
-    return fit_step(
-        list(turns),
-        list(iterations),
-        batch_size=batch_size,
-        rollout_s=rollout_s,
-        prior_decode_fixed_s=prior_a,
-    ).values
+def fit(turns=(), iterations=(), *, prior_a=0.008):
+    return fit_step(list(turns), list(iterations), prior_decode_fixed_s=prior_a).values
+
+
+def eligible(*seconds: float) -> list[TurnRecord]:
+    """Turns whose requests waited ``seconds`` for their responses (one trajectory each)."""
+    return [turn(f"t{k}", 0, generate_s=s) for k, s in enumerate(seconds)]
 
 
 # ----------------------------------------------------------------- least squares
@@ -169,32 +174,40 @@ def test_token_means_are_over_all_turns():
 
 # ------------------------------------------------------------------------ theta
 def test_theta_from_the_decode_active_fraction():
-    # sum(num_seqs * wall) = 2*5 + 4*2.5 = 20 seq-seconds; B=4, rollout 10 s:
-    # f = 20 / (4*10) = 0.5; theta = (1 - 0.5)/0.5 = 1
-    v = fit(iterations=[dec(2, 5.0), dec(4, 2.5)], batch_size=4, rollout_s=10.0)
+    # sum(num_seqs * wall) = 2*5 + 4*2.5 = 20 seq-seconds; four turns waited 10 s each
+    # for their responses: f = 20 / 40 = 0.5; theta = (1 - 0.5)/0.5 = 1
+    v = fit(eligible(10, 10, 10, 10), [dec(2, 5.0), dec(4, 2.5)])
     assert v["decode_bubble_ratio"] == pytest.approx(1.0)
 
 
 def test_theta_quarter_active():
-    # seq-seconds 8 * 2.5 = 20 over 8 trajectories * 10 s = 80 -> f = 0.25; theta = 3
-    v = fit(iterations=[dec(8, 2.5)], batch_size=8, rollout_s=10.0)
+    # seq-seconds 8 * 2.5 = 20 over 8 turns * 10 s eligible = 80 -> f = 0.25; theta = 3
+    v = fit(eligible(*[10] * 8), [dec(8, 2.5)])
     assert v["decode_bubble_ratio"] == pytest.approx(3.0)
 
 
+def test_theta_leaves_environment_time_and_finished_trajectories_out():
+    # the same 20 seq-seconds over 40 eligible seconds: long environment steps after
+    # the responses (T_env's own term) and a rollout 100x longer do not count
+    turns = [turn(f"t{k}", 0, env=500.0, generate_s=10.0) for k in range(4)]
+    v = fit(turns, [dec(2, 5.0), dec(4, 2.5)])
+    assert v["decode_bubble_ratio"] == pytest.approx(1.0)
+
+
 def test_theta_is_clamped():
-    # more seq-seconds than the batch can hold -> f capped at 1 -> theta = 0
-    v = fit(iterations=[dec(8, 100.0)], batch_size=8, rollout_s=10.0)
+    # more seq-seconds than the turns were eligible -> f capped at 1 -> theta = 0
+    v = fit(eligible(10, 10), [dec(8, 100.0)])
     assert v["decode_bubble_ratio"] == 0.0
     # almost nothing decoding -> f floored at 0.01 -> theta = 99
-    v = fit(iterations=[dec(1, 1e-6)], batch_size=8, rollout_s=10.0)
+    v = fit(eligible(10, 10), [dec(1, 1e-6)])
     assert v["decode_bubble_ratio"] == pytest.approx(99.0)
 
 
-def test_theta_needs_a_rollout_time():
+def test_theta_needs_the_turns_request_times():
     its = [dec(2, 5.0), dec(4, 2.5)]
-    assert fit(iterations=its, rollout_s=None)["decode_bubble_ratio"] is None
-    assert fit(iterations=its, rollout_s=0.0)["decode_bubble_ratio"] is None
-    assert fit(iterations=its, rollout_s=float("nan"))["decode_bubble_ratio"] is None
+    assert fit(iterations=its)["decode_bubble_ratio"] is None  # no turns
+    assert fit(eligible(0, 0), its)["decode_bubble_ratio"] is None  # not measured
+    assert fit(eligible(float("nan")), its)["decode_bubble_ratio"] is None
 
 
 # ----------------------------------------------------------------- missing data
@@ -208,7 +221,7 @@ def _assert_sane(profile):
 def test_no_data_keeps_the_configured_profile():
     base = make_profile()
     tr = RuntimeTracker(base)
-    f = tr.observe_step([], [], rollout_s=100.0)
+    f = tr.observe_step([], [])
     assert sorted(f.missing) == sorted(FITTED_FIELDS)
     assert tr.profile == base
     assert tr.steps_observed == 1
@@ -233,12 +246,13 @@ def test_nan_wall_times_keep_the_configured_profile():
     base = make_profile()
     nan = float("nan")
     tr = RuntimeTracker(base)
-    f = tr.observe_step([], [dec(1, nan), dec(2, nan), dec(3, nan), pre(100, nan)], rollout_s=100.0)
+    f = tr.observe_step(eligible(100), [dec(1, nan), dec(2, nan), dec(3, nan), pre(100, nan)])
     assert f.values["decode_fixed_s"] is None
     assert f.values["decode_per_seq_s"] is None
     assert f.values["prefill_s_per_token"] is None
     assert f.values["decode_bubble_ratio"] is None  # not the 99 of "nothing decodes"
-    assert tr.profile == base
+    for key in ("decode_fixed_s", "decode_per_seq_s", "prefill_s_per_token", "decode_bubble_ratio"):
+        assert getattr(tr.profile, key) == getattr(base, key)
     _assert_sane(tr.profile)
 
 
@@ -251,7 +265,7 @@ def test_a_nan_record_does_not_spoil_the_rest():
     assert v["decode_per_seq_s"] == pytest.approx(B_TRUE, rel=1e-9)
     assert v["prefill_s_per_token"] == pytest.approx(TP_TRUE, rel=1e-9)
     # theta cannot be summed over a NaN wall time
-    assert fit(iterations=its, rollout_s=100.0)["decode_bubble_ratio"] is None
+    assert fit(eligible(100), its)["decode_bubble_ratio"] is None
 
 
 def test_nan_env_time_keeps_env():
@@ -311,13 +325,13 @@ def test_alpha_one_takes_the_latest_fit():
 def test_non_fitted_fields_stay_and_batch_size_follows_the_step():
     base = make_profile()
     tr = RuntimeTracker(base)
-    tr.observe_step([turn("a", 0)], synthetic_iterations(), batch_size=32, rollout_s=50.0)
+    tr.observe_step([turn("a", 0, generate_s=50.0)], synthetic_iterations(), batch_size=32)
     assert tr.profile.batch_size == 32
     for key in ("kv_bytes_per_token", "kv_capacity_bytes_per_worker", "overhead_s_per_turn"):
         assert getattr(tr.profile, key) == getattr(base, key)
-    # theta used the step's batch size: seq-seconds / (32 * 50)
+    # theta: seq-seconds over the turn's 50 eligible seconds
     its = synthetic_iterations()
-    f = sum(it.num_seqs * it.wall_s for it in its) / (32 * 50.0)
+    f = sum(it.num_seqs * it.wall_s for it in its) / 50.0
     assert tr.last_fit is not None
     assert tr.last_fit.values["decode_bubble_ratio"] == pytest.approx((1 - f) / f)
 
@@ -330,7 +344,7 @@ def test_bad_alpha_is_rejected(alpha):
 
 def test_round_trip_through_to_dict_and_restore():
     tr = RuntimeTracker(make_profile())
-    tr.observe_step([turn("a", i) for i in range(3)], synthetic_iterations(), rollout_s=30.0)
+    tr.observe_step([turn("a", i, generate_s=10.0) for i in range(3)], synthetic_iterations())
     again = RuntimeTracker(make_profile(), ema_alpha=0.9)
     again.restore(tr.to_dict())
     assert again.profile == tr.profile

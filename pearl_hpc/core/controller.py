@@ -417,9 +417,7 @@ class Controller:
         return result
 
     def _on_telemetry(self, event: StepTelemetry) -> Reconfiguration | None:
-        self.tracker.observe_step(
-            event.turns, event.iterations, rollout_s=event.rollout_s, batch_size=event.batch_size
-        )
+        self.tracker.observe_step(event.turns, event.iterations, batch_size=event.batch_size)
         self.toggle.observe(
             borrowed=event.borrowed,
             training_wait_s=event.training_wait_s,

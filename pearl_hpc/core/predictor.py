@@ -35,16 +35,23 @@ def t_decode(p: WorkloadProfile, num_decode: N) -> N:
     return p.turns * p.gen_tokens_per_turn * iteration * stretch
 
 
-def t_prefill(p: WorkloadProfile, num_prefill: N) -> N:
-    """``S * ( (B*dL/N_P)*t_prefill + B*dL*K/BW )`` (the transfer term is a lower bound)."""
+def t_prefill(p: WorkloadProfile, num_prefill: N, num_decode: N) -> N:
+    """``S * ( (B*dL/N_P)*t_prefill + B*dL*K/(min(N_P, N_D)*BW) )``.
+
+    BW is one worker's link: each prefill worker sends its own requests' KV and each
+    decode worker receives its own, in parallel, so the batch's KV crosses
+    ``min(N_P, N_D)`` links at once. (PEARL.md writes ``B*dL*K/BW`` with BW the pools'
+    bandwidth; with a per-worker BW that is the whole batch through one link.) The
+    transfer term stays a lower bound: no contention, no latency."""
     tokens = p.batch_size * p.new_tokens_per_turn
-    transfer_s = tokens * p.kv_bytes_per_token / p.transfer_bytes_per_s
+    links = np.minimum(num_prefill, num_decode)
+    transfer_s = tokens * p.kv_bytes_per_token / (links * p.transfer_bytes_per_s)
     return p.turns * ((tokens / num_prefill) * p.prefill_s_per_token + transfer_s)
 
 
 def t_dis(p: WorkloadProfile, num_prefill: N, num_decode: N) -> N:
     """``max(T_prefill, T_decode) + T_env``."""
-    return np.maximum(t_prefill(p, num_prefill), t_decode(p, num_decode)) + p.env_s
+    return np.maximum(t_prefill(p, num_prefill, num_decode), t_decode(p, num_decode)) + p.env_s
 
 
 def kv_feasible(p: WorkloadProfile, num_decode: N) -> N:

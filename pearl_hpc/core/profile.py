@@ -39,7 +39,7 @@ class WorkloadProfile:
     )
     kv_bytes_per_token: float = spec_field("K: KV-cache bytes per token", gt=0)
     transfer_bytes_per_s: float = spec_field(
-        "BW: KV transfer bandwidth between the prefill and decode pools, bytes/s", gt=0
+        "BW: KV transfer bandwidth of one worker's link (prefill -> decode), bytes/s", gt=0
     )
     kv_bytes_per_trajectory: float = spec_field(
         "K_seq: KV-cache bytes one trajectory holds on a decode worker", gt=0

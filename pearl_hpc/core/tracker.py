@@ -10,9 +10,12 @@ Per step it fits (PEARL.md section 4):
   - ``prefill_s_per_token`` (t_prefill): ``sum(wall_s - A - b*num_seqs) /
     sum(prefill_tokens)`` over iterations that prefill (the decode part of a colocated
     mixed iteration removed);
-  - ``decode_bubble_ratio`` (theta): ``(1-f)/f`` with ``f`` the time-averaged fraction of
-    the batch inside an engine iteration, ``sum(num_seqs * wall_s) / (B * rollout_s)``
-    summed over all workers.
+  - ``decode_bubble_ratio`` (theta): ``(1-f)/f`` with ``f`` the fraction of the time
+    trajectories were eligible to decode that they spent inside a decode iteration,
+    ``sum(num_seqs * wall_s) / sum(generate_s)``: iterations summed over all workers,
+    ``generate_s`` over turns (from a turn's request to its response: queueing, prefill,
+    KV transfer, decode). A trajectory in an environment step (T_env has its own term)
+    or already finished is not a bubble.
 Iterations with a NaN, infinite or negative wall time are left out of the fits (theta,
 a sum over every iteration, is then not fitted). Each fitted value is smoothed with an
 exponential moving average over steps. A value that cannot be fitted (no data, a
@@ -48,6 +51,7 @@ class TurnRecord:
     env_s: float  # environment time after this turn's response
     slot_id: int  # worker that decoded the turn
     role: Role  # its role (colocated or decode)
+    generate_s: float = 0.0  # request -> response: the turn's time eligible to decode
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,8 +86,6 @@ def fit_step(
     turns: Sequence[TurnRecord],
     iterations: Sequence[IterationRecord],
     *,
-    batch_size: int,
-    rollout_s: float | None,
     prior_decode_fixed_s: float,
     prior_decode_per_seq_s: float = 0.0,
 ) -> StepFit:
@@ -123,9 +125,10 @@ def fit_step(
 
     # theta sums every iteration: one unusable wall time makes the sum unknowable
     complete = len(timed) == len(iterations)
-    if iterations and complete and rollout_s and rollout_s > 0 and batch_size > 0:
+    eligible_s = sum(t.generate_s for t in turns if math.isfinite(t.generate_s))
+    if iterations and complete and eligible_s > 0:
         seq_seconds = sum(it.num_seqs * it.wall_s * it.count for it in iterations)
-        f = min(1.0, max(_MIN_DECODE_FRACTION, seq_seconds / (batch_size * rollout_s)))
+        f = min(1.0, max(_MIN_DECODE_FRACTION, seq_seconds / eligible_s))
         values["decode_bubble_ratio"] = (1.0 - f) / f
 
     positive = {"turns", "gen_tokens_per_turn"}
@@ -174,14 +177,11 @@ class RuntimeTracker:
         turns: Sequence[TurnRecord],
         iterations: Sequence[IterationRecord],
         *,
-        rollout_s: float | None = None,
         batch_size: int | None = None,
     ) -> StepFit:
         fit = fit_step(
             turns,
             iterations,
-            batch_size=batch_size or self.profile.batch_size,
-            rollout_s=rollout_s,
             prior_decode_fixed_s=self.profile.decode_fixed_s,
             prior_decode_per_seq_s=self.profile.decode_per_seq_s,
         )

@@ -175,6 +175,7 @@ def tracker_turns(
                     env_s=turn.env_s,
                     slot_id=slot_of.get(worker, -1),
                     role=role_of.get(worker, Role.COLOCATED),
+                    generate_s=turn.generate_s,
                 )
             )
     return records
@@ -271,9 +272,11 @@ async def _run_turns(
         if budget < 1:
             traj.info["stopped"] = "max_context_tokens"
             break
+        t_request = clock()
         generated, workers, interruptions = await _generate(
             router, traj, context, turn, budget, sample_seed, config, eos
         )
+        generate_s = clock() - t_request
         context.extend(generated)
         closed = bool(generated) and generated[-1] == eos
         t0 = clock()
@@ -283,7 +286,14 @@ async def _run_turns(
         total_reward += _reward_of(step, turn)
         traj.turns.append(
             TurnStats(
-                turn, new_input, len(generated), len(context), env_s, tuple(workers), interruptions
+                turn,
+                new_input,
+                len(generated),
+                len(context),
+                env_s,
+                tuple(workers),
+                interruptions,
+                generate_s,
             )
         )
         if step.done or step.observation is None:

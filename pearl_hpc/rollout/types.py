@@ -50,6 +50,7 @@ class TurnStats:
     env_s: float  # environment time after the turn's response
     worker_ids: tuple[str, ...]  # workers that served the turn (> 1 after a resume / PD)
     interruptions: int = 0  # times the turn was drained and resumed elsewhere
+    generate_s: float = 0.0  # from the turn's request to its response (queue, PD, resumes)
 
 
 @dataclass(slots=True)

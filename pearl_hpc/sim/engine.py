@@ -67,6 +67,7 @@ class Traj:
     prefilled: int = 0  # tokens prefilled for the current turn (re-prefills included)
     finished_s: float | None = None
     interrupts: int = 0
+    turn_started_s: float = 0.0  # when the current turn's request was made
 
 
 @dataclass(eq=False)
@@ -453,6 +454,7 @@ class Simulator:
         self.steps.append(StepRecord(step, window_start, rollout_started_s=self.now))
         self.trajs_started += len(trajs)
         for t in trajs:
+            t.turn_started_s = self.now
             self.pending.append(t)
         self._dispatch()
 
@@ -722,6 +724,7 @@ class Simulator:
                 turn.env_s,
                 w.slot_id,
                 w.role,
+                self.now - traj.turn_started_s,
             )
         )
         traj.done_gen = traj.prefilled = 0
@@ -742,6 +745,7 @@ class Simulator:
 
     def _env_done(self, traj: Traj) -> None:
         self._in_transit -= 1
+        traj.turn_started_s = self.now
         self._requeue(traj)
 
     def _requeue(self, traj: Traj) -> None:
