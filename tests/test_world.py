@@ -123,5 +123,5 @@ def test_dry_run_of_pearl_32gpu_matches_the_golden_file() -> None:
     assert "sbatch --nodes=3 --ntasks-per-node=13" in proc.stdout
     assert "#SBATCH --partition=preemptible" in proc.stdout and "--gres=gpu:2" in proc.stdout
     assert "#SBATCH hetjob" not in proc.stdout  # request: single
-    assert "target 6P4D" in proc.stdout
+    assert "target 5P5D" in proc.stdout
     assert "elastic workers worth requesting: 1 of at most 6" in proc.stdout
