@@ -10,7 +10,7 @@ worker a pending chunk lengthens every decode iteration (the interference PEARL
 measures). KV memory is reserved per running request (admission waits when full); a
 worker keeps finished trajectories' contexts in an LRU prefix cache, so a turn that
 returns to the same worker prefills only its new tokens and one that moves re-prefills
-its whole context.
+its whole context; every weight update empties the prefix caches.
 
 Events are ordered by ``(time_s, priority, seq)``; all randomness is the workload's
 seeded generator, so a seed gives one result.
@@ -422,6 +422,12 @@ class Simulator:
     def _training_done(self, step: int) -> None:
         self._trained_step = step
         self._training_running = None
+        # the new weights reach every engine, which drops the prefix cache computed by
+        # the old ones (as pearl_hpc's vLLM engines and SGLang's update_weights do):
+        # running requests keep their KV, idle trajectories re-prefill their context
+        for w in self.workers.values():
+            w.cache.clear()
+            w.cached_tokens = 0
         unfinished = self._left.get(self._rollout_step, self.workload.batch_size)
         self.controller.handle(TrainingFinished(step, unfinished))
         self._maybe_train()
