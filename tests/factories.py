@@ -26,7 +26,6 @@ PROFILE_DEFAULTS: dict[str, Any] = dict(
     transfer_bytes_per_s=50e9,
     kv_bytes_per_trajectory=1.6e9,
     kv_capacity_bytes_per_worker=85e9,
-    prefill_tokens_per_s_per_worker=60000,
 )
 
 

@@ -40,7 +40,6 @@ profiles = st.builds(
     transfer_bytes_per_s=_pos(1e8, 1e11),
     kv_bytes_per_trajectory=_pos(1e6, 1e10),
     kv_capacity_bytes_per_worker=_pos(1e8, 1e11),
-    prefill_tokens_per_s_per_worker=_pos(10, 1e6),
 )
 
 
@@ -269,7 +268,7 @@ def test_thresholds_default_to_the_profile():
 # ---------------------------------------------------------------------- hysteresis
 # All splits feasible (huge KV memory and prefill throughput); T_env, which adds the
 # same constant to every configuration, tunes the relative gain to an exact value.
-ROOMY = dict(kv_capacity_bytes_per_worker=1e15, prefill_tokens_per_s_per_worker=1e12)
+ROOMY = dict(kv_capacity_bytes_per_worker=1e15)
 
 
 def _with_gain(p: WorkloadProfile, inc: PDConfig, best: PDConfig, gain: float) -> WorkloadProfile:
@@ -366,7 +365,7 @@ def test_keeping_the_best_is_not_a_switch():
 def test_forced_when_current_split_becomes_infeasible_bypasses_hysteresis():
     # KV needs N_D >= 2 (64*1.6e9 = 102.4e9 > 1*60e9, <= 2*60e9). Current 3P1D on the
     # same 4 workers has no zero-role-change alternative, and it is infeasible.
-    p = make_profile(kv_capacity_bytes_per_worker=60e9, prefill_tokens_per_s_per_worker=1e12)
+    p = make_profile(kv_capacity_bytes_per_worker=60e9)
     cur = PDConfig(3, 1, 0)
     d = decide(p, 4, cur, ratio_switch_threshold=1.0, mode_switch_threshold=1.0)
     assert d.forced is True and d.switch is True

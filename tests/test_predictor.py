@@ -15,7 +15,7 @@ from tests.factories import make_profile
 # The small profile all hand calculations use:
 #   B=4, S=2, dL=100, r=10, t_prefill=0.001 s/token, A=0.01 s, b=0.005 s/seq,
 #   T_over=0.5 s, T_env=3 s, theta=1, K=1000 B/token, BW=1e6 B/s,
-#   K_seq=1e6 B, H_max=2e6 B, prefill throughput=100 tokens/s/worker.
+#   K_seq=1e6 B, H_max=2e6 B.
 SMALL = dict(
     batch_size=4,
     turns=2,
@@ -31,7 +31,6 @@ SMALL = dict(
     transfer_bytes_per_s=1e6,
     kv_bytes_per_trajectory=1e6,
     kv_capacity_bytes_per_worker=2e6,
-    prefill_tokens_per_s_per_worker=100,
 )
 
 
@@ -156,7 +155,7 @@ def test_kv_feasible_by_hand(p, n_d, expected):
 @pytest.mark.parametrize(
     ("n_p", "n_d", "expected"),
     [
-        # tokens B*S*dL = 4*2*100 = 800; busy = 800 / (N_P * 100)
+        # t_prefill 0.01 (100 tokens/s): tokens B*S*dL = 4*2*100 = 800; busy = 8 / N_P
         # span = T_decode(N_D) + T_env: N_D=1 -> 0.8 + 3 = 3.8; N_D=2 -> 0.6 + 3 = 3.6
         (1, 1, False),  # busy 8 > 3.8
         (2, 1, False),  # busy 4 > 3.8
@@ -166,13 +165,14 @@ def test_kv_feasible_by_hand(p, n_d, expected):
     ],
 )
 def test_prefill_feasible_by_hand(p, n_p, n_d, expected):
-    assert bool(predictor.prefill_feasible(p, n_p, n_d)) is expected
+    q = p.replace(prefill_s_per_token=0.01)  # T_decode does not depend on it
+    assert bool(predictor.prefill_feasible(q, n_p, n_d)) is expected
 
 
 def test_prefill_feasible_boundary_is_inclusive():
     # Exactly representable numbers: B=4, S=2, r=2, A=0.25, b=0.25, theta=1, T_env=4.
     # N_D=2: iteration 0.25 + 0.25*4/(2*2) = 0.5; T_decode = 2*2*0.5*2 = 4; span 4 + 4 = 8.
-    # tokens 4*2*100 = 800; N_P=1 at 100 tok/s: busy 8 = span -> feasible; at 99 tok/s not.
+    # tokens 4*2*100 = 800; N_P=1 at 0.01 s/token: busy 8 = span -> feasible; at 0.0101 not.
     q = make_profile(
         batch_size=4,
         turns=2,
@@ -182,19 +182,17 @@ def test_prefill_feasible_boundary_is_inclusive():
         decode_bubble_ratio=1.0,
         env_s=4.0,
         new_tokens_per_turn=100,
-        prefill_tokens_per_s_per_worker=100,
+        prefill_s_per_token=0.01,
     )
     assert float(predictor.t_decode(q, 2)) == 4.0
     assert bool(predictor.prefill_feasible(q, 1, 2)) is True
-    assert (
-        bool(predictor.prefill_feasible(q.replace(prefill_tokens_per_s_per_worker=99), 1, 2))
-        is False
-    )
+    assert bool(predictor.prefill_feasible(q.replace(prefill_s_per_token=0.0101), 1, 2)) is False
 
 
 def test_prefill_feasible_env_time_counts_toward_the_span(p):
     # N_P=2, N_D=2 was infeasible (busy 4 > 3.6); T_env=3.4 gives span 0.6 + 3.4 = 4.0 >= 4
-    assert bool(predictor.prefill_feasible(p.replace(env_s=3.4), 2, 2)) is True
+    q = p.replace(prefill_s_per_token=0.01, env_s=3.4)
+    assert bool(predictor.prefill_feasible(q, 2, 2)) is True
 
 
 # ------------------------------------------------------------------------- predict
@@ -237,7 +235,8 @@ def test_array_values_by_hand(p):
     )
     np.testing.assert_allclose(predictor.t_dis(p, np.array([2, 4]), np.array([2, 1])), [3.8, 4.0])
     assert predictor.kv_feasible(p, np.array([1, 2, 3])).tolist() == [False, True, True]
-    assert predictor.prefill_feasible(p, np.array([1, 3]), np.array([1, 2])).tolist() == [
+    q = p.replace(prefill_s_per_token=0.01)
+    assert predictor.prefill_feasible(q, np.array([1, 3]), np.array([1, 2])).tolist() == [
         False,
         True,
     ]
@@ -251,3 +250,18 @@ def test_makespans_decrease_with_more_workers():
         t = np.asarray(f(q, n))
         assert np.all(np.diff(t) <= 0)
         assert np.all(t > 0)
+
+
+# ---------------------------------------------------------------------- mean turns
+def test_prefill_work_counts_mean_turns_where_fitted(p):
+    # S-bar = 1 (the slowest trajectory still has S = 2): the prefill terms halve
+    q = p.replace(mean_turns=1.0)
+    # colocated N=2: prefill 1*(400/2)*0.001 = 0.2; decode + T_over 2*(0.2 + 0.5) = 1.4;
+    #                0.2 + 1.4 + 3 = 4.6 (S-bar = S gave 4.8)
+    assert float(predictor.t_coloc(q, 2)) == approx(4.6)
+    # N_P=2, N_D=2: 1*((400/2)*0.001 + 400*1000/(2*1e6)) = 0.2 + 0.2 = 0.4 (was 0.8)
+    assert float(predictor.t_prefill(q, 2, 2)) == approx(0.4)
+    # feasibility at 0.01 s/token: busy 4*1*100*0.01/2 = 2 <= span 0.6 + 3 (was 4 > 3.6)
+    assert bool(predictor.prefill_feasible(q.replace(prefill_s_per_token=0.01), 2, 2)) is True
+    # 0 = not fitted: S-bar = S
+    assert float(predictor.t_coloc(p.replace(mean_turns=0.0), 2)) == approx(4.8)

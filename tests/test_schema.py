@@ -105,7 +105,6 @@ def test_none_is_not_a_number():
         "transfer_bytes_per_s",
         "kv_bytes_per_trajectory",
         "kv_capacity_bytes_per_worker",
-        "prefill_tokens_per_s_per_worker",
     ],
 )
 @pytest.mark.parametrize("value", [0, -1])

@@ -211,6 +211,7 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> N
         (["--tp", "8"], ["reserved rollout GPUs = 4 cannot be split into TP8 workers"]),
         (["--rollout-gpus", "5", "--no-elastic"], ["--rollout-gpus = 5", "multiple of 2"]),
         (["--training-gpus", "1"], ["--training-gpus = 1"]),
+        (["--workload", "nope"], ["--workload 'nope'", "swe-bench, swe-bench-pearl-mix"]),
     ],
 )
 def test_bad_input_one_line_exit_2(args: list[str], needles: list[str]) -> None:

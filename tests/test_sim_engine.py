@@ -98,6 +98,8 @@ class AuditedSimulator(Simulator):
         assert self.training_executing == step
         self.training_executing = None
         super()._training_done(step)
+        # the new weights emptied every prefix cache (running requests keep their KV)
+        assert all(not w.cache and w.cached_tokens == 0 for w in self.workers.values())
 
     def _turn_done(self, req: Any, w: Any) -> None:
         traj = req.traj
@@ -513,3 +515,24 @@ def test_pearl_borrows_idle_training_gpus_on_fixed_resources() -> None:
     assert borrowed["pearl"] >= 1 and borrowed["pd+toggle"] >= 1
     tput = {name: r["throughput_tokens_per_s"] for name, r in doc["systems"].items()}
     assert tput["pearl"] > 1.1 * tput["pd-only"]
+
+
+def test_the_calibrated_workload_prefills_pearls_share_of_tokens() -> None:
+    """swe-bench-pearl-mix is calibrated to PEARL.md section 7's 96.7% of tokens
+    prefilled: its agent rewrites its history, so no turn reuses a cached prefix; the
+    uncalibrated swe-bench mix reuses them and prefills far less."""
+    from pearl_hpc.cli.common import resolve_workload
+
+    share = {}
+    for name in ("swe-bench", "swe-bench-pearl-mix"):
+        req = SimRequest(
+            systems=("roll",),
+            segment=None,
+            rollout_gpus=8,
+            duration_s=DURATION_S,
+            batch_size=16,
+            workload_path=resolve_workload(name),
+        )
+        share[name] = simulate(req)["systems"]["roll"]["prefill_token_share"]
+    assert share["swe-bench-pearl-mix"] == pytest.approx(0.967, abs=0.01)
+    assert share["swe-bench"] < 0.8

@@ -350,3 +350,10 @@ def test_round_trip_through_to_dict_and_restore():
     assert again.profile == tr.profile
     assert again.steps_observed == 1
     assert again.ema_alpha == 0.5
+
+
+def test_mean_turns_over_the_trajectories_with_a_finished_turn():
+    # a: 3 turns (the slowest), b: 1, c: 2 -> S = 3, S-bar = 6 / 3 = 2
+    turns = [turn("a", i) for i in range(3)] + [turn("b", 0)] + [turn("c", i) for i in range(2)]
+    v = fit(turns)
+    assert v["turns"] == 3.0 and v["mean_turns"] == pytest.approx(2.0)

@@ -95,13 +95,23 @@ def _refuse(why: str) -> NoReturn:
 
 def resolve_profile(name_or_path: str) -> Path:
     """A profile path, or the name of a shipped profile in ``configs/profiles``."""
+    return _resolve_shipped("profiles", "--profile", name_or_path)
+
+
+def resolve_workload(name_or_path: str) -> Path:
+    """A workload path, or the name of a shipped workload in ``configs/workloads``."""
+    return _resolve_shipped("workloads", "--workload", name_or_path)
+
+
+def _resolve_shipped(folder: str, flag: str, name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.exists() or path.suffix in (".yaml", ".yml") or "/" in name_or_path:
         return path
-    shipped = REPO_CONFIGS / "profiles" / f"{name_or_path}.yaml"
+    shipped = REPO_CONFIGS / folder / f"{name_or_path}.yaml"
     if shipped.exists():
         return shipped
-    names = sorted(p.stem for p in (REPO_CONFIGS / "profiles").glob("*.yaml"))
+    names = sorted(p.stem for p in (REPO_CONFIGS / folder).glob("*.yaml"))
+    kind = folder.rstrip("s")
     raise ConfigError(
-        f"--profile {name_or_path!r}: no such file or shipped profile; shipped: {', '.join(names)}"
+        f"{flag} {name_or_path!r}: no such file or shipped {kind}; shipped: {', '.join(names)}"
     )

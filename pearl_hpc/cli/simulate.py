@@ -15,6 +15,7 @@ from pearl_hpc.cli.common import (
     number,
     out_dir,
     positive_int,
+    resolve_workload,
 )
 from pearl_hpc.errors import ConfigError
 
@@ -55,6 +56,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         seed=args.seed,
         sweep_static=args.sweep_static,
         router=args.router,
+        workload_path=resolve_workload(args.workload),
     )
     sims: dict = {}
     show = sys.stderr.isatty() and not args.no_progress
@@ -152,6 +154,12 @@ def add_parsers(sub: Any) -> None:
         "--sweep-static",
         action="store_true",
         help="also run every static P:D split and colocation (fixed resources)",
+    )
+    sim.add_argument(
+        "--workload",
+        default="swe-bench",
+        help="a shipped workload (configs/workloads: swe-bench, swe-bench-pearl-mix) or a "
+        "workload YAML path",
     )
     sim.add_argument(
         "--router",

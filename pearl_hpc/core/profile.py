@@ -47,8 +47,10 @@ class WorkloadProfile:
     kv_capacity_bytes_per_worker: float = spec_field(
         "H_max: KV-cache memory of one worker, bytes", gt=0
     )
-    prefill_tokens_per_s_per_worker: float = spec_field(
-        "prefill throughput of one worker, tokens/s (the no-queueing constraint)", gt=0
+    mean_turns: float = spec_field(
+        "S-bar: mean turns per trajectory, the batch's prefill work B*S-bar*dL (0 = S)",
+        default=0.0,
+        ge=0,
     )
     ratio_switch_threshold: float = spec_field(
         "hysteresis for P:D ratio changes: minimum relative makespan improvement",
@@ -77,6 +79,7 @@ class WorkloadProfile:
 # The parameters the runtime tracker refits from telemetry (PEARL.md section 4).
 FITTED_FIELDS: tuple[str, ...] = (
     "turns",
+    "mean_turns",
     "new_tokens_per_turn",
     "gen_tokens_per_turn",
     "prefill_s_per_token",

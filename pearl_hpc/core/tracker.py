@@ -2,6 +2,7 @@
 
 Per step it fits (PEARL.md section 4):
   - ``turns`` (S): turns of the slowest trajectory (the one with the most turns);
+  - ``mean_turns`` (S-bar): finished turns per trajectory that finished one;
   - ``env_s`` (T_env): summed environment time of that trajectory;
   - ``new_tokens_per_turn`` (dL), ``gen_tokens_per_turn`` (r): means over turns;
   - ``decode_fixed_s`` (A), ``decode_per_seq_s`` (b): least squares of
@@ -98,6 +99,7 @@ def fit_step(
             per_traj[t.trajectory_id].append(t)
         slowest = max(per_traj.values(), key=lambda ts: (len(ts), sum(t.env_s for t in ts)))
         values["turns"] = float(len(slowest))
+        values["mean_turns"] = len(turns) / len(per_traj)
         values["env_s"] = float(sum(t.env_s for t in slowest))
         values["new_tokens_per_turn"] = float(np.mean([t.new_input_tokens for t in turns]))
         values["gen_tokens_per_turn"] = float(np.mean([t.generated_tokens for t in turns]))

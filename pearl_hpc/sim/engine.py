@@ -546,6 +546,8 @@ class Simulator:
     def _submit_prefill(self, w: SimWorker, traj: Traj) -> None:
         turn = traj.spec.turns[traj.turn]
         cached = self._uncache(w, traj.spec.trajectory_id)
+        if not self.workload.prefix_reuse:  # the agent rewrote its history: nothing matches
+            cached = 0
         # the prompt includes a response interrupted earlier (token-level resume)
         prompt = traj.context + turn.new_tokens + traj.done_gen
         tokens = prompt - min(cached, traj.context)

@@ -47,7 +47,6 @@ def initial_profile(cost: CostModel, workload: WorkloadConfig) -> WorkloadProfil
         transfer_bytes_per_s=cost.gpu.network_bytes_per_s * NETWORK_EFFICIENCY,
         kv_bytes_per_trajectory=workload.max_trajectory_tokens * kv,
         kv_capacity_bytes_per_worker=cost.kv_capacity_tokens * kv,
-        prefill_tokens_per_s_per_worker=1.0 / t_prefill,
     )
 
 

@@ -59,6 +59,11 @@ class WorkloadConfig:
     env_s_median: float = spec_field("environment time per turn, median seconds", default=2.5, gt=0)
     env_s_sigma: float = spec_field("log-normal sigma of environment time", default=1.0, ge=0)
     env_s_max: float = spec_field("cap on one environment step, seconds", default=120.0, gt=0)
+    prefix_reuse: bool = spec_field(
+        "a turn's prompt extends the previous one (false: the agent rewrites its history "
+        "-- truncated or summarised observations -- so every turn prefills its context)",
+        default=True,
+    )
 
     @classmethod
     def from_dict(cls, data: Any, *, where: str = "workload") -> WorkloadConfig:
