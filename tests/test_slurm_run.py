@@ -308,7 +308,6 @@ def test_slurm_run_survives_a_slurmctld_outage_and_a_killed_elastic_rank(
     config = tmp_path / "run.yaml"
     doc = {
         **CONFIG,
-        "profile": MEASURED,  # colocated throughout: faults under test, not mode switches
         "elastic": {**CONFIG["elastic"], "request": "single", "max_workers": 1},
         "run": {**CONFIG["run"], "steps": STEPS_FAULTS},
         "runs_dir": str(tmp_path / "runs"),
