@@ -548,7 +548,7 @@ def test_step_telemetry_refits_the_profile() -> None:
         IterationRecord(0, Role.COLOCATED, 16, 16000, 0, 0.012),
         IterationRecord(0, Role.COLOCATED, 32, 32000, 0, 0.016),
     )
-    controller.handle(StepTelemetry(3, turns=turns, iterations=iterations, rollout_s=400.0))
+    controller.handle(StepTelemetry(3, turns=turns, iterations=iterations))
     profile = controller.profile
     assert profile.turns == pytest.approx(0.5 * 10 + 0.5 * base.turns)
     assert profile.env_s == pytest.approx(0.5 * 20.0 + 0.5 * base.env_s)

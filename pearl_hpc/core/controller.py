@@ -111,7 +111,6 @@ class StepTelemetry:
     step: int
     turns: tuple[TurnRecord, ...] = ()
     iterations: tuple[IterationRecord, ...] = ()
-    rollout_s: float | None = None
     batch_size: int | None = None
     borrowed: bool = False  # training GPUs were lent during the step
     activation_s: float = 0.0  # measured overlap activation time

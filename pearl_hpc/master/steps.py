@@ -181,7 +181,6 @@ class StepPipeline:
                 step,
                 tuple(tracker_turns(trajectories, slots, roles)),
                 tuple(iterations),
-                rollout_s=rollout_s,
                 batch_size=len(trajectories),
                 borrowed=borrowed,
                 activation_s=activated[-1] if activated else 0.0,

@@ -492,7 +492,6 @@ class Simulator:
             step,
             tuple(self._turns),
             tuple(self._iters),
-            rollout_s=self.now - rec.rollout_started_s,
             batch_size=len(trajs),
             borrowed=bool(self._activation_s),
             activation_s=sum(self._activation_s) / len(self._activation_s)
