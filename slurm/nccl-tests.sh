@@ -60,13 +60,33 @@ find_nccl() {
     NCCL_HOME=/usr
   fi
   [ -f "$NCCL_HOME/include/nccl.h" ] || die "NCCL_HOME=$NCCL_HOME has no include/nccl.h"
+  # nccl-tests links -lnccl: a pip NCCL (nvidia-nccl-cu*) ships only libnccl.so.2
+  local lib libs=("$NCCL_HOME"/lib/libnccl.so "$NCCL_HOME"/lib64/libnccl.so)
+  [ "$NCCL_HOME" != /usr ] || libs+=(/usr/lib/*-linux-gnu/libnccl.so)
+  for lib in "${libs[@]}"; do
+    [ -e "$lib" ] && return
+  done
+  if [ -e "$NCCL_HOME/lib/libnccl.so.2" ]; then
+    die "NCCL_HOME=$NCCL_HOME has lib/libnccl.so.2 but no lib/libnccl.so (a pip NCCL): ln -s libnccl.so.2 $NCCL_HOME/lib/libnccl.so"
+  fi
+  die "NCCL_HOME=$NCCL_HOME has no lib/libnccl.so: point NCCL_HOME at an NCCL install with include/ and lib/"
 }
 
 find_mpi() {
   if [ -z "${MPI_HOME:-}" ]; then
     command -v mpicc >/dev/null \
       || die "MPI_HOME is not set and mpicc is not on PATH: export MPI_HOME=<MPI folder with include/mpi.h> (or module load openmpi)"
-    MPI_HOME=$(dirname "$(dirname "$(command -v mpicc)")")
+    # the folder above the include dir the wrapper compiles with (a distribution MPI
+    # keeps it away from bin/: /usr/bin/mpicc -> /usr/lib/x86_64-linux-gnu/openmpi)
+    local flag inc=
+    for flag in $(mpicc -show 2>/dev/null || mpicc -showme 2>/dev/null); do
+      case $flag in -I*) [ -f "${flag#-I}/mpi.h" ] && inc=${flag#-I} && break ;; esac
+    done
+    if [ -n "$inc" ]; then
+      MPI_HOME=$(dirname "$(readlink -f "$inc")")
+    else
+      MPI_HOME=$(dirname "$(dirname "$(readlink -f "$(command -v mpicc)")")")
+    fi
   fi
   [ -f "$MPI_HOME/include/mpi.h" ] || die "MPI_HOME=$MPI_HOME has no include/mpi.h"
 }
@@ -136,6 +156,8 @@ cmd_run() {
   local test_args
   read -r -a test_args <<<"$TEST_ARGS"
   mkdir -p "$out"
+  # the parser checks each test ran on all of these (not one 1-rank test per task)
+  if [ -n "$per_node" ]; then echo "$((${SLURM_JOB_NUM_NODES:-1} * per_node))" >"$out/ntasks"; fi
   local test
   for test in $TESTS; do
     [ -x "$BUILD/bin/$test" ] || die "$BUILD/bin/$test not found: run 'slurm/nccl-tests.sh build' first (or set PEARL_NCCL_TESTS_DIR)"

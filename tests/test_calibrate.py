@@ -217,6 +217,31 @@ def test_srun_label_prefixes_are_ignored() -> None:
     assert cal.parse_nccl_tests(labelled).rows == cal.parse_nccl_tests(SENDRECV_2).rows
 
 
+def one_rank_run(host: str) -> str:
+    """What one task prints when srun's --mpi plugin does not match nccl-tests' MPI: a test
+    of its own, on one rank (rank 0, on its node)."""
+    return SENDRECV_2.replace("#  Rank  1 Group  0 Pid  38811 on     gpu002", "# dropped").replace(
+        "gpu001", host
+    )
+
+
+def test_a_run_of_separate_one_rank_tests_is_refused() -> None:
+    single = one_rank_run("gpu001")
+    with pytest.raises(CalibrationError, match="ran on 1 rank: a bandwidth needs 2"):
+        cal.parse_nccl_tests(single)
+    # two tasks' printouts interleaved (tee of one srun): rank 0 twice, two headers
+    a, b = one_rank_run("gpu001").splitlines(), one_rank_run("gpu002").splitlines()
+    interleaved = "\n".join(x for pair in zip(a, b, strict=True) for x in pair) + "\n"
+    with pytest.raises(CalibrationError, match=r"second '# nThread' header: every task ran"):
+        cal.parse_nccl_tests(interleaved)
+    ranks_twice = SENDRECV_2.replace("Rank  1 Group", "Rank  0 Group")
+    with pytest.raises(CalibrationError, match=r"rank 0 is listed twice.*srun --mpi=list"):
+        cal.parse_nccl_tests(ranks_twice)
+    assert cal.parse_nccl_tests(SENDRECV_2, expected_ranks=2).num_ranks == 2
+    with pytest.raises(CalibrationError, match="ran on 2 ranks, srun started 16 tasks"):
+        cal.parse_nccl_tests(SENDRECV_2, expected_ranks=16)
+
+
 def test_wrong_values_are_an_error() -> None:
     bad = nccl_output("all_reduce", 8, SIZES_8, [60.5, 301.2, 402.7, 455.3, 471.9], wrong=3)
     with pytest.raises(CalibrationError, match=r"#wrong > 0\) at sizes 1073741824 B"):
@@ -327,7 +352,7 @@ def fake_toolchain(tmp_path: Path) -> dict[str, str]:
     nccl-tests source whose Makefile records its variables."""
     for folder, files in (
         ("cuda", ["bin/nvcc", "include/cuda_runtime.h"]),
-        ("nccl", ["include/nccl.h"]),
+        ("nccl", ["include/nccl.h", "lib/libnccl.so"]),
         ("mpi", ["include/mpi.h"]),
     ):
         for name in files:
@@ -374,6 +399,34 @@ def test_script_build_passes_the_toolchain_to_make(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_script_build_finds_a_distribution_mpi_from_its_wrapper(tmp_path: Path) -> None:
+    """/usr/bin/mpicc of a distribution MPI: the headers are not beside bin/ but where
+    the wrapper's -I points (Debian: /usr/lib/x86_64-linux-gnu/openmpi/include)."""
+    env = fake_toolchain(tmp_path)
+    del env["MPI_HOME"]
+    mpi = tmp_path / "lib" / "openmpi"
+    (mpi / "include").mkdir(parents=True)
+    (mpi / "include" / "mpi.h").write_text("")
+    bin_dir = tmp_path / "usr-bin"
+    bin_dir.mkdir()
+    wrapper = bin_dir / "mpicc"
+    wrapper.write_text(f'#!/bin/sh\necho gcc -I{mpi}/include -pthread -L{mpi}/lib -lmpi\n')
+    wrapper.chmod(0o755)
+    done = script("build", env=env | {"PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert done.returncode == 0, done.stderr
+    assert f"MPI_HOME={mpi}" in (tmp_path / "build" / "bin" / "vars").read_text().split()
+
+
+def test_script_build_names_the_missing_nccl_link_of_a_pip_nccl(tmp_path: Path) -> None:
+    env = fake_toolchain(tmp_path)
+    lib = tmp_path / "nccl" / "lib"
+    (lib / "libnccl.so").rename(lib / "libnccl.so.2")
+    done = script("build", env=env)
+    assert done.returncode == 1
+    assert "lib/libnccl.so.2 but no lib/libnccl.so (a pip NCCL): ln -s" in done.stderr
+
+
 @pytest.mark.parametrize(
     ("drop", "message"),
     [
@@ -401,7 +454,8 @@ def test_script_run_on_the_local_cluster(slurm_cluster: str, tmp_path: Path) -> 
     binary prints canned nccl-tests output from rank 0 only, as an MPI build does."""
     build = tmp_path / "build" / "bin"
     build.mkdir(parents=True)
-    for test, text in (("all_reduce_perf", ALL_REDUCE_8), ("sendrecv_perf", SENDRECV_8)):
+    for test in ("all_reduce_perf", "sendrecv_perf"):  # 4 ranks: one test over the 4 tasks
+        text = nccl_output(test.removesuffix("_perf"), 4, SIZES_8, [20.0, 40, 45, 46, 46])
         (tmp_path / f"{test}.canned").write_text(text)
         stub = build / test
         stub.write_text(
@@ -426,8 +480,21 @@ def test_script_run_on_the_local_cluster(slurm_cluster: str, tmp_path: Path) -> 
     )
     assert done.returncode == 0, done.stderr
     assert (out / "sendrecv_perf.err").read_text().strip() == "tasks=4 nodes=2"
+    assert (out / "ntasks").read_text().strip() == "4"  # what the parser checks ranks against
     results = cal.read_nccl_dir(out)
     assert [r.test for r in results] == ["all_reduce", "sendrecv"]
+
+
+def test_nccl_dir_ranks_must_be_the_tasks_srun_started(tmp_path: Path) -> None:
+    (tmp_path / "all_reduce_perf.txt").write_text(ALL_REDUCE_8)
+    (tmp_path / "ntasks").write_text("8\n")
+    assert cal.read_nccl_dir(tmp_path)[0].num_ranks == 8
+    (tmp_path / "ntasks").write_text("16\n")
+    with pytest.raises(CalibrationError, match="ran on 8 ranks, srun started 16 tasks"):
+        cal.read_nccl_dir(tmp_path)
+    (tmp_path / "ntasks").write_text("many\n")
+    with pytest.raises(ConfigError, match="ntasks: 'many' is not a task count"):
+        cal.read_nccl_dir(tmp_path)
 
 
 # --------------------------------------------------------------------------- gloo

@@ -169,6 +169,19 @@ def cluster_from_nccl(results: Sequence[NcclResult], *, measured_at: datetime) -
     )
 
 
+NTASKS_FILE = "ntasks"  # slurm/nccl-tests.sh run: the tasks srun started for each test
+
+
+def _ntasks(path: Path) -> int | None:
+    """The task count ``slurm/nccl-tests.sh run`` recorded (None: not recorded)."""
+    if not path.exists():
+        return None
+    text = read_user_text(path).strip()
+    if not text.isdigit():
+        raise ConfigError(f"{path}: {text!r} is not a task count; delete the file or fix it")
+    return int(text)
+
+
 def read_nccl_dir(directory: str | Path) -> list[NcclResult]:
     """Parse every ``*_perf*.txt`` / ``*_perf*.out`` in ``directory`` (as
     ``slurm/nccl-tests.sh run`` writes them); the file name names the test."""
@@ -183,7 +196,11 @@ def read_nccl_dir(directory: str | Path) -> list[NcclResult]:
             f"--nccl-dir {directory}: no <test>_perf.txt files; run slurm/nccl-tests.sh run "
             "inside an allocation first"
         )
-    results = [parse_nccl_tests(read_user_text(p), test=p.stem, where=str(p)) for p in files]
+    expected = _ntasks(directory / NTASKS_FILE)
+    results = [
+        parse_nccl_tests(read_user_text(p), test=p.stem, where=str(p), expected_ranks=expected)
+        for p in files
+    ]
     seen: dict[str, Path] = {}
     for path, result in zip(files, results, strict=True):
         if result.test in seen:

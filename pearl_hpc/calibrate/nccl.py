@@ -172,8 +172,31 @@ def _row(tokens: list[str], layout: _Layout, where: str) -> NcclRow:
     )
 
 
+_SEPARATE_TESTS = (
+    ": every task ran a 1-rank test of its own (srun's --mpi plugin does not match the MPI "
+    "nccl-tests was built with; `srun --mpi=list` shows the plugins, PEARL_SRUN_MPI sets it)"
+)
+
+
+def _check_ranks(num_ranks: int | None, expected: int | None, where: str) -> None:
+    """A bandwidth needs two ranks or more, and all the tasks srun started in one test."""
+    if num_ranks is not None and num_ranks < 2:
+        raise CalibrationError(
+            f"{where}: the test ran on {num_ranks} rank: a bandwidth needs 2 or more (srun "
+            "--ntasks >= 2, one task per GPU)"
+        )
+    if expected is not None and num_ranks is not None and num_ranks != expected:
+        raise CalibrationError(
+            f"{where}: the test ran on {num_ranks} ranks, srun started {expected} tasks{_SEPARATE_TESTS}"
+        )
+
+
 def parse_nccl_tests(
-    text: str, *, test: str | None = None, where: str = "nccl-tests output"
+    text: str,
+    *,
+    test: str | None = None,
+    where: str = "nccl-tests output",
+    expected_ranks: int | None = None,
 ) -> NcclResult:
     """Parse the stdout of one nccl-tests binary (any version since the 2.x series).
 
@@ -185,7 +208,11 @@ def parse_nccl_tests(
     test starting:" arrived in 2.14); the output's own name wins.
 
     Raises :class:`CalibrationError` on output with no data rows, without the footer (the
-    run did not finish), with ``#wrong`` > 0 in any row or out-of-bounds values > 0.
+    run did not finish), with ``#wrong`` > 0 in any row or out-of-bounds values > 0, and
+    on a run that was not one test over several ranks: a rank id listed twice or a second
+    ``# nThread`` header (each task ran a 1-rank test of its own: what an ``srun --mpi``
+    plugin that does not match the MPI gives), fewer than 2 ranks, or a rank count other
+    than ``expected_ranks`` (the tasks srun started).
     """
     layout: _Layout | None = None
     rows: list[NcclRow] = []
@@ -214,10 +241,18 @@ def parse_nccl_tests(
             named = match.group(1)
         elif match := _THREADS_RE.match(line):
             if rows:
-                raise CalibrationError(f"{here}: a second test starts; give one test per file")
+                raise CalibrationError(
+                    f"{here}: a second test starts; give one test per file (or, if "
+                    f"{_SEPARATE_TESTS.removeprefix(': ')})"
+                )
+            if threads_x_gpus is not None:
+                raise CalibrationError(f"{here}: a second '# nThread' header{_SEPARATE_TESTS}")
             threads_x_gpus = int(match.group(1)) * int(match.group(2))
         elif match := _RANK_RE.match(line):
-            ranks[int(match.group(1))] = (match.group(2), match.group(3).strip())
+            rank = int(match.group(1))
+            if rank in ranks:
+                raise CalibrationError(f"{here}: rank {rank} is listed twice{_SEPARATE_TESTS}")
+            ranks[rank] = (match.group(2), match.group(3).strip())
         elif match := _AVG_RE.match(line):
             avg = _number(match.group(1), "Avg bus bandwidth", here)
         elif match := _OOB_RE.match(line):
@@ -249,6 +284,7 @@ def parse_nccl_tests(
     if not name:
         raise CalibrationError(f"{where}: the output does not name its test; pass test=...")
     num_ranks = len(ranks) if ranks else threads_x_gpus
+    _check_ranks(num_ranks, expected_ranks, where)
     return NcclResult(
         test=normalise_test_name(name),
         num_ranks=num_ranks,
