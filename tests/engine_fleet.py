@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from pearl_hpc.core.types import Role
 from pearl_hpc.engine.client import WorkerProcess, spawn_worker
 from pearl_hpc.engine.rpc import new_key
-from pearl_hpc.engine.vllm_engine import EngineSpec
+from pearl_hpc.engine.spec import EngineSpec
 
 T = TypeVar("T")
 

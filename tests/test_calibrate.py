@@ -411,7 +411,7 @@ def test_script_build_finds_a_distribution_mpi_from_its_wrapper(tmp_path: Path) 
     bin_dir = tmp_path / "usr-bin"
     bin_dir.mkdir()
     wrapper = bin_dir / "mpicc"
-    wrapper.write_text(f'#!/bin/sh\necho gcc -I{mpi}/include -pthread -L{mpi}/lib -lmpi\n')
+    wrapper.write_text(f"#!/bin/sh\necho gcc -I{mpi}/include -pthread -L{mpi}/lib -lmpi\n")
     wrapper.chmod(0o755)
     done = script("build", env=env | {"PATH": f"{bin_dir}:{os.environ['PATH']}"})
     assert done.returncode == 0, done.stderr

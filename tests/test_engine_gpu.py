@@ -68,8 +68,8 @@ def test_nccl_weight_group_broadcasts_from_the_trainer():
 def test_cuda_engine_sleeps_and_wakes_for_borrowing(tiny_model_dir: str, tmp_path: Path):
     from pearl_hpc.engine.client import spawn_worker
     from pearl_hpc.engine.rpc import new_key
+    from pearl_hpc.engine.spec import EngineSpec
     from pearl_hpc.engine.types import TurnRequest
-    from pearl_hpc.engine.vllm_engine import EngineSpec
 
     async def main() -> None:
         spec = EngineSpec(model_dir=tiny_model_dir, device="cuda", gpu_memory_utilization=0.3)

@@ -194,7 +194,8 @@ def test_the_key_is_a_private_file_and_an_engine_without_one_exits_2(tmp_path: P
     path.chmod(0o644)
     with pytest.raises(EngineError, match="chmod 600"):
         read_key(path)
-    base = [sys.executable, "-m", "pearl_hpc.engine.server", "--model", "m", "--worker-id", "w"]
+    spec = '{"model_dir": "m"}'
+    base = [sys.executable, "-m", "pearl_hpc.engine.server", "--spec", spec, "--worker-id", "w"]
     base += ["--ready-file", str(tmp_path / "ready.json")]
     missing = subprocess.run(base, capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "--key-file" in missing.stderr

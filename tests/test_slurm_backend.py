@@ -16,7 +16,6 @@ from pearl_hpc.backends import slurm as backend_mod
 from pearl_hpc.backends.slurm import SlurmBackend
 from pearl_hpc.config.run import ElasticConfig, PoolConfig, SlurmSettings
 from pearl_hpc.core.types import Role
-from pearl_hpc.engine.vllm_engine import EngineSpec
 from pearl_hpc.slurm.client import CommandResult, SlurmClient
 from pearl_hpc.slurm.parse import SQUEUE_FORMAT
 
@@ -41,7 +40,7 @@ def _backend(
     backend = SlurmBackend(
         SlurmSettings(poll_s=0.2),
         ElasticConfig(**{"grace_s": 15.0, "pools": list(pools) or [PoolConfig()], **elastic}),
-        EngineSpec(model_dir="m"),
+        "m",
         tmp_path,
         asyncio.Queue(),
         clock,

@@ -49,7 +49,6 @@ from pearl_hpc.config.run import ElasticConfig, PoolConfig, SlurmSettings
 from pearl_hpc.core.controller import CapacityGranted, CapacityReclaimed, Event
 from pearl_hpc.core.table import ElasticSource
 from pearl_hpc.core.types import Role
-from pearl_hpc.engine.vllm_engine import EngineSpec
 from pearl_hpc.master.members import LEAVE_TIMEOUT_S, Members
 from pearl_hpc.slurm.capacity import CapacityManager, Component, ComponentState
 from pearl_hpc.slurm.client import SlurmClient, SlurmError
@@ -114,7 +113,7 @@ def elastic_job_spec(
     s: SlurmSettings,
     run_tag: str,
     elastic_dir: Path,
-    spec: EngineSpec,
+    model_dir: str,
     python: str,
 ) -> JobSpec:
     """One request: a job of one component per worker (heterogeneous when more than
@@ -124,7 +123,7 @@ def elastic_job_spec(
     chosen = [elastic.pools[i] for i in pools]
     engine_args = [
         f"--run-dir={elastic_dir.parent}",
-        f"--model={spec.model_dir}",
+        f"--model={model_dir}",
         f"--lease-timeout-s={s.lease_timeout_s:g}",
         "--gpus=" + ",".join(str(p.gpus_per_worker) for p in chosen),
     ]
@@ -148,7 +147,7 @@ class SlurmBackend:
         self,
         settings: SlurmSettings,
         elastic: ElasticConfig,
-        spec: EngineSpec,
+        model_dir: str,
         run_dir: Path,
         queue: asyncio.Queue[Event],
         clock: Callable[[], float],
@@ -157,7 +156,7 @@ class SlurmBackend:
     ) -> None:
         self.settings = settings
         self.elastic = elastic
-        self.spec = spec
+        self.model_dir = model_dir
         self.members = members  # the world the elastic ranks join
         self.dir = run_dir / "elastic"
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -328,7 +327,7 @@ class SlurmBackend:
 
     async def submit(self, pools: list[int]) -> str:
         job = elastic_job_spec(
-            self.elastic, pools, self.settings, self.tag, self.dir.resolve(), self.spec,
+            self.elastic, pools, self.settings, self.tag, self.dir.resolve(), self.model_dir,
             sys.executable,
         )  # fmt: skip
         job_id = await asyncio.to_thread(self.client.submit, job)

@@ -28,9 +28,9 @@ from typing import Any
 from pearl_hpc.core.types import Mode, Role
 from pearl_hpc.engine.client import WorkerProcess, spawn_worker
 from pearl_hpc.engine.rpc import new_key
+from pearl_hpc.engine.spec import EngineSpec
 from pearl_hpc.engine.tinymodel import build_tiny_model, default_model_dir
 from pearl_hpc.engine.types import TurnRequest
-from pearl_hpc.engine.vllm_engine import EngineSpec
 from pearl_hpc.rollout.router import Router
 
 

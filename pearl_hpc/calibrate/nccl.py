@@ -187,7 +187,8 @@ def _check_ranks(num_ranks: int | None, expected: int | None, where: str) -> Non
         )
     if expected is not None and num_ranks is not None and num_ranks != expected:
         raise CalibrationError(
-            f"{where}: the test ran on {num_ranks} ranks, srun started {expected} tasks{_SEPARATE_TESTS}"
+            f"{where}: the test ran on {num_ranks} ranks, srun started {expected} tasks"
+            + _SEPARATE_TESTS
         )
 
 

@@ -79,27 +79,44 @@ def dry_run(cfg: RunConfig, config_path: str) -> str:
         nodes = [f"NODE{n}" for n in range(cfg.layout.nodes)]
         hosts = hostfile_text(layout, nodes).split()
         out.append(f"{RUN_DIR}/{HOSTFILE} (the job's nodes in order): {' '.join(hosts)}")
-    out.append(f"{'rank':>4}  {'process':<8} {'node':>4}  {'devices':<12} GPUs (role table)")
+    out.append(
+        "each rank sets CUDA_VISIBLE_DEVICES to its devices of its node's GPUs (as Slurm "
+        "gives them to the job); device auto: cuda where it is given GPUs, else cpu; tpN: "
+        "an engine's tensor-parallel size on cuda"
+    )
+    out.append(
+        f"{'rank':>4}  {'process':<8} {'node':>4}  {'devices':<12} {'device':<10} GPUs (role table)"
+    )
     for r in layout:
         devices = ",".join(map(str, r.devices)) or "-"
         gpus = ",".join(r.gpu_ids) or "-"
         note = "  (overlap: time-shared with the trainer ranks)" if r.overlap else ""
-        out.append(f"{r.rank:>4}  {r.kind:<8} {r.node:>4}  {devices:<12} {gpus}{note}")
+        device = _device_text(cfg, r)
+        out.append(f"{r.rank:>4}  {r.kind:<8} {r.node:>4}  {devices:<12} {device:<10} {gpus}{note}")
     if cfg.backend == "slurm":
         out += ["", "## elastic request (the first)", _elastic_text(cfg).rstrip()]
     out += ["", "## the controller's first decision", *_first_decision(cfg, layout)]
     return "\n".join(out) + "\n"
 
 
+def _device_text(cfg: RunConfig, rank: Any) -> str:
+    """The device setting of a rank's kind (an engine's with its tensor-parallel size)."""
+    if rank.kind == TRAINER:
+        return cfg.train.device
+    if rank.kind == ENGINE:
+        tp = f" tp{len(rank.devices)}" if len(rank.devices) > 1 else ""
+        return cfg.engine.device + tp
+    return "-"
+
+
 def _elastic_text(cfg: RunConfig) -> str:
     from pearl_hpc.backends.slurm import elastic_job_spec, request_pools
-    from pearl_hpc.config.run import engine_spec
     from pearl_hpc.slurm.scripts import render_sbatch
 
-    spec = engine_spec(cfg, cfg.model if cfg.model != "tiny" else "MODEL_DIR")
+    model_dir = cfg.model if cfg.model != "tiny" else "MODEL_DIR"
     pools = request_pools(cfg.elastic, 0)
-    job = elastic_job_spec(cfg.elastic, pools, cfg.slurm, "RUN_TAG", RUN_DIR / "elastic", spec,
-                           "python3")  # fmt: skip
+    job = elastic_job_spec(cfg.elastic, pools, cfg.slurm, "RUN_TAG", RUN_DIR / "elastic",
+                           model_dir, "python3")  # fmt: skip
     return render_sbatch(job)
 
 

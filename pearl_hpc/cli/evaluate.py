@@ -106,7 +106,7 @@ async def _evaluate(target: Target, args: argparse.Namespace) -> dict[str, Any]:
     from pearl_hpc.core.types import Mode, Role
     from pearl_hpc.engine.client import spawn_worker
     from pearl_hpc.engine.rpc import new_key
-    from pearl_hpc.engine.vllm_engine import EngineSpec
+    from pearl_hpc.engine.spec import EngineSpec
     from pearl_hpc.rollout.agent import ChatFormat, RolloutConfig
     from pearl_hpc.rollout.envs import make_env
     from pearl_hpc.rollout.evaluate import evaluate

@@ -17,7 +17,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     """Check the config, make the run directory, then become the run's MPI world
     (rank 0, the master, prints a line per step and the summary)."""
     from pearl_hpc.backends.world import exec_world, mpiexec_path
-    from pearl_hpc.config.run import load_run_config
+    from pearl_hpc.config.run import check_engine_install, load_run_config
     from pearl_hpc.master.journal import lock_run_dir, new_run_dir
 
     if args.dry_run:
@@ -33,6 +33,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         lock_run_dir(run_dir).close()  # a live master still there: one line, exit 2
     else:
         cfg = load_run_config(args.config)
+    check_engine_install(cfg.engine)  # vLLM's version and engine.vllm_args, one line
     mpiexec_path()  # no MPI: one clear line before a run directory is made
     if args.resume:
         print(f"pearl-hpc run: resuming {run_dir}", flush=True)

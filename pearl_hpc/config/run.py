@@ -8,7 +8,9 @@
              trace | replay (local: the machine's availability)
     slurm:   squeue polling, socket interface, lease (backend slurm)
     run:     the workload (steps, env and its options, tasks, batch, sampling, staleness)
-    train:   the GRPO objective (off-policy correction, loss aggregation, KL, advantages)
+    engine:  the vLLM engines (device, memory, batch, any further vLLM EngineArgs)
+    train:   the trainer's device and weight transport, the GRPO objective (off-policy
+             correction, loss aggregation, KL, advantages)
     dashboards: TensorBoard event files, Weights & Biases (the metrics.jsonl keys)
 
 Strict: an unknown key, a value out of range or an inconsistent pair is a
@@ -27,6 +29,7 @@ from typing import Any
 from pearl_hpc.config.files import load_yaml
 from pearl_hpc.core.policies import PolicyConfig
 from pearl_hpc.core.schema import from_mapping, spec_field
+from pearl_hpc.engine.spec import OWNED_ARGS, EngineSpec
 from pearl_hpc.errors import ConfigError
 from pearl_hpc.rollout.envs import make_env
 from pearl_hpc.rollout.sandbox import SandboxUnavailable
@@ -255,9 +258,50 @@ class RunSettings:
         return self.num_groups * self.group_size
 
 
+DEVICE_SETTINGS = ("auto", "cpu", "cuda")
+WEIGHT_SYNCS = ("gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The vLLM engines of every rank (reserved, overlap and elastic)."""
+
+    device: str = spec_field(
+        "auto (cuda where the rank is given a GPU, else cpu) | cpu | cuda", default="auto"
+    )
+    gpu_memory_utilization: float = spec_field(
+        "cuda: the share of each of its GPUs' memory one engine takes", default=0.85, gt=0, le=1
+    )
+    kv_cache_gb: int = spec_field("cpu: one engine's KV cache, GiB", default=1, ge=1)
+    kv_buffer_device: str = spec_field(
+        "where NIXL stages KV for prefill/decode transfer: auto (the engine's device; on "
+        "cuda a cpu buffer would be a host copy of the whole KV cache) | cpu | cuda",
+        default="auto",
+    )
+    max_num_seqs: int = spec_field("sequences one engine batches at most", default=64, ge=1)
+    vllm_args: dict[str, Any] = spec_field(
+        "further vLLM EngineArgs by their field names (e.g. enforce_eager, "
+        "kv_cache_memory_bytes, quantization); checked against the installed vLLM when "
+        "the run starts",
+        default={},
+    )
+
+
 @dataclass(frozen=True)
 class TrainSettings:
-    """The GRPO objective (formulas: train/objective.py and the README)."""
+    """The trainer's device and weight transport, and the GRPO objective (formulas:
+    train/objective.py and the README)."""
+
+    device: str = spec_field(
+        "the trainer ranks: auto (cuda where the rank is given a GPU, else cpu) | cpu | cuda",
+        default="auto",
+    )
+    weight_sync: str = spec_field(
+        "how new weights reach the engines: gloo (staged through host memory: any device, "
+        "any placement) | nccl (GPU to GPU; not with overlap engines: one would share "
+        "trainer 0's GPU, which NCCL forbids)",
+        default="gloo",
+    )
 
     correction: str = spec_field(
         "off-policy correction against the engine's log-probs: none | tis (truncated "
@@ -326,6 +370,7 @@ class RunConfig:
     layout: LayoutConfig = spec_field("nodes and GPUs of the base world", default=LayoutConfig())
     elastic: ElasticConfig = spec_field("elastic capacity", default=ElasticConfig())
     run: RunSettings = spec_field("the workload", default=RunSettings())
+    engine: EngineSettings = spec_field("the vLLM engines", default=EngineSettings())
     train: TrainSettings = spec_field("the GRPO objective", default=TrainSettings())
     dashboards: DashboardSettings = spec_field(
         "metrics dashboards besides metrics.jsonl", default=DashboardSettings()
@@ -368,7 +413,8 @@ def load_run_config(path: str | Path, *, need_slurm: bool = True) -> RunConfig:
         )
     problem = (
         layout_problem(cfg.workers, cfg.layout)
-        or train_problem(cfg.train)
+        or engine_problem(cfg.engine)
+        or train_problem(cfg.train, cfg.workers)
         or dashboards_problem(cfg.dashboards)
     )
     if problem:
@@ -381,11 +427,25 @@ def load_run_config(path: str | Path, *, need_slurm: bool = True) -> RunConfig:
     return cfg
 
 
-def engine_spec(cfg: RunConfig, model_dir: str) -> Any:
-    """The engine every rank of the run builds (an ``EngineSpec``)."""
-    from pearl_hpc.engine.vllm_engine import EngineSpec
-
-    return EngineSpec(model_dir=model_dir, max_model_len=cfg.run.max_context_tokens)
+def engine_spec(
+    cfg: RunConfig, model_dir: str, *, device: str, gpus: int = 1, host: str = "127.0.0.1"
+) -> EngineSpec:
+    """The engine a rank builds on ``device`` (resolved: cpu | cuda) over ``gpus`` GPUs
+    (its tensor-parallel size on cuda), its NIXL side channel advertised at ``host``."""
+    e = cfg.engine
+    return EngineSpec(
+        model_dir=model_dir,
+        device=device,
+        max_model_len=cfg.run.max_context_tokens,
+        kv_cache_gb=e.kv_cache_gb,
+        gpu_memory_utilization=e.gpu_memory_utilization,
+        tensor_parallel_size=gpus if device == "cuda" else 1,
+        kv_buffer_device=device if e.kv_buffer_device == "auto" else e.kv_buffer_device,
+        kv_side_channel_host=host,
+        seed=cfg.run.seed,
+        max_num_seqs=e.max_num_seqs,
+        vllm_args=dict(e.vllm_args),
+    )
 
 
 def environment(run: RunSettings) -> Any:
@@ -433,8 +493,42 @@ def dashboards_problem(dashboards: DashboardSettings) -> str:
     return ""
 
 
-def train_problem(train: TrainSettings) -> str:
+def engine_problem(engine: EngineSettings) -> str:
+    """What is wrong with ``engine:`` ('' if nothing; pure: the vllm_args names are
+    checked against vLLM itself when the run starts, :func:`check_engine_install`)."""
+    for key in ("device", "kv_buffer_device"):
+        if getattr(engine, key) not in DEVICE_SETTINGS:
+            return f"engine.{key} {getattr(engine, key)!r}: use auto, cpu or cuda"
+    owned = [k for k in engine.vllm_args if k in OWNED_ARGS]
+    if owned:
+        return f"engine.vllm_args.{owned[0]} is set by {OWNED_ARGS[owned[0]]}; remove it"
+    return ""
+
+
+def check_engine_install(engine: EngineSettings) -> None:
+    """The installed vLLM can run this run's engines: a supported version, and every
+    ``engine.vllm_args`` key one of its ``EngineArgs`` (:class:`ConfigError` otherwise)."""
+    from pearl_hpc.engine.spec import check_vllm, engine_arg_names, vllm_args_problem
+
+    check_vllm()
+    if engine.vllm_args:
+        problem = vllm_args_problem(engine.vllm_args, engine_arg_names())
+        if problem:
+            raise ConfigError(problem)
+
+
+def train_problem(train: TrainSettings, workers: WorkersConfig = WorkersConfig()) -> str:
     """What is wrong with ``train:`` ('' if nothing; pure)."""
+    if train.device not in DEVICE_SETTINGS:
+        return f"train.device {train.device!r}: use auto, cpu or cuda"
+    if train.weight_sync not in WEIGHT_SYNCS:
+        return f"train.weight_sync {train.weight_sync!r}: use gloo or nccl"
+    if train.weight_sync == "nccl" and workers.overlap:
+        return (
+            f"train.weight_sync nccl with workers.overlap {workers.overlap}: an overlap "
+            "engine shares trainer 0's GPU and NCCL forbids two ranks on one GPU; use gloo, "
+            "or workers.overlap 0"
+        )
     for key, choices in (
         ("correction", CORRECTIONS),
         ("loss_type", LOSS_TYPES),

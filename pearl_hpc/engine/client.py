@@ -14,15 +14,15 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from pearl_hpc.core.tracker import IterationRecord
 from pearl_hpc.core.types import Role
 from pearl_hpc.engine.rpc import RpcClient, write_key
+from pearl_hpc.engine.spec import EngineSpec
 from pearl_hpc.engine.types import EngineError, Timing, TurnRequest, TurnResult, WorkerStats
-from pearl_hpc.engine.vllm_engine import EngineSpec
 
 START_TIMEOUT_S = 300.0
 
@@ -184,8 +184,8 @@ async def spawn_worker(
         "pearl_hpc.engine.server",
         "--key-file",
         str(key_file),
-        "--model",
-        spec.model_dir,
+        "--spec",
+        (replace(spec, kv_side_channel_port=kv_port) if kv_port else spec).to_json(),
         "--worker-id",
         worker_id,
         "--slot-id",
@@ -194,18 +194,6 @@ async def spawn_worker(
         str(role) if role is not None else "none",
         "--ready-file",
         str(ready_file),
-        "--device",
-        spec.device,
-        "--max-model-len",
-        str(spec.max_model_len),
-        "--kv-cache-gb",
-        str(spec.kv_cache_gb),
-        "--gpu-memory-utilization",
-        str(spec.gpu_memory_utilization),
-        "--seed",
-        str(spec.seed),
-        "--kv-port",
-        str(kv_port),
         "--parent-pid",
         str(os.getpid()),
     ]

