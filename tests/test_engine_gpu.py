@@ -86,3 +86,23 @@ def test_cuda_engine_sleeps_and_wakes_for_borrowing(tiny_model_dir: str, tmp_pat
             await worker.stop()
 
     asyncio.run(main())
+
+
+@pytest.mark.skipif(_cuda_count() < 1, reason="the trainer's GPU hand-off needs a CUDA GPU")
+def test_trainer_offload_frees_its_gpu_and_onload_restores_it() -> None:
+    import torch
+
+    from pearl_hpc.train.offload import Residency
+
+    model = torch.nn.Linear(4096, 4096, device="cuda")  # 64 MiB of fp32 weights
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(8, 4096, device="cuda")).sum().backward()
+    optimizer.step()  # + grads + two Adam moments: ~256 MiB
+    weights = model.weight.detach().cpu().clone()
+    res = Residency([model], optimizer, torch.device("cuda"))
+    off = res.offload()
+    assert off is not None and off.free_after - off.free_before > 200 << 20
+    assert model.weight.device.type == "cpu" and model.weight.is_pinned()
+    on = res.onload()
+    assert on is not None and model.weight.is_cuda
+    assert torch.equal(model.weight.detach().cpu(), weights)

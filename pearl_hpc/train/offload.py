@@ -1,0 +1,122 @@
+"""Where a trainer's tensors live: on its GPU while it trains, in host memory while an
+overlap engine borrows that GPU for rollout.
+
+    on device ──offload()──> in host memory (pinned) ──onload()──> on device
+
+``offload`` moves the parameters, their gradients and the optimizer state of every
+module given (the policy and the KL reference) to pinned host memory and returns the
+cached blocks to the driver, so the overlap engine's ``wake_up`` finds the memory free;
+``onload`` brings them back before the next step. Each reports its wall time and the
+device's free memory before and after (``torch.cuda.mem_get_info``: what the engine will
+find). On a CPU trainer there is nothing to hand over and both are no-ops.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pearl_hpc.errors import PearlError
+
+ON_DEVICE, IN_HOST = "device", "host"
+
+
+@dataclass(frozen=True)
+class Handover:
+    """One move: its direction, wall time and the device's free bytes around it."""
+
+    op: str  # "offload" | "onload"
+    wall_s: float
+    free_before: int  # bytes free on the device (0 on cpu)
+    free_after: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            f"{self.op}_s": round(self.wall_s, 4),
+            f"{self.op}_free_before": self.free_before,
+            f"{self.op}_free_after": self.free_after,
+        }
+
+
+class Residency:
+    """The offload state of one trainer's modules and optimizer on ``device``."""
+
+    def __init__(
+        self,
+        modules: Sequence[torch.nn.Module],
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+    ) -> None:
+        self.modules = list(modules)
+        self.optimizer = optimizer
+        self.device = device
+        self.where = ON_DEVICE
+
+    @property
+    def moves(self) -> bool:
+        """Whether there is a device to hand over (a CUDA trainer)."""
+        return self.device.type == "cuda"
+
+    def offload(self) -> Handover | None:
+        """Everything to host memory (None: nothing moved, already there or on cpu)."""
+        if not self.moves or self.where == IN_HOST:
+            return None
+        return self._move(IN_HOST)
+
+    def onload(self) -> Handover | None:
+        """Everything back on the device (None: nothing moved)."""
+        if not self.moves or self.where == ON_DEVICE:
+            return None
+        return self._move(ON_DEVICE)
+
+    def _move(self, to: str) -> Handover:
+        free_before = _free_bytes(self.device)
+        t0 = time.perf_counter()
+        target = self.device if to == ON_DEVICE else torch.device("cpu")
+        for tensor, put in self._tensors():
+            put(_copy(tensor, target))
+        if self.moves:
+            torch.cuda.synchronize(self.device)
+            if to == IN_HOST:
+                torch.cuda.empty_cache()  # the freed blocks back to the driver: vLLM's check
+        self.where = to
+        wall_s = time.perf_counter() - t0
+        op = "offload" if to == IN_HOST else "onload"
+        return Handover(op, wall_s, free_before, _free_bytes(self.device))
+
+    def _tensors(self) -> Iterator[tuple[torch.Tensor, Any]]:
+        """Every tensor to move, with the assignment that puts its copy in place."""
+        for module in self.modules:
+            for param in module.parameters():
+                if type(param.data) is not torch.Tensor:  # a DTensor shard (FSDP2)
+                    raise PearlError("trainer offload: FSDP2-sharded parameters not supported")
+                yield param.data, lambda t, p=param: setattr(p, "data", t)
+                if param.grad is not None:
+                    yield param.grad, lambda t, p=param: setattr(p, "grad", t)
+            for name, buf in module.named_buffers():
+                owner = module.get_submodule(name.rpartition(".")[0])
+                key = name.rpartition(".")[2]
+                yield buf, lambda t, o=owner, k=key: setattr(o, k, t)
+        for state in self.optimizer.state.values():
+            for key, value in list(state.items()):
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    yield value, lambda t, s=state, k=key: s.__setitem__(k, t)
+
+
+def _copy(tensor: torch.Tensor, target: torch.device) -> torch.Tensor:
+    """A copy of ``tensor`` on ``target`` (host copies of GPU tensors pinned: the copy
+    back is asynchronous DMA)."""
+    pin = target.type == "cpu" and tensor.is_cuda
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, device=target, pin_memory=pin)
+    return out.copy_(tensor, non_blocking=tensor.is_cuda or target.type == "cuda")
+
+
+def _free_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free)
