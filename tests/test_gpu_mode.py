@@ -278,7 +278,7 @@ def test_the_trainers_handover_moves_every_tensor_and_training_goes_on() -> None
     }
     for kind, ptrs in before.items():  # every tensor is a new copy, none left behind
         assert not set(ptrs) & set(after[kind]), kind
-    assert all(torch.equal(a, b) for a, b in zip(values, model.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(values, model.state_dict().values(), strict=True))
     assert res._move(ON_DEVICE).op == "onload" and res.where == ON_DEVICE
     step()  # the optimizer still drives the moved parameters
     assert not torch.equal(values[0], model.state_dict()["0.weight"])
