@@ -37,14 +37,23 @@ pytestmark = pytest.mark.gpu
 def _nccl_member(rank: int, port: int, queue: mp.Queue) -> None:
     import torch
 
-    from pearl_hpc.train.wgroup import WeightGroup, WeightStore, group_broadcast_weights
+    from pearl_hpc.train.wgroup import WeightGroup, WeightStore, WeightStream, send_weights
 
     torch.cuda.set_device(rank)
     store = WeightStore(port=port).store if rank == 0 else None
     group = WeightGroup("127.0.0.1", port, "nccl-test/", rank, 2, "nccl", store=store)
-    state = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4)} if rank == 0 else None
-    version, named = group_broadcast_weights(group, state, 3 if rank == 0 else None)
-    queue.put((rank, version, named[0][1].cpu().tolist()))
+    state = {
+        "model.layers.0.w": torch.arange(12, dtype=torch.bfloat16).reshape(3, 4),
+        "model.layers.1.w": torch.arange(12, 24, dtype=torch.bfloat16).reshape(3, 4),
+    }
+    if rank == 0:  # one bucket per block: two broadcasts through one staging buffer
+        send_weights(group, state, 3, bucket_bytes=16)
+        queue.put((rank, 3, {n: t.float().tolist() for n, t in state.items()}))
+        return
+    stream = WeightStream(group, 0)
+    got = {n: t.float().cpu().tolist() for n, t in stream}
+    stream.finish()
+    queue.put((rank, stream.version, got))
 
 
 @pytest.mark.skipif(_cuda_count() < 2, reason="NCCL weight groups need 2 CUDA GPUs")

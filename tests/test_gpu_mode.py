@@ -27,6 +27,7 @@ from pearl_hpc.engine.spec import (
     engine_args,
     vllm_args_problem,
     vllm_version_problem,
+    weights_dtype,
 )
 from pearl_hpc.errors import ConfigError
 from pearl_hpc.worker.main import place_rank
@@ -132,6 +133,26 @@ def test_the_engine_section_reaches_vllms_engine_args(tmp_path: Path) -> None:
     assert (cpu["tensor_parallel_size"], cpu["distributed_executor_backend"]) == (1, "uni")
     assert cpu["dtype"] == "float32" and "gpu_memory_utilization" not in cpu
     assert cpu["kv_transfer_config"] is None
+
+
+def test_weights_travel_in_the_dtype_the_engine_holds(tmp_path: Path) -> None:
+    """CPU engines run fp32; a cuda engine holds the model's own dtype (``auto``) unless
+    vllm_args names one; a model without a readable dtype gets fp32 (loses nothing)."""
+    import torch
+
+    from pearl_hpc.train.grpo import _host_copy
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"torch_dtype": "bfloat16"}')
+    assert weights_dtype(EngineSpec(str(model), device="cpu")) == "float32"
+    assert weights_dtype(EngineSpec(str(model), device="cuda")) == "bfloat16"
+    half = EngineSpec(str(model), device="cuda", vllm_args={"dtype": "half"})
+    assert weights_dtype(half) == "float16"
+    assert weights_dtype(EngineSpec(str(tmp_path / "none"), device="cuda")) == "float32"
+    # the trainer's copy: floats cast, integer tensors kept
+    assert _host_copy(torch.ones(2), torch.bfloat16).dtype == torch.bfloat16
+    assert _host_copy(torch.ones(2, dtype=torch.int64), torch.bfloat16).dtype == torch.int64
 
 
 def test_the_spec_travels_whole_to_a_worker_process() -> None:

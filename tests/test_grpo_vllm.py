@@ -40,7 +40,7 @@ def setup(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
 async def _make_sync():
     from pearl_hpc.train.loop import WeightSync
 
-    return WeightSync()
+    return WeightSync(bucket_bytes=1 << 16)  # the tiny model in several buckets
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +83,8 @@ def test_trained_weights_reach_engines_and_match_the_trainer(setup, chat, tiny_m
 
     stats = fleet.run(w0.stats())
     assert stats.weight_version == 1
+    (load,) = [t for t in stats.timings if t.op == "weights"]  # streamed, bucket by bucket
+    assert load.detail["cache"] == "reset" and load.detail["source"] == "broadcast"
     after = fleet.run(w0.generate(TurnRequest("after", prompt, 16)))
     assert after.weight_version == 1
     assert after.token_ids != before.token_ids
@@ -96,6 +98,11 @@ def test_trained_weights_reach_engines_and_match_the_trainer(setup, chat, tiny_m
     assert sync.versions.stale() == []
     late_out = fleet.run(late.generate(TurnRequest("late", prompt, 16)))
     assert late_out.token_ids == after.token_ids
+    # a restarted engine (a role change) starts from the model directory and re-applies
+    # its host copy of the latest weights
+    fleet.run(late.set_role(Role.COLOCATED))
+    restarted = fleet.run(late.generate(TurnRequest("restarted", prompt, 16)))
+    assert restarted.weight_version == 1 and restarted.token_ids == after.token_ids
     # the next epoch's broadcast group includes it
     fleet.run(sync.form({"w0": w0, "late": late}))
     fleet.run(sync.publish(trainer.state_dict(), 1))
@@ -218,3 +225,33 @@ def test_grpo_on_the_code_environment_with_real_tool_calls(setup, chat, tiny_mod
     assert sorted({round(t.reward, 3) for t in trajectories}) == [0.0, 0.25, 0.333]
     trainer = GRPOTrainer(str(taught), GRPOConfig(lr=5e-3, seed=0))
     assert trainer.train_step(trajectories).version == 1
+
+
+def test_weights_loaded_mid_turn_empty_the_cache_and_recompute_the_running_turn(
+    setup, chat, tiny_model_dir
+):
+    """Asynchronous training loads weights while a turn runs: the running turn holds KV
+    blocks, so a plain prefix-cache reset is refused; the engine preempts it (its KV is
+    recomputed under the new weights) and reports so, and the turn still completes."""
+    import asyncio
+
+    from safetensors.torch import load_file
+
+    fleet, sync = setup
+    w0 = fleet.client("w0")
+    sync.versions = type(sync.versions)(max_staleness=1)
+    state = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
+    prompt = tuple(chat.prompt("Count from one to a thousand, in words."))
+
+    async def load_during_a_turn():
+        turn = asyncio.create_task(w0.generate(TurnRequest("long", prompt, 768)))
+        while (await w0.stats()).num_running < 1:
+            await asyncio.sleep(0.05)
+        await sync.publish(state, 1)
+        return await turn, await w0.stats()
+
+    result, stats = fleet.run(load_during_a_turn())
+    load = [t for t in stats.timings if t.op == "weights"][-1]
+    assert load.detail["version"] == 1
+    assert load.detail["cache"] == "reset, 1 running turns recomputed", load.detail
+    assert result.finish_reason in {"length", "stop"} and len(result.token_ids) > 0

@@ -1,4 +1,4 @@
-"""Weight sync: the flat-buffer format (pure), the version bookkeeping (pure), and real
+"""Weight sync: the bucket format (pure), the version bookkeeping (pure), and real
 gloo transfers between three spawned processes over weight groups (the run's
 :class:`WeightGroup`): a broadcast of the tiny model, then a point-to-point send to a
 member that joined in a later group."""
@@ -26,15 +26,16 @@ from pearl_hpc.train.weights import (  # noqa: E402
     WeightsHeader,
     WeightSyncError,
     WeightVersions,
-    pack,
+    block_of,
+    describe,
+    pack_bucket,
     unpack,
 )
 from pearl_hpc.train.wgroup import (  # noqa: E402
     WeightGroup,
     WeightStore,
-    group_broadcast_weights,
-    group_recv_weights,
-    group_send_weights,
+    WeightStream,
+    send_weights,
 )
 from tests.factories import run_reporting  # noqa: E402
 
@@ -77,42 +78,95 @@ def states(draw: st.DrawFn) -> dict[str, Any]:
     return out
 
 
+def _received(header: WeightsHeader, state: dict[str, Any]) -> list[tuple[str, Any]]:
+    """What a receiver gets: each bucket packed, then cut back into views."""
+    out = []
+    for b in range(header.num_buckets):
+        flat = pack_bucket(header, b, state)
+        assert flat.dtype == torch.uint8 and flat.dim() == 1
+        assert flat.numel() == header.bucket_bytes(b)
+        for name, tensor in unpack(header, b, flat):
+            if tensor.numel():  # an empty tensor has no address
+                offset = tensor.data_ptr() - flat.data_ptr()
+                assert offset % ALIGN_BYTES == 0 and 0 <= offset < flat.numel()  # aligned view
+            out.append((name, tensor))
+    return out
+
+
 @settings(max_examples=60, deadline=None)
-@given(states(), st.integers(0, 10**6))
-def test_pack_unpack_round_trip_is_bit_identical(state: dict[str, Any], version: int) -> None:
-    header, flat = pack(state, version=version)
-    assert flat.dtype == torch.uint8 and flat.dim() == 1 and flat.numel() == header.num_bytes
-    assert header.version == version and header.names == tuple(state)
-    out = unpack(header, flat)
-    assert [name for name, _ in out] == list(state)
-    for (name, tensor), original in zip(out, state.values(), strict=True):
+@given(states(), st.integers(0, 10**6), st.integers(1, 256))
+def test_buckets_round_trip_bit_identical(state: dict[str, Any], version: int, limit: int) -> None:
+    header = describe(state, version, bucket_bytes=limit)
+    assert header.version == version and sorted(header.names) == sorted(state)
+    out = _received(header, state)
+    assert [name for name, _ in out] == list(header.names)
+    for name, tensor in out:
+        original = state[name]
         assert tensor.dtype == original.dtype and tensor.shape == original.shape, name
         assert _bytes(tensor) == _bytes(original), name
-        if tensor.numel():  # an empty tensor has no address
-            offset = tensor.data_ptr() - flat.data_ptr()
-            assert offset % ALIGN_BYTES == 0 and 0 <= offset < flat.numel()  # a view, aligned
     assert WeightsHeader.from_dict(header.to_dict()) == header
+    assert header.num_bytes == sum(header.bucket_bytes(b) for b in range(header.num_buckets))
+
+
+def test_buckets_are_bounded_and_never_split_a_block() -> None:
+    """Qwen-like names, interleaved: every block is whole in one bucket, in first-seen
+    order; a bucket closes before a block that would take it past the bound; a block
+    larger than the bound is a bucket of its own."""
+    kib = torch.zeros(256)  # 1 KiB in fp32
+    state = {
+        "model.embed_tokens.weight": torch.zeros(1024),  # 4 KiB
+        "model.layers.0.self_attn.q_proj.weight": kib,
+        "model.layers.1.self_attn.q_proj.weight": kib,
+        "model.layers.0.self_attn.k_proj.weight": kib,  # block 0 again: moved up
+        "model.layers.0.mlp.experts.7.up_proj.weight": kib,
+        "model.layers.1.mlp.gate_proj.weight": kib,
+        "model.norm.weight": torch.zeros(4),
+        "lm_head.weight": torch.zeros(1024),
+    }
+    header = describe(state, 1, bucket_bytes=3 * 1024)
+    buckets = [[header.names[i] for i in header.bucket(b)] for b in range(header.num_buckets)]
+    assert [{block_of(n) for n in names} for names in buckets] == [
+        {"model.embed_tokens"},  # 4 KiB > bound: alone
+        {"model.layers.0"},  # 3 KiB: fills the bound
+        {"model.layers.1", "model.norm"},  # 2 KiB + norm; lm_head would pass the bound
+        {"lm_head"},
+    ]
+    assert buckets[1] == [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.mlp.experts.7.up_proj.weight",
+    ]
+    assert describe(state, 1).num_buckets == 1  # the 1 GiB default: one bucket here
+    assert block_of("model.layers.12.mlp.experts.3.w1") == "model.layers.12"
+    assert block_of("lm_head.weight") == "lm_head" and block_of("scale") == "scale"
 
 
 def test_unpack_returns_views_and_pack_copies() -> None:
     weight = torch.arange(6.0).reshape(2, 3)
-    header, flat = pack({"w": weight, "b": torch.ones(3, dtype=torch.bfloat16)})
+    state = {"w": weight, "b": torch.ones(3, dtype=torch.bfloat16)}
+    header = describe(state)
+    flat = pack_bucket(header, 0, state)
     weight += 100  # the packed copy does not follow the source
-    (_, w), _ = unpack(header, flat)
+    (_, w), _ = unpack(header, 0, flat)
     assert w.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
-    flat.zero_()  # ...but the unpacked tensors are views of the buffer
+    flat.zero_()  # ...but the unpacked tensors are views of the bucket
     assert float(w.sum()) == 0.0
 
 
 def test_header_and_buffer_mismatches_are_named() -> None:
-    header, flat = pack({"a": torch.zeros(3), "b": torch.zeros(2, dtype=torch.int64)}, version=4)
-    with pytest.raises(WeightSyncError, match=r"buffer has 8 bytes but the header \(version 4\)"):
-        unpack(header, flat[:8])
+    state = {"a": torch.zeros(3), "b": torch.zeros(2, dtype=torch.int64)}
+    header = describe(state, 4)
+    flat = pack_bucket(header, 0, state)
+    with pytest.raises(WeightSyncError, match=r"bucket 0 has 8 bytes but the header \(version 4\)"):
+        unpack(header, 0, flat[:8])
     with pytest.raises(WeightSyncError, match="1-d uint8"):
-        unpack(header, flat.view(torch.int32))
+        unpack(header, 0, flat.view(torch.int32))
+    with pytest.raises(WeightSyncError, match="changed after describe"):
+        pack_bucket(header, 0, {**state, "a": torch.zeros(4)})
     fields = header.to_dict()
-    with pytest.raises(WeightSyncError, match="num_bytes is 5"):
-        WeightsHeader.from_dict({**fields, "num_bytes": 5})
+    for ends in ([1], [2, 2], [0, 2], [3], []):
+        with pytest.raises(WeightSyncError, match="bucket ends"):
+            WeightsHeader.from_dict({**fields, "bucket_ends": ends})
     with pytest.raises(WeightSyncError, match="'b' has dtype 'complex64'"):
         WeightsHeader.from_dict({**fields, "dtypes": ["float32", "complex64"]})
     with pytest.raises(WeightSyncError, match="2 names, 1 shapes"):
@@ -120,9 +174,11 @@ def test_header_and_buffer_mismatches_are_named() -> None:
     with pytest.raises(WeightSyncError, match="malformed"):
         WeightsHeader.from_dict({"version": 1})
     with pytest.raises(WeightSyncError, match="empty"):
-        pack({})
+        describe({})
     with pytest.raises(WeightSyncError, match=r"'x' has dtype torch\.complex64"):
-        pack({"x": torch.zeros(2, dtype=torch.complex64)})
+        describe({"x": torch.zeros(2, dtype=torch.complex64)})
+    with pytest.raises(WeightSyncError, match="bucket size must be > 0"):
+        describe(state, bucket_bytes=0)
     assert issubclass(WeightSyncError, PearlError)
 
 
@@ -184,6 +240,7 @@ TRAINER, EARLY, LATE = "trainer:0", "rollout:1", "rollout:2"
 EPOCH_1 = ("epoch1/", [TRAINER, EARLY])
 EPOCH_2 = ("epoch2/", [TRAINER, EARLY, LATE])
 TIMING_REPEATS = 5
+SMALL_BUCKET = 1 << 16  # 64 KiB: the tiny model's syncs take several buckets
 
 
 def _trained(state: dict[str, Any], version: int) -> dict[str, Any]:
@@ -196,25 +253,46 @@ def _group(host: str, port: int, epoch: tuple[str, list[str]], member_id: str) -
     return WeightGroup(host, port, prefix, members.index(member_id), len(members), "gloo")
 
 
+def _sync(
+    wg: WeightGroup,
+    state: dict[str, Any] | None,
+    version: int,
+    *,
+    dst: int | None = None,
+    read: Any = _bytes,
+) -> tuple[int, dict[str, Any]]:
+    """One sync as the source sends it (``state``) or a receiver takes it (None): the
+    version and ``read`` of every tensor, taken from each bucket before the next lands."""
+    if state is not None:
+        send_weights(wg, state, version, dst=dst, bucket_bytes=SMALL_BUCKET)
+        return version, {n: read(t) for n, t in state.items()}
+    stream = WeightStream(wg, 0, p2p=dst is not None)
+    got = {n: read(t) for n, t in stream}
+    stream.finish()
+    return stream.version, got
+
+
 def _timed_broadcasts(wg: WeightGroup, state: dict[str, Any], mine: bool) -> dict[str, Any]:
-    """Broadcast version 2 a few times, then one collective per tensor as the baseline."""
+    """Broadcast version 2 a few times (receivers copy each tensor out, as an engine's
+    loader does), then one collective per tensor as the baseline."""
     v2 = _trained(state, 2)
     barrier = torch.zeros(1)
-    flat_s, per_tensor_s = [], []
+    bucketed_s, per_tensor_s = [], []
     for _ in range(TIMING_REPEATS):
         wg.all_reduce(barrier)
         started = time.perf_counter()
-        version, named = group_broadcast_weights(wg, v2 if mine else None, 2 if mine else None)
-        flat_s.append(time.perf_counter() - started)
+        _sync(wg, v2 if mine else None, 2, read=torch.clone)
+        bucketed_s.append(time.perf_counter() - started)
         buffers = [t.clone() if mine else torch.empty_like(t) for t in v2.values()]
         wg.all_reduce(barrier)
         started = time.perf_counter()
         for tensor in buffers:
             wg.broadcast(tensor, 0)
+            tensor.clone()  # the loader's copy, as above
         per_tensor_s.append(time.perf_counter() - started)
     return {
-        "v2": (version, {n: _bytes(t) for n, t in named}),
-        "flat_s": statistics.median(flat_s),
+        "v2": _sync(wg, v2 if mine else None, 2),
+        "bucketed_s": statistics.median(bucketed_s),
         "per_tensor_s": statistics.median(per_tensor_s),
     }
 
@@ -233,18 +311,18 @@ def _member(host: str, port: int, member_id: str, weights_file: str, out: Any) -
         if member_id != LATE:
             wg = _group(host, port, EPOCH_1, member_id)
             if mine:
-                with pytest.raises(WeightSyncError, match="passes the state"):
-                    group_broadcast_weights(wg, None, None)  # refused before any collective
+                with pytest.raises(WeightSyncError, match="empty"):
+                    send_weights(wg, {}, 0)  # refused before any collective
             for version in (0, 1):
-                sent = _trained(state, version) if mine else None
-                got, named = group_broadcast_weights(wg, sent, version if mine else None)
-                report[f"v{version}"] = (got, {n: _bytes(t) for n, t in named})
+                report[f"v{version}"] = _sync(
+                    wg, _trained(state, version) if mine else None, version
+                )
         wg = _group(host, port, EPOCH_2, member_id)
+        late = EPOCH_2[1].index(LATE)
         if mine:
-            group_send_weights(wg, _trained(state, 1), 1, dst=EPOCH_2[1].index(LATE))
+            _sync(wg, _trained(state, 1), 1, dst=late)
         elif member_id == LATE:
-            version, named = group_recv_weights(wg, 0)
-            report["late"] = (version, {n: _bytes(t) for n, t in named})
+            report["late"] = _sync(wg, None, 1, dst=late)
         report.update(_timed_broadcasts(wg, state, mine))
         out.put((member_id, report))
     except BaseException:
@@ -282,11 +360,14 @@ def test_three_members_broadcast_and_a_late_joiner_catches_up(tiny_model_dir: Pa
     for member_id in members:
         assert results[member_id]["v2"] == expected[2], member_id
 
-    num_bytes = pack(state)[0].num_bytes
+    header = describe(state, bucket_bytes=SMALL_BUCKET)
+    assert header.num_buckets > 1
     trainer, receiver = results[TRAINER], results[EARLY]
     print(
-        f"\ntiny model ({len(state)} tensors, {num_bytes / 2**20:.2f} MiB), gloo, source + 2 "
-        f"receivers, median of {TIMING_REPEATS}: group_broadcast_weights (header + 1 buffer) "
-        f"{trainer['flat_s'] * 1e3:.2f} ms at the source, {receiver['flat_s'] * 1e3:.2f} ms "
-        f"at a receiver; one broadcast per tensor {trainer['per_tensor_s'] * 1e3:.2f} ms"
+        f"\ntiny model ({len(state)} tensors, {header.num_bytes / 2**20:.2f} MiB), gloo, "
+        f"source + 2 receivers, median of {TIMING_REPEATS}: send_weights (header + "
+        f"{header.num_buckets} buckets of <= {SMALL_BUCKET >> 10} KiB) "
+        f"{trainer['bucketed_s'] * 1e3:.2f} ms at the source, "
+        f"{receiver['bucketed_s'] * 1e3:.2f} ms at a receiver; one broadcast per tensor "
+        f"{trainer['per_tensor_s'] * 1e3:.2f} ms"
     )

@@ -199,8 +199,10 @@ class EngineWorker:
 
         t0 = time.perf_counter()
         named = list(load_safetensors(blob).items())
-        reload_s = await self._wait(self.runner.load_weights(named, version))
-        return self._timed("weights", t0, version=version, reload_s=reload_s, source="bytes")
+        load = await self._wait(self.runner.load_weights(named, version))
+        return self._timed(
+            "weights", t0, version=version, reload_s=load.wall_s, cache=load.cache, source="bytes"
+        )
 
     async def join_weights_group(
         self,
@@ -227,8 +229,9 @@ class EngineWorker:
 
     async def receive_weights(self, group: str, p2p: bool = False) -> Timing:
         """Take part in the trainer's broadcast in ``group`` (or receive a point-to-point
-        copy, for a worker that missed broadcasts); load what arrives."""
-        from pearl_hpc.train.wgroup import group_broadcast_weights, group_recv_weights
+        copy, for a worker that missed broadcasts): the engine loads each bucket as it
+        lands, between two of its steps (generation pauses for the sync)."""
+        from pearl_hpc.train.wgroup import WeightStream
 
         wg = self._weight_groups.get(group)
         if wg is None:
@@ -237,18 +240,14 @@ class EngineWorker:
                 f"(joined: {sorted(self._weight_groups)})"
             )
         t0 = time.perf_counter()
-        if p2p:
-            version, named = await asyncio.to_thread(group_recv_weights, wg, 0)
-        else:
-            version, named = await asyncio.to_thread(group_broadcast_weights, wg, None, None, 0)
-        recv_s = time.perf_counter() - t0
-        reload_s = await self._wait(self.runner.load_weights(named, version))
+        load = await self._wait(self.runner.receive_weights(lambda: WeightStream(wg, 0, p2p=p2p)))
         return self._timed(
             "weights",
             t0,
-            version=version,
-            recv_s=recv_s,
-            reload_s=reload_s,
+            version=load.version,
+            recv_s=load.recv_s,
+            reload_s=load.wall_s - load.recv_s,
+            cache=load.cache,
             source="p2p" if p2p else "broadcast",
         )
 

@@ -16,6 +16,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass, field
 from difflib import get_close_matches
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 from pearl_hpc.core.types import Role
@@ -124,6 +125,30 @@ def engine_args(spec: EngineSpec, role: Role) -> dict[str, Any]:
         args["enable_sleep_mode"] = True
     args.update(spec.vllm_args)
     return args
+
+
+# vLLM's --dtype names, as torch dtype names
+_VLLM_DTYPES = {
+    "half": "float16",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float": "float32",
+    "float32": "float32",
+}
+
+
+def weights_dtype(spec: EngineSpec) -> str:
+    """The torch dtype name the engine holds its weights in (what the trainer sends):
+    vLLM's ``dtype`` argument, and for ``auto`` the model's own (its config.json).
+    Anything not known is float32, which loses nothing against the engine."""
+    dtype = str(engine_args(spec, Role.COLOCATED)["dtype"])
+    if dtype == "auto":
+        try:
+            config = json.loads((Path(spec.model_dir) / "config.json").read_text())
+        except (OSError, ValueError):
+            return "float32"
+        dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    return _VLLM_DTYPES.get(dtype.removeprefix("torch."), "float32")
 
 
 def vllm_args_problem(vllm_args: Mapping[str, Any], known: Collection[str]) -> str:

@@ -45,6 +45,18 @@ from pearl_hpc.engine.types import EngineError, TurnRequest, TurnResult
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.02  # how often an idle engine steps (a producer frees sent KV blocks)
+CACHE_RETRY_S = 1.0  # how often a prefix-cache reset refused after a weight load is retried
+
+
+@dataclass(frozen=True)
+class WeightLoad:
+    """What one weight load did (the engine's side of a sync)."""
+
+    version: int
+    wall_s: float  # receive and load together (streamed: they overlap per bucket)
+    recv_s: float  # of which waiting on the network (0 for bytes already here)
+    cache: str  # the prefix cache afterwards: "reset", "reset, N running turns
+    # recomputed", "pending" (blocks held for a KV transfer; retried), or "no engine"
 
 
 def configure_process_env(spec: EngineSpec) -> None:
@@ -168,6 +180,10 @@ class EngineRunner:
         self.generated_tokens = 0
         self.kv_tokens_injected = 0
         self.failed: str | None = None  # why the engine died (a restart clears it)
+        # the latest weights on the host, in their wire dtype: a restarted engine (role
+        # change, release on CPU) starts from the model directory and re-applies them
+        self._host_weights: dict[str, Any] = {}
+        self._cache_stale_at: float | None = None  # a refused prefix-cache reset, when
         self._telemetry = _Telemetry()
         self._engine: Any = None
         self._live: dict[str, _Live] = {}
@@ -209,8 +225,29 @@ class EngineRunner:
     def stop(self) -> Future[float]:
         return self.call(lambda _e: self._shutdown())
 
-    def load_weights(self, named: list[tuple[str, Any]], version: int) -> Future[float]:
-        return self.call(lambda _e: self._load(named, version))
+    def load_weights(self, named: list[tuple[str, Any]], version: int) -> Future[WeightLoad]:
+        """Load ``named`` (tensors already in this process) as ``version``."""
+        return self.call(lambda _e: self._timed_load(iter(named), version, None))
+
+    def receive_weights(self, open_stream: Callable[[], Any]) -> Future[WeightLoad]:
+        """Receive a sync and load it bucket by bucket, on the engine thread:
+        ``open_stream()`` returns a :class:`~pearl_hpc.train.wgroup.WeightStream`."""
+
+        def receive(_engine: Any) -> WeightLoad:
+            from pearl_hpc.train.weights import WeightSyncError
+
+            stream = open_stream()
+            try:
+                load = self._timed_load(stream, stream.version, stream)
+            except WeightSyncError:
+                raise  # the group broke: nothing more will arrive
+            except Exception:
+                stream.finish()  # the other receivers still take part in every bucket
+                raise
+            stream.finish()
+            return load
+
+        return self.call(receive)
 
     def close(self) -> None:
         try:
@@ -235,6 +272,8 @@ class EngineRunner:
                 self._run(fn, fut)
                 continue
             if self._engine is not None:
+                if self._cache_stale_at is not None:
+                    self._retry_cache_reset()
                 try:
                     self._step()
                 except Exception as exc:  # the engine died: fail every waiter
@@ -274,17 +313,15 @@ class EngineRunner:
         engine = LLMEngine.from_engine_args(
             EngineArgs(**args), stat_loggers=[self._telemetry.factory()]
         )
-        if self.weight_version and self._pending_weights is not None:
+        if self.weight_version and self._host_weights:
             engine.collective_rpc(
-                "reload_weights", kwargs={"weights_iterator": self._pending_weights}
+                "reload_weights", kwargs={"weights_iterator": list(self._host_weights.items())}
             )
-            engine.reset_prefix_cache()
+            engine.reset_prefix_cache()  # nothing has run: always succeeds
         self._engine = engine
         self.role = role
         self.failed = None
         return time.perf_counter() - t0
-
-    _pending_weights: list[tuple[str, Any]] | None = None  # re-applied after a restart
 
     def _shutdown(self) -> float:
         t0 = time.perf_counter()
@@ -298,17 +335,87 @@ class EngineRunner:
         gc.collect()
         return time.perf_counter() - t0
 
-    def _load(self, named: list[tuple[str, Any]], version: int) -> float:
+    def _timed_load(
+        self, weights: Iterable[tuple[str, Any]], version: int, stream: Any
+    ) -> WeightLoad:
         t0 = time.perf_counter()
-        self._pending_weights = list(named)
-        if self._engine is not None:
-            self._engine.collective_rpc(
-                "reload_weights", kwargs={"weights_iterator": self._pending_weights}
-            )
-            # the prefix cache holds KV computed by the old weights
-            self._engine.reset_prefix_cache()
+        cache = self._load(weights, version)
+        recv_s = stream.recv_s if stream is not None else 0.0
+        return WeightLoad(version, time.perf_counter() - t0, recv_s, cache)
+
+    def _load(self, weights: Iterable[tuple[str, Any]], version: int) -> str:
+        """Load ``weights`` (a stream: each tensor is copied before the next is asked
+        for) as ``version``, keep their host copy, and empty the prefix cache."""
+        host: dict[str, Any] = {}
+
+        def kept() -> Iterable[tuple[str, Any]]:
+            for name, tensor in weights:
+                host[name] = tensor.to("cpu", copy=True)
+                yield name, tensor
+
+        engine = self._engine
+        try:
+            if engine is None:  # released: the next start applies the host copy
+                for _ in kept():
+                    pass
+            elif self.spec.tensor_parallel_size == 1:  # in-process worker: streamed
+                engine.collective_rpc("reload_weights", kwargs={"weights_iterator": kept()})
+            else:  # the mp executor pickles its arguments to the TP workers: a list
+                for _ in kept():
+                    pass
+                engine.collective_rpc(
+                    "reload_weights", kwargs={"weights_iterator": list(host.items())}
+                )
+        except Exception:
+            if engine is not None:
+                self._restore_weights(engine)  # half-loaded is neither version
+            raise
+        self._host_weights = host
         self.weight_version = version
-        return time.perf_counter() - t0
+        return self._reset_cache() if engine is not None else "no engine"
+
+    def _restore_weights(self, engine: Any) -> None:
+        """Back to the weights held before a load that failed midway."""
+        previous = list(self._host_weights.items())
+        try:  # no iterator: vLLM reloads the model directory (version 0)
+            kwargs = {"weights_iterator": previous} if previous else {}
+            engine.collective_rpc("reload_weights", kwargs=kwargs)
+        except Exception as exc:
+            log.exception("restoring weights failed on %s", self.worker_id)
+            self.failed = f"a weight load failed midway and the old weights did not reload: {exc}"
+
+    def _reset_cache(self) -> str:
+        """Empty the prefix cache: its KV was computed by the old weights. Running turns
+        hold blocks, so a refused reset preempts them (they recompute under the new
+        weights); blocks a KV transfer still holds refuse even that, and the reset is
+        retried every :data:`CACHE_RETRY_S` until it succeeds."""
+        engine = self._engine
+        if engine.reset_prefix_cache():
+            self._cache_stale_at = None
+            return "reset"
+        running = len(self._live)
+        try:
+            if engine.reset_prefix_cache(reset_running_requests=True):
+                self._cache_stale_at = None
+                return f"reset, {running} running turns recomputed"
+        except RuntimeError:  # "requests waiting for remote KV transfer"
+            pass
+        if self._cache_stale_at is None:
+            log.warning(
+                "%s: prefix cache not reset after loading v%d (KV blocks held for a "
+                "transfer); retrying every %.0f s",
+                self.worker_id,
+                self.weight_version,
+                CACHE_RETRY_S,
+            )
+        self._cache_stale_at = time.monotonic()
+        return "pending"
+
+    def _retry_cache_reset(self) -> None:
+        assert self._cache_stale_at is not None
+        due = time.monotonic() - self._cache_stale_at >= CACHE_RETRY_S
+        if due and self._reset_cache() != "pending":
+            log.info("%s: prefix cache reset (v%d)", self.worker_id, self.weight_version)
 
     def _add(self, request: TurnRequest, fut: Future[TurnResult]) -> None:
         if self._engine is None:

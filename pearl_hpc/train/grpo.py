@@ -544,9 +544,10 @@ class GRPOTrainer:
 
     # ---------------------------------------------------------------- weights out
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Full weights (every tensor the engine holds, ``lm_head.weight`` included), fp32,
-        detached copies on the CPU: safe to hold while training goes on."""
+    def state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """Full weights (every tensor the engine holds, ``lm_head.weight`` included), as
+        detached copies on the CPU in ``dtype`` (the engines' dtype: bf16 halves the copy
+        against fp32): safe to hold while training goes on."""
         if self.sharded:
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
@@ -556,15 +557,8 @@ class GRPOTrainer:
             full = get_model_state_dict(
                 self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=False)
             )
-            return {
-                k: v.detach().to("cpu", torch.float32, copy=True)
-                for k, v in full.items()
-                if isinstance(v, torch.Tensor)
-            }
-        return {
-            name: tensor.detach().to("cpu", torch.float32, copy=True)
-            for name, tensor in self.model.state_dict().items()
-        }
+            return {k: _host_copy(v, dtype) for k, v in full.items() if isinstance(v, torch.Tensor)}
+        return {name: _host_copy(tensor, dtype) for name, tensor in self.model.state_dict().items()}
 
     def save_snapshot(self, directory: Path | str) -> Path:
         """Write ``directory/v{version:06d}/`` (``model.safetensors``, ``optimizer.pt``,
@@ -694,3 +688,9 @@ def _mean(values: Sequence[float]) -> float:
 def _names(ids: Sequence[str], limit: int = 8) -> str:
     shown = ", ".join(ids[:limit])
     return shown + (f" and {len(ids) - limit} more" if len(ids) > limit else "")
+
+
+def _host_copy(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A detached CPU copy; floating-point tensors in ``dtype``, others as they are."""
+    cast = dtype if tensor.is_floating_point() else tensor.dtype
+    return tensor.detach().to("cpu", cast, copy=True)

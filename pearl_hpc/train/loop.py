@@ -27,13 +27,8 @@ from pearl_hpc.engine.client import EngineClient
 from pearl_hpc.rollout.agent import ChatFormat, Env, RolloutConfig, rollout_batch
 from pearl_hpc.rollout.router import Router
 from pearl_hpc.train.grpo import GRPOTrainer, TrainStats
-from pearl_hpc.train.weights import WeightSyncError, WeightVersions
-from pearl_hpc.train.wgroup import (
-    WeightGroup,
-    WeightStore,
-    group_broadcast_weights,
-    group_send_weights,
-)
+from pearl_hpc.train.weights import BUCKET_BYTES, WeightSyncError, WeightVersions
+from pearl_hpc.train.wgroup import WeightGroup, WeightStore, send_weights
 
 
 class WeightSync:
@@ -46,10 +41,15 @@ class WeightSync:
     """
 
     def __init__(
-        self, host: str = "127.0.0.1", backend: str = "gloo", max_staleness: int = 1
+        self,
+        host: str = "127.0.0.1",
+        backend: str = "gloo",
+        max_staleness: int = 1,
+        bucket_bytes: int = BUCKET_BYTES,
     ) -> None:
         self.store = WeightStore(host)
         self.backend = backend
+        self.bucket_bytes = bucket_bytes
         self.versions = WeightVersions(max_staleness=max_staleness)
         self.members: dict[str, EngineClient] = {}
         self.latest: tuple[dict[str, torch.Tensor], int] | None = None
@@ -94,7 +94,7 @@ class WeightSync:
         self.latest = (state, version)
         self.versions.published(version)
         await asyncio.gather(
-            asyncio.to_thread(group_broadcast_weights, self._group, state, version, 0),
+            asyncio.to_thread(self._send, self._group, state, version, None),
             *[client.receive_weights("broadcast") for client in self.members.values()],
         )
         for wid in self.members:
@@ -102,6 +102,11 @@ class WeightSync:
         wall_s = time.perf_counter() - t0
         self.timings.append(("broadcast", version, wall_s))
         return wall_s
+
+    def _send(
+        self, group: WeightGroup, state: dict[str, torch.Tensor], version: int, dst: int | None
+    ) -> None:
+        send_weights(group, state, version, dst=dst, bucket_bytes=self.bucket_bytes)
 
     async def catch_up(self, worker_id: str, client: EngineClient) -> float:
         """Point-to-point copy of the latest version to a worker that missed broadcasts."""
@@ -113,7 +118,7 @@ class WeightSync:
         name = f"p2p-{self._p2p}"
         group = await self._group_of(name, f"p2p/{self._p2p}/", {worker_id: client})
         await asyncio.gather(
-            asyncio.to_thread(group_send_weights, group, state, version, 1),
+            asyncio.to_thread(self._send, group, state, version, 1),
             client.receive_weights(name, p2p=True),
         )
         await client.leave_weights_group(name)

@@ -1,15 +1,16 @@
-"""The weights of one version as a header and one flat buffer, and who holds which.
+"""The weights of one version as a header and bounded buckets, and who holds which.
 
 Data flow (the groups themselves are :mod:`pearl_hpc.train.wgroup`'s)::
 
     trainer (rank 0 of a weight group)               rollout engine (any other rank)
     ──────────────────────────────────               ───────────────────────────────
-    state = trainer.state_dict()
-    header, flat = pack(state, version)
-    broadcast the header (msgpack)   ── header ──▶   header (names, shapes, dtypes, bytes)
-                                                     flat = empty(header.num_bytes, uint8)
-    broadcast(flat)                  ── 1 buffer ─▶  flat
-                                                     engine.reload_weights(unpack(header, flat))
+    state = trainer.state_dict(engine dtype)
+    header = describe(state, version)
+    send the header (msgpack)        ── header ──▶   header (names, shapes, dtypes, buckets)
+    for each bucket b:                               for each bucket b:
+        flat = pack_bucket(header, b, state)             flat = empty(bucket_bytes(b))
+        send(flat)                   ── bucket ──▶       recv(flat)
+                                                         engine loads unpack(header, b, flat)
     versions.published(v)                            versions.loaded(worker_id, v)
 
     later, for a worker that joined (or missed a sync) after the broadcast: the same,
@@ -17,22 +18,34 @@ Data flow (the groups themselves are :mod:`pearl_hpc.train.wgroup`'s)::
 
 Decisions (and why):
 
-- **One flat byte buffer per sync.** A model has hundreds of tensors; one collective per
-  tensor pays the backend's per-call latency hundreds of times. Packing costs one copy of
-  the weights on the source and none on the receivers: :func:`unpack` returns *views* into
-  the received buffer, in the ``(name, tensor)`` form vLLM's
-  ``reload_weights(weights_iterator=...)`` takes.
+- **Bounded buckets, not one buffer per sync.** A model has hundreds of tensors; one
+  collective per tensor pays the backend's per-call latency hundreds of times, while one
+  buffer of the whole model is 16 GB on each side for an 8B model in bf16 (32 GB in
+  fp32), held through the engine's next sleep. Tensors are packed into buckets of at most
+  :data:`BUCKET_BYTES` (vLLM's own NCCL weight transfer streams through 1 GiB buffers);
+  a receiver hands each bucket to the engine's loader before it receives the next, so it
+  holds one bucket at a time. :func:`unpack` returns *views* into a bucket, in the
+  ``(name, tensor)`` form vLLM's ``reload_weights(weights_iterator=...)`` takes.
+- **A bucket never splits a block.** vLLM loads a layer's checkpoint tensors (q/k/v into
+  one fused ``qkv_proj``, every expert of a MoE layer) and processes the layer once all of
+  them arrived; a layer whose tensors straddle two buckets would be kept as views into a
+  buffer the next bucket overwrites. Tensors are grouped by :func:`block_of` (the
+  transformer block ``model.layers.N``, else the module) and a bucket boundary only
+  falls between groups; a group larger than the bound is a bucket of its own.
+- **The engine's dtype on the wire.** The trainer's copy is in the dtype the engine holds
+  (bf16 for a bf16 model on GPU, fp32 on CPU engines), so a sync moves half the bytes of
+  fp32 and the engine's result is the same (its loader would round to bf16 anyway).
 - **Every tensor starts on a 16-byte boundary** (:data:`ALIGN_BYTES`), so a view of any
   dtype is legal and vectorised copies out of it stay aligned. The offsets are a pure
   function of the header, so the header does not carry them.
-- **The header is a dict of plain values** (names, shapes, dtype names); receivers
-  rebuild and validate the :class:`WeightsHeader`, so a corrupted or mismatched header
-  fails here with a message instead of as a wrong-sized tensor inside the engine.
+- **The header is a dict of plain values** (names, shapes, dtype names, bucket ends);
+  receivers rebuild and validate the :class:`WeightsHeader`, so a corrupted or mismatched
+  header fails here with a message instead of as a wrong-sized tensor inside the engine.
 - **Lazy propagation.** Broadcasting to everyone after every step would stall workers in
   the middle of a turn. :class:`WeightVersions` records which worker holds which version;
   a worker within ``max_staleness`` versions of the latest may keep generating, and one
   that falls behind (or joins later) gets the weights point to point before its next turn.
-- **Devices.** With NCCL the buffer lives on the current CUDA device; with gloo on the CPU.
+- **Devices.** With NCCL the buckets live on the current CUDA device; with gloo on the CPU.
 """
 
 from __future__ import annotations
@@ -45,9 +58,10 @@ import torch
 
 from pearl_hpc.errors import ConfigError, PearlError
 
-ALIGN_BYTES = 16  # every tensor's first byte in the flat buffer is a multiple of this
+ALIGN_BYTES = 16  # every tensor's first byte in a bucket is a multiple of this
+BUCKET_BYTES = 1 << 30  # the most a bucket holds (unless one block is larger)
 
-# dtypes a weights buffer may carry, by the name the header uses
+# dtypes a weights bucket may carry, by the name the header uses
 _DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
     for name in (
@@ -78,13 +92,13 @@ class WeightSyncError(PearlError):
 
 @dataclass(frozen=True, slots=True)
 class WeightsHeader:
-    """What a receiver needs to allocate the flat buffer and cut it back into tensors."""
+    """What a receiver needs to allocate each bucket and cut it back into tensors."""
 
     version: int  # trainer version of these weights (0 = the model directory's weights)
-    names: tuple[str, ...]  # state-dict names, in buffer order
+    names: tuple[str, ...]  # state-dict names, in transfer order
     shapes: tuple[tuple[int, ...], ...]  # one per name
     dtypes: tuple[str, ...]  # torch dtype names without "torch.", e.g. "bfloat16"
-    num_bytes: int  # length of the flat uint8 buffer, alignment padding included
+    bucket_ends: tuple[int, ...]  # bucket b holds names[bucket_ends[b-1]:bucket_ends[b]]
 
     def __post_init__(self) -> None:
         if isinstance(self.version, bool) or not isinstance(self.version, int):
@@ -108,21 +122,45 @@ class WeightsHeader:
         for name, shape in zip(self.names, self.shapes, strict=True):
             if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
                 raise WeightSyncError(f"weights header: tensor {name!r} has bad shape {shape!r}")
-        expected = _layout(self.shapes, self.dtypes)[1]
-        if self.num_bytes != expected:
+        ends = self.bucket_ends
+        if (
+            not self.names
+            or not ends
+            or ends[-1] != len(self.names)
+            or any(not isinstance(e, int) or isinstance(e, bool) for e in ends)
+            or any(b <= a for a, b in zip((0, *ends), ends, strict=False))
+        ):
             raise WeightSyncError(
-                f"weights header: num_bytes is {self.num_bytes}, but the shapes and dtypes "
-                f"need {expected}; sender and receiver disagree on the layout"
+                f"weights header: bucket ends {list(ends)} must rise strictly to the "
+                f"{len(self.names)} tensors; sender and receiver disagree on the layout"
             )
 
+    @property
+    def num_buckets(self) -> int:
+        return len(self.bucket_ends)
+
+    def bucket(self, b: int) -> range:
+        """The tensor indices of bucket ``b``."""
+        return range(self.bucket_ends[b - 1] if b else 0, self.bucket_ends[b])
+
+    def bucket_bytes(self, b: int) -> int:
+        """Bytes of bucket ``b``, alignment padding included."""
+        idx = self.bucket(b)
+        return _layout(self.shapes[idx.start : idx.stop], self.dtypes[idx.start : idx.stop])[1]
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of every bucket together (what one sync moves)."""
+        return sum(self.bucket_bytes(b) for b in range(self.num_buckets))
+
     def to_dict(self) -> dict[str, Any]:
-        """Plain values only (what goes over ``broadcast_object_list``)."""
+        """Plain values only (what goes over the wire as msgpack)."""
         return {
             "version": self.version,
             "names": list(self.names),
             "shapes": [list(s) for s in self.shapes],
             "dtypes": list(self.dtypes),
-            "num_bytes": self.num_bytes,
+            "bucket_ends": list(self.bucket_ends),
         }
 
     @classmethod
@@ -134,7 +172,7 @@ class WeightsHeader:
                 names=tuple(str(n) for n in data["names"]),
                 shapes=tuple(tuple(s) for s in data["shapes"]),
                 dtypes=tuple(str(d) for d in data["dtypes"]),
-                num_bytes=data["num_bytes"],
+                bucket_ends=tuple(data["bucket_ends"]),
             )
         except (KeyError, TypeError) as exc:
             raise WeightSyncError(
@@ -159,7 +197,7 @@ def _align(offset: int) -> int:
 
 
 def _layout(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[str]) -> tuple[list[int], int]:
-    """Byte offset of each tensor, and the total buffer size (pure)."""
+    """Byte offset of each tensor of one bucket, and the bucket's size (pure)."""
     offsets, end = [], 0
     for shape, dtype in zip(shapes, dtypes, strict=True):
         start = _align(end)
@@ -168,55 +206,111 @@ def _layout(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[str]) -> tuple[l
     return offsets, end
 
 
-def pack(
-    state: Mapping[str, torch.Tensor],
-    *,
-    version: int = 0,
-    device: torch.device | str | None = None,
-) -> tuple[WeightsHeader, torch.Tensor]:
-    """Copy ``state`` into one flat ``uint8`` buffer on ``device`` (default: the CPU) and
-    describe it with a header carrying ``version``.
+def block_of(name: str) -> str:
+    """The group a bucket keeps whole: the name up to its first numeric part (the
+    transformer block, ``model.layers.3``, with every expert of a MoE layer), else its
+    module (``model.embed_tokens``, ``lm_head``)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return ".".join(parts[:-1]) or name
 
-    The tensors may live on any device; each is copied once, straight into its slot."""
+
+def plan_buckets(names: Sequence[str], sizes: Sequence[int], limit: int) -> tuple[int, ...]:
+    """Bucket ends over ``names`` (already grouped by block) with ``sizes`` in bytes: a
+    bucket closes before a block that would take it past ``limit`` (pure)."""
+    if limit <= 0:
+        raise WeightSyncError(f"bucket size must be > 0 bytes, got {limit}")
+    ends: list[int] = []
+    used, i = 0, 0
+    while i < len(names):
+        block, j, size = block_of(names[i]), i, 0
+        while j < len(names) and block_of(names[j]) == block:
+            size += _align(sizes[j])
+            j += 1
+        if used and used + size > limit:
+            ends.append(i)
+            used = 0
+        used += size
+        i = j
+    ends.append(len(names))
+    return tuple(ends)
+
+
+def describe(
+    state: Mapping[str, torch.Tensor], version: int = 0, *, bucket_bytes: int = BUCKET_BYTES
+) -> WeightsHeader:
+    """The header of ``state`` at ``version``: tensors grouped by block (first appearance
+    order), in buckets of at most ``bucket_bytes`` (pure)."""
     if not state:
-        raise WeightSyncError("pack: the state dict is empty; there are no weights to send")
+        raise WeightSyncError("weights: the state dict is empty; there are no weights to send")
     for name, tensor in state.items():
         if not isinstance(tensor, torch.Tensor):
-            raise WeightSyncError(f"pack: {name!r} is a {type(tensor).__name__}, not a tensor")
+            raise WeightSyncError(f"weights: {name!r} is a {type(tensor).__name__}, not a tensor")
         if _dtype_name(tensor.dtype) not in _DTYPES:
             raise WeightSyncError(
-                f"pack: tensor {name!r} has dtype {tensor.dtype}; supported: {', '.join(_DTYPES)}"
+                f"weights: tensor {name!r} has dtype {tensor.dtype}; supported: "
+                f"{', '.join(_DTYPES)}"
             )
-    names = tuple(state)
-    shapes = tuple(tuple(t.shape) for t in state.values())
-    dtypes = tuple(_dtype_name(t.dtype) for t in state.values())
-    _, num_bytes = _layout(shapes, dtypes)
-    header = WeightsHeader(version, names, shapes, dtypes, num_bytes)
-    # zeros, not empty: the alignment padding is sent too, and should not leak old memory
-    flat = torch.zeros(num_bytes, dtype=torch.uint8, device=device or "cpu")
-    for (_, slot), tensor in zip(unpack(header, flat), state.values(), strict=True):
-        slot.copy_(tensor.detach())  # handles strides and devices: one copy per tensor
-    return header, flat
+    first: dict[str, int] = {}
+    for i, name in enumerate(state):
+        first.setdefault(block_of(name), i)
+    names = tuple(sorted(state, key=lambda n: first[block_of(n)]))  # stable: blocks whole
+    shapes = tuple(tuple(state[n].shape) for n in names)
+    dtypes = tuple(_dtype_name(state[n].dtype) for n in names)
+    sizes = [_num_bytes(s, d) for s, d in zip(shapes, dtypes, strict=True)]
+    ends = plan_buckets(names, sizes, bucket_bytes)
+    return WeightsHeader(version, names, shapes, dtypes, ends)
 
 
-def unpack(header: WeightsHeader, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """Cut ``flat`` back into ``(name, tensor)`` pairs: views, no copy, on ``flat``'s
-    device. They alias the buffer: copy them (an engine's weight loader does) before
-    reusing the buffer for the next version."""
+def pack_bucket(
+    header: WeightsHeader,
+    b: int,
+    state: Mapping[str, torch.Tensor],
+    device: torch.device | str | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Bucket ``b`` of ``state`` as one flat ``uint8`` tensor on ``device`` (default: the
+    CPU), or in the front of ``out`` (a staging buffer the source reuses for every
+    bucket); each tensor is copied once, straight into its slot."""
+    size = header.bucket_bytes(b)
+    if out is None:
+        out = torch.empty(size, dtype=torch.uint8, device=device or "cpu")
+    flat = out[:size]
+    flat.zero_()  # the alignment padding is sent too, and should not leak old memory
+    for name, slot in unpack(header, b, flat):
+        tensor = state[name]
+        if tuple(tensor.shape) != slot.shape or tensor.dtype != slot.dtype:
+            raise WeightSyncError(
+                f"weights: tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)} but the "
+                f"header says {slot.dtype} {tuple(slot.shape)}; it changed after describe()"
+            )
+        slot.copy_(tensor.detach())  # handles strides and devices
+    return flat
+
+
+def unpack(header: WeightsHeader, b: int, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Cut bucket ``b`` back into ``(name, tensor)`` pairs: views, no copy, on ``flat``'s
+    device. They alias the bucket: copy them (an engine's weight loader does) before
+    reusing its memory."""
     if flat.dtype != torch.uint8 or flat.dim() != 1:
         raise WeightSyncError(
             f"unpack: expected a 1-d uint8 buffer, got {flat.dtype} of shape {tuple(flat.shape)}"
         )
-    if flat.numel() != header.num_bytes:
+    if flat.numel() != header.bucket_bytes(b):
         raise WeightSyncError(
-            f"unpack: the buffer has {flat.numel()} bytes but the header (version "
-            f"{header.version}) says {header.num_bytes}; it belongs to another sync"
+            f"unpack: bucket {b} has {flat.numel()} bytes but the header (version "
+            f"{header.version}) says {header.bucket_bytes(b)}; it belongs to another sync"
         )
-    offsets, _ = _layout(header.shapes, header.dtypes)
+    idx = header.bucket(b)
+    names = header.names[idx.start : idx.stop]
+    shapes = header.shapes[idx.start : idx.stop]
+    dtypes = header.dtypes[idx.start : idx.stop]
+    offsets, _ = _layout(shapes, dtypes)
     out = []
-    for name, shape, dtype, start in zip(
-        header.names, header.shapes, header.dtypes, offsets, strict=True
-    ):
+    for name, shape, dtype, start in zip(names, shapes, dtypes, offsets, strict=True):
         size = _num_bytes(shape, dtype)
         out.append((name, flat[start : start + size].view(_DTYPES[dtype]).view(shape)))
     return out
@@ -307,9 +401,13 @@ def _check_version(version: int, what: str) -> None:
 
 __all__ = [
     "ALIGN_BYTES",
+    "BUCKET_BYTES",
     "WeightSyncError",
     "WeightVersions",
     "WeightsHeader",
-    "pack",
+    "block_of",
+    "describe",
+    "pack_bucket",
+    "plan_buckets",
     "unpack",
 ]

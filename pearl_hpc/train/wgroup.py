@@ -17,7 +17,8 @@ first: a receiver decodes data, never code) and then one flat buffer
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -25,7 +26,14 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from pearl_hpc.train.weights import WeightsHeader, WeightSyncError, pack, unpack
+from pearl_hpc.train.weights import (
+    BUCKET_BYTES,
+    WeightsHeader,
+    WeightSyncError,
+    describe,
+    pack_bucket,
+    unpack,
+)
 
 BACKENDS = ("gloo", "nccl")
 
@@ -128,51 +136,103 @@ class WeightGroup:
         return msgspec.msgpack.decode(payload.cpu().numpy().tobytes())
 
 
-def group_broadcast_weights(
+def send_weights(
     group: WeightGroup,
-    state: Mapping[str, torch.Tensor] | None,
-    version: int | None,
-    src: int = 0,
-) -> tuple[int, list[tuple[str, torch.Tensor]]]:
-    """Collective over ``group``: the header, then one flat buffer, from ``src``."""
-    where = f"weights broadcast in {group.prefix} (rank {group.rank})"
+    state: Mapping[str, torch.Tensor],
+    version: int,
+    *,
+    dst: int | None = None,
+    bucket_bytes: int = BUCKET_BYTES,
+) -> WeightsHeader:
+    """The source's side of one sync: the header, then each bucket, broadcast from this
+    rank over ``group`` (or sent to ``dst`` alone), through one staging buffer of the
+    largest bucket's size, freed when it returns."""
+    how = "broadcast" if dst is None else f"send to rank {dst}"
+    header = describe(state, version, bucket_bytes=bucket_bytes)
     try:
-        if group.rank == src:
-            if state is None or version is None:
-                raise WeightSyncError(f"{where}: the source passes the state and its version")
-            header, flat = pack(state, version=version, device=group.device)
-            group.broadcast_object(header.to_dict(), src)
-        else:
-            header = WeightsHeader.from_dict(group.broadcast_object(None, src))
-            flat = torch.empty(header.num_bytes, dtype=torch.uint8, device=group.device)
-        group.broadcast(flat, src)
+        _send_buckets(group, header, state, dst)
     except RuntimeError as exc:
-        raise WeightSyncError(f"{where} failed: {exc}") from exc
-    return header.version, unpack(header, flat)
+        raise WeightSyncError(f"weights {how} in {group.prefix} failed: {exc}") from exc
+    finally:
+        _release_cached(group.device)
+    return header
 
 
-def group_send_weights(
-    group: WeightGroup, state: Mapping[str, torch.Tensor], version: int, dst: int
+def _send_buckets(
+    group: WeightGroup, header: WeightsHeader, state: Mapping[str, torch.Tensor], dst: int | None
 ) -> None:
-    header, flat = pack(state, version=version, device=group.device)
-    try:
+    if dst is None:
+        group.broadcast_object(header.to_dict(), group.rank)
+    else:
         group.send_object(header.to_dict(), dst)
-        group.send(flat, dst)
-    except RuntimeError as exc:
-        raise WeightSyncError(
-            f"weights send in {group.prefix} to rank {dst} failed: {exc}"
-        ) from exc
+    most = max(header.bucket_bytes(b) for b in range(header.num_buckets))
+    staging = torch.empty(most, dtype=torch.uint8, device=group.device)
+    for b in range(header.num_buckets):
+        flat = pack_bucket(header, b, state, out=staging)
+        if dst is None:
+            group.broadcast(flat, group.rank)
+        else:
+            group.send(flat, dst)
 
 
-def group_recv_weights(
-    group: WeightGroup, src: int = 0
-) -> tuple[int, list[tuple[str, torch.Tensor]]]:
-    try:
-        header = WeightsHeader.from_dict(group.recv_object(src))
-        flat = torch.empty(header.num_bytes, dtype=torch.uint8, device=group.device)
-        group.recv(flat, src)
-    except RuntimeError as exc:
-        raise WeightSyncError(
-            f"weights recv in {group.prefix} from rank {src} failed: {exc}"
-        ) from exc
-    return header.version, unpack(header, flat)
+class WeightStream:
+    """The receiving side of one sync: the header arrives on construction, the buckets
+    as the stream is iterated (``(name, tensor)`` views of one bucket at a time, valid
+    until the next is asked for), so an engine's loader consumes bucket ``b`` before
+    bucket ``b + 1`` lands. :meth:`finish` receives what the loader did not ask for: the
+    transfer is a collective, and a receiver that stops early would leave the others
+    waiting."""
+
+    def __init__(self, group: WeightGroup, src: int = 0, *, p2p: bool = False) -> None:
+        self.group, self.src, self.p2p = group, src, p2p
+        self.recv_s = 0.0  # seconds waiting on the network (the rest is the loader's)
+        self._next = 0
+        self.header = WeightsHeader.from_dict(
+            self._transfer(
+                lambda: group.recv_object(src) if p2p else group.broadcast_object(None, src)
+            )
+        )
+
+    @property
+    def version(self) -> int:
+        return self.header.version
+
+    def _transfer(self, fn: Any) -> Any:
+        how = f"recv from rank {self.src}" if self.p2p else "broadcast"
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        except RuntimeError as exc:
+            raise WeightSyncError(
+                f"weights {how} in {self.group.prefix} (rank {self.group.rank}) failed: {exc}"
+            ) from exc
+        finally:
+            self.recv_s += time.perf_counter() - t0
+
+    def _bucket(self) -> torch.Tensor:
+        b = self._next
+        flat = torch.empty(self.header.bucket_bytes(b), dtype=torch.uint8, device=self.group.device)
+        if self.p2p:
+            self._transfer(lambda: self.group.recv(flat, self.src))
+        else:
+            self._transfer(lambda: self.group.broadcast(flat, self.src))
+        self._next += 1
+        return flat
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        while self._next < self.header.num_buckets:
+            b = self._next
+            yield from unpack(self.header, b, self._bucket())
+
+    def finish(self) -> None:
+        """Receive (and drop) the buckets not yet iterated; free the device cache."""
+        while self._next < self.header.num_buckets:
+            self._bucket()
+        _release_cached(self.group.device)
+
+
+def _release_cached(device: torch.device) -> None:
+    """Give the caching allocator's freed bucket memory back to the device (an engine
+    sized to free memory may wake on it next)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -25,7 +25,7 @@ from typing import Any
 
 from pearl_hpc.comm.messages import COLLECTIVE, Command, Kind, Op
 from pearl_hpc.comm.mpi import WorkerPlane
-from pearl_hpc.config.run import RankSpec, RunConfig, base_layout
+from pearl_hpc.config.run import RankSpec, RunConfig, base_layout, engine_spec
 from pearl_hpc.master.journal import prune_snapshots
 from pearl_hpc.master.members import OFF_POLICY_FIGURES
 from pearl_hpc.rollout.types import Trajectory
@@ -93,8 +93,11 @@ class TrainerRank:
         self.lends_gpu = any(
             me.gpu_ids[0] in r.gpu_ids for r in base_layout(cfg.workers, cfg.layout) if r.overlap
         )
+        self.wire_dtype = _wire_dtype(cfg, model_dir, device)
         if self.sync is not None and snapshot is not None:
-            self.sync.seed(self.trainer.state_dict(), self.trainer.version)  # engines catch up
+            self.sync.seed(
+                self.trainer.state_dict(self.wire_dtype), self.trainer.version
+            )  # engines catch up
         self.clients: dict[str, Any] = {}  # engine name -> EngineClient (trainer 0)
         self.pending: list[tuple[Command, concurrent.futures.Future[dict[str, Any]]]] = []
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="train")
@@ -194,7 +197,7 @@ class TrainerRank:
             t0 = time.perf_counter()
             await self.sync.form(members)
             form_s = time.perf_counter() - t0
-        seconds = await self.sync.publish(self.trainer.state_dict(), version)
+        seconds = await self.sync.publish(self.trainer.state_dict(self.wire_dtype), version)
         return {"seconds": seconds, "form_s": form_s, "members": len(members)}
 
     async def _catch_up(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -245,3 +248,14 @@ def grpo_config(cfg: RunConfig, device: str = "cpu") -> Any:
         kl_bias_correction=t.kl_bias_correction,
         advantage_std=t.advantage_std,
     )
+
+
+def _wire_dtype(cfg: RunConfig, model_dir: str, device: str) -> Any:
+    """The dtype the engines hold the weights in, which the trainer sends them: engines
+    whose device is ``auto`` resolve as this rank did (one torch build per cluster)."""
+    import torch
+
+    from pearl_hpc.engine.spec import weights_dtype
+
+    engines = device if cfg.engine.device == "auto" else cfg.engine.device
+    return getattr(torch, weights_dtype(engine_spec(cfg, model_dir, device=engines)))
