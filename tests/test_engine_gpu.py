@@ -86,7 +86,11 @@ def test_cuda_engine_sleeps_and_wakes_for_borrowing(tiny_model_dir: str, tmp_pat
         try:
             before = await worker.client.generate(TurnRequest("a", (5, 6, 7, 8), 8))
             release = await worker.client.release()
-            assert (await worker.client.stats()).role is None
+            stats = await worker.client.stats()
+            assert stats.role is None and stats.gpu_total_bytes
+            # the sleeping engine gave the device back (0.3 of it held before)
+            freed = release.detail["gpu_free_after"] - release.detail["gpu_free_before"]
+            assert freed > 0.2 * stats.gpu_total_bytes, release.detail
             activate = await worker.client.activate(Role.COLOCATED)
             after = await worker.client.generate(TurnRequest("b", (5, 6, 7, 8), 8))
             assert after.token_ids == before.token_ids

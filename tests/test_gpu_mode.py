@@ -303,3 +303,39 @@ def test_the_trainers_handover_moves_every_tensor_and_training_goes_on() -> None
     assert res._move(ON_DEVICE).op == "onload" and res.where == ON_DEVICE
     step()  # the optimizer still drives the moved parameters
     assert not torch.equal(values[0], model.state_dict()["0.weight"])
+
+
+def test_the_master_journals_each_ranks_handover_and_keeps_the_slowest() -> None:
+    """Trainer ranks ack a step with their measured GPU hand-off; the master journals
+    each and gives the slowest rank's offload + onload to T_toggle's sample."""
+    import asyncio
+
+    from pearl_hpc.master.members import RemoteTrainer
+
+    acks = {
+        1: {"onload_s": 0.5, "offload_s": 1.0, "offload_free_after": 9 << 30},
+        2: {"onload_s": 0.25, "offload_s": 2.0},
+    }
+
+    class Ranks:  # the two trainer ranks' side of Members, as a unit test stands it in
+        def __init__(self) -> None:
+            self.hellos = {1: {"version": 3}, 2: {"version": 3}}
+            self.journal: list[tuple[str, dict]] = []
+
+        def of_kind(self, kind: str) -> list[int]:
+            return [1, 2]
+
+        async def call(self, rank: int, op: object, **args: object) -> dict:
+            figures = {"mean_reward": 0.5, "max_staleness": 0, "loss": 0.1, "wall_s": 4.0}
+            return {**acks[rank], "version": 4, **figures}
+
+        def events(self, kind: str, **fields: object) -> None:
+            self.journal.append((kind, fields))
+
+    ranks = Ranks()
+    result = asyncio.run(RemoteTrainer(ranks).train(7, []))  # type: ignore[arg-type]
+    assert result.version == 4 and result.handover_s == 2.25
+    assert [(k, f["rank"], f["offload_s"]) for k, f in ranks.journal] == [
+        ("handover", 1, 1.0),
+        ("handover", 2, 2.0),
+    ]

@@ -52,7 +52,12 @@ from pearl_hpc.engine.types import (
     TurnResult,
     WorkerStats,
 )
-from pearl_hpc.engine.vllm_engine import EngineRunner, configure_process_env, rss_bytes
+from pearl_hpc.engine.vllm_engine import (
+    EngineRunner,
+    configure_process_env,
+    device_memory,
+    rss_bytes,
+)
 from pearl_hpc.errors import ConfigError
 
 log = logging.getLogger("pearl_hpc.engine.server")
@@ -137,13 +142,14 @@ class EngineWorker:
     async def _release(self) -> Timing:
         t0 = time.perf_counter()
         role = self.runner.role
+        before = self._free("before")
         await self.drain()
         if role is not None and self.runner.spec.device == "cuda":
             await self._wait(self.runner.call(lambda e: e.sleep(level=1)))
             self._sleeping_role = role
         else:
             await self._wait(self.runner.stop())
-        return self._timed("release", t0, role=str(role))
+        return self._timed("release", t0, role=str(role), **before, **self._free("after"))
 
     async def restore(self, role: str) -> Timing:
         async with self._ops:
@@ -159,7 +165,12 @@ class EngineWorker:
                 await self._wait(self.runner.stop())
                 self._sleeping_role = None
             await self._wait(self.runner.start(role))
-        return self._timed("restore", t0, role=str(role))
+        return self._timed("restore", t0, role=str(role), **self._free("after"))
+
+    def _free(self, when: str) -> dict[str, int]:
+        """The device's free bytes now, for a timing's detail (nothing on cpu)."""
+        memory = device_memory(self.runner.spec.device)
+        return {} if memory is None else {f"gpu_free_{when}": memory[0]}
 
     async def activate(
         self, role: str, weights: bytes | None = None, version: int | None = None
@@ -181,7 +192,10 @@ class EngineWorker:
             self.admitting = False
             partial: list[TurnResult] = await self._wait(self.runner.abort_all())
             release = await self._release()
-            timing = self._timed("deactivate", t0, release_s=release.wall_s, aborted=len(partial))
+            freed = {k: v for k, v in release.detail.items() if k.startswith("gpu_free_")}
+            timing = self._timed(
+                "deactivate", t0, release_s=release.wall_s, aborted=len(partial), **freed
+            )
             return timing, partial
 
     # ------------------------------------------------------------------ weights
@@ -255,6 +269,7 @@ class EngineWorker:
 
     async def stats(self) -> WorkerStats:
         r = self.runner
+        memory = device_memory(r.spec.device)
         return WorkerStats(
             worker_id=r.worker_id,
             role=None if self._sleeping_role is not None else r.role,
@@ -266,6 +281,8 @@ class EngineWorker:
             kv_tokens_injected=r.kv_tokens_injected,
             generated_tokens=r.generated_tokens,
             timings=tuple(self.timings),
+            gpu_free_bytes=memory[0] if memory else None,
+            gpu_total_bytes=memory[1] if memory else None,
         )
 
     async def telemetry(self) -> list[Any]:

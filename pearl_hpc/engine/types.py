@@ -87,3 +87,7 @@ class WorkerStats:
     kv_tokens_injected: int  # prompt tokens whose KV a prefill worker sent here
     generated_tokens: int
     timings: tuple[Timing, ...] = ()
+    # cuda: the device's free and total bytes (all processes on it: what a borrowed GPU
+    # has left for its trainer); None on cpu
+    gpu_free_bytes: int | None = None
+    gpu_total_bytes: int | None = None

@@ -533,6 +533,17 @@ def _sampled_logprobs(completion: Any, known: tuple[float, ...]) -> tuple[float,
     return known + tuple(float(entry[token].logprob) for token, entry in fresh)
 
 
+def device_memory(device: str) -> tuple[int, int] | None:
+    """(free, total) bytes of this process's CUDA device, as the driver counts them
+    (every process's allocations); None on cpu."""
+    if device != "cuda":
+        return None
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    return int(free), int(total)
+
+
 def rss_bytes(pid: int | None = None) -> int:
     """Resident memory of a process and its children (Linux /proc)."""
     pid = pid or os.getpid()

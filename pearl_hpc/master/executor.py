@@ -316,8 +316,10 @@ class WorkerExecutor:
         overlap = worker.gpu_ids[0].startswith("train")
         async with self.weights_lock:
             worker.role = None  # out of the next broadcast group
+        freed: dict[str, int] = {}  # cuda: the device's free bytes before and after
         try:
-            _timing, partial = await worker.proc.client.deactivate()
+            timing, partial = await worker.proc.client.deactivate()
+            freed = {k: v for k, v in timing.detail.items() if k.startswith("gpu_free_")}
             self.counters.moved_turns += len(partial)
             if not worker.persistent:
                 await worker.proc.stop()
@@ -330,7 +332,7 @@ class WorkerExecutor:
         took = time.perf_counter() - t0
         if overlap:
             self.counters.deactivation_s.append(took)
-        self.log_event("released", slot=slot_id, s=round(took, 2), overlap=overlap)
+        self.log_event("released", slot=slot_id, s=round(took, 2), overlap=overlap, **freed)
         await self.queue.put(WorkerReleased(slot_id))
 
     async def _abandon_start(self, slot_id: int, starting: asyncio.Task[None]) -> None:

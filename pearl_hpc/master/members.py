@@ -385,6 +385,7 @@ class TrainResult:
     mismatch_max: float = 0.0
     capped_frac: float = 0.0
     behaviour_coverage: float = 0.0
+    handover_s: float = 0.0  # the slowest rank's GPU offload + onload in this step
 
 
 OFF_POLICY_FIGURES = (
@@ -416,10 +417,13 @@ class RemoteTrainer:
         acks = await asyncio.gather(
             *[self.members.call(r, Op.TRAIN, step=step, trajectories=batch) for r in self.ranks]
         )
+        handover_s = 0.0
         for rank, ack in zip(self.ranks, acks, strict=True):  # GPU hand-overs, measured
             moved = {k: v for k, v in ack.items() if k.startswith(("offload_", "onload_"))}
             if moved:
                 self.members.events("handover", rank=rank, step=step, **moved)
+                seconds = float(moved.get("offload_s", 0.0)) + float(moved.get("onload_s", 0.0))
+                handover_s = max(handover_s, seconds)
         lead = acks[0]
         if any(a["version"] != lead["version"] for a in acks):
             raise PlaneError(f"trainer ranks disagree on the version after step {step}: {acks}")
@@ -430,6 +434,7 @@ class RemoteTrainer:
             max_staleness=int(lead["max_staleness"]),
             loss=float(lead["loss"]),
             wall_s=float(lead["wall_s"]),
+            handover_s=handover_s,
             **{k: float(lead.get(k, 0.0)) for k in OFF_POLICY_FIGURES},
         )
 

@@ -36,6 +36,9 @@ class Counters:
     activation_s: list[float] = field(default_factory=list)
     deactivation_s: list[float] = field(default_factory=list)
     return_latency_s: list[float] = field(default_factory=list)  # Training Begin -> start
+    # a trainer rank's GPU hand-off per step (offload after it + onload before it), the
+    # slowest rank's: what an overlap engine on a trainer's GPU costs beyond its own wake
+    handover_s: list[float] = field(default_factory=list)
 
 
 @dataclass

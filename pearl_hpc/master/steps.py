@@ -183,7 +183,10 @@ class StepPipeline:
                 tuple(iterations),
                 batch_size=len(trajectories),
                 borrowed=borrowed,
-                activation_s=activated[-1] if activated else 0.0,
+                # T_toggle's sample: the engine's wake and return, and the trainer's
+                # measured GPU hand-off that let it wake
+                activation_s=(activated[-1] if activated else 0.0)
+                + (counters.handover_s[-1] if borrowed and counters.handover_s else 0.0),
                 deactivation_s=counters.deactivation_s[-1] if counters.deactivation_s else 0.0,
             )
         )
@@ -229,6 +232,8 @@ class StepPipeline:
         trained = trainable(step, trajectories)
         stats = await self.trainer.train(step, trained)  # trainer 0 writes the snapshot
         train_s = time.perf_counter() - t1
+        if stats.handover_s:
+            executor.counters.handover_s.append(stats.handover_s)
         return stats, train_s, return_latency
 
     async def publish(self, version: int) -> float:
