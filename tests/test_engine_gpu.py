@@ -119,3 +119,22 @@ def test_trainer_offload_frees_its_gpu_and_onload_restores_it() -> None:
     on = res.onload()
     assert on is not None and model.weight.is_cuda
     assert torch.equal(model.weight.detach().cpu(), weights)
+
+
+@pytest.mark.skipif(not _cuda_vllm(), reason="needs vLLM for CUDA (pip install vllm) and a GPU")
+def test_the_gpu_smoke_checks_pass(tmp_path: Path) -> None:
+    """tests/gpu/smoke.py whole: engine, PD over NIXL, sleep/wake, weights into a live
+    engine on the trainer's GPU, the trainer's hand-off, nccl-tests (what this machine
+    has; a check that cannot run here skips with its reason)."""
+    import json
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.gpu.smoke", "--out", str(tmp_path), "--eager"],
+        cwd=repo, timeout=600,
+    )  # fmt: skip
+    report = json.loads((tmp_path / "smoke.json").read_text())
+    assert run.returncode == 0, report
+    assert {c["name"]: c["status"] for c in report["checks"]}["engine"] == "pass"

@@ -339,3 +339,18 @@ def test_the_master_journals_each_ranks_handover_and_keeps_the_slowest() -> None
         ("handover", 1, 1.0),
         ("handover", 2, 2.0),
     ]
+
+
+def test_the_gpu_smoke_script_says_why_it_skips_without_a_gpu(tmp_path: Path) -> None:
+    """On this machine (no CUDA) the script names the reason and exits 0; with a GPU
+    tests/test_engine_gpu.py runs it whole."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is here: test_engine_gpu.py runs the smoke checks")
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.gpu.smoke", "--out", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("gpu smoke: skipped: no CUDA GPU"), run.stdout

@@ -1,0 +1,330 @@
+"""GPU smoke checks: one command on a machine with one (or more) CUDA GPUs, under ~9
+minutes, through the product's own engine workers, weight sync and trainer.
+
+    python -m tests.gpu.smoke [--model DIR] [--out DIR] [--deadline-s 480] [--eager]
+
+Checks, in order (each timed; a later one is "not run" once the deadline passed):
+
+1. ``engine``: a cuda engine worker starts (start time) and answers a greedy turn.
+2. ``pd``: a second worker as decode, the first as prefill (NIXL, KV buffer on the GPU,
+   both on one GPU): the disaggregated turn's tokens equal the colocated ones; the role
+   change restart times (colocated -> prefill -> colocated).
+3. ``sleep``: release (sleep level 1) frees the engine's memory (the device's free bytes
+   before and after) and wake gives the same greedy tokens.
+4. ``weights``: a trainer on this process's GPU publishes changed weights to the engine on
+   the same GPU (host-staged gloo: NCCL refuses two ranks on one GPU) in several buckets;
+   the engine's tokens change, survive a sleep/wake, and a point-to-point catch-up gives a
+   second engine the same tokens. (HF's greedy tokens on the same weights are reported,
+   not required: GPU kernels differ between HF and vLLM.)
+5. ``offload``: the trainer's hand-off frees its GPU memory and brings back the same
+   weights; a forward pass after it matches the one before.
+6. ``nccl-tests``: ``all_reduce_perf`` (``$NCCL_TESTS_BIN`` or PATH) over every GPU in one
+   process, parsed by ``pearl-hpc calibrate``'s parser (needs 2 GPUs).
+
+Not built yet, so not checked (README, "GPU mode"): FSDP2 from the config, CUDA IPC to a
+same-GPU engine, draining a prefill engine's pending KV before it sleeps.
+
+Without a GPU it says why and exits 0; a failed check exits 1. ``--out DIR`` writes
+``smoke.json`` (every check's status, seconds and figures) there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pearl_hpc.core.types import Role
+from pearl_hpc.engine.types import TurnRequest
+
+PROMPT = (5, 6, 7, 8, 9, 10, 11, 12)  # token ids of the tiny model's 1K vocabulary
+TOKENS = 24
+NOT_BUILT = (
+    "FSDP2 from the run config (GRPOConfig.fsdp is not reachable)",
+    "CUDA IPC weight transfer to an engine on the trainer's GPU",
+    "draining a prefill engine's pending KV before it sleeps",
+)
+
+
+@dataclass
+class Check:
+    name: str
+    status: str = "not run"  # pass | fail | skip | not run
+    seconds: float = 0.0
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+class Skip(Exception):
+    """A check that cannot run here; the message says why."""
+
+
+def no_gpu_reason() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return f"no CUDA GPU (torch {torch.__version__}, cuda {torch.version.cuda})"
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return "vLLM for CUDA is not installed (pip install -e '.[gpu]')"
+    from pearl_hpc.engine.spec import check_vllm
+
+    try:
+        check_vllm()
+    except Exception as exc:
+        return str(exc)
+    return None
+
+
+class Smoke:
+    def __init__(self, model_dir: str, work: Path, eager: bool) -> None:
+        from pearl_hpc.engine.rpc import new_key
+        from pearl_hpc.engine.spec import EngineSpec
+
+        extra = {"enforce_eager": True} if eager else {}
+        self.spec = EngineSpec(
+            model_dir=model_dir,
+            device="cuda",
+            gpu_memory_utilization=0.25,
+            kv_buffer_device="cuda",
+            max_model_len=1024,
+            vllm_args=extra,
+        )
+        self.model_dir, self.work, self.key = model_dir, work, new_key()
+        self.workers: dict[str, Any] = {}
+        self.greedy: tuple[int, ...] = ()
+        self.trainer: Any = None
+
+    async def spawn(self, name: str, role: Role | None) -> Any:
+        from pearl_hpc.engine.client import spawn_worker
+
+        worker = await spawn_worker(
+            self.spec, name, run_dir=self.work, key=self.key, role=role, slot_id=len(self.workers)
+        )
+        self.workers[name] = worker
+        return worker.client
+
+    async def turn(self, client: Any, rid: str, **kw: Any) -> Any:
+        return await client.generate(TurnRequest(rid, PROMPT, TOKENS, **kw))
+
+    # ------------------------------------------------------------------ checks
+
+    async def engine(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        g0 = await self.spawn("g0", Role.COLOCATED)
+        start_s = time.perf_counter() - t0
+        result = await self.turn(g0, "a")
+        assert result.token_ids, "the engine generated nothing"
+        self.greedy = result.token_ids
+        stats = await g0.stats()
+        return {"start_s": round(start_s, 1), "tokens": len(result.token_ids),
+                "gpu_free_gib": _gib(stats.gpu_free_bytes)}  # fmt: skip
+
+    async def pd(self) -> dict[str, Any]:
+        import importlib.util
+
+        if (
+            importlib.util.find_spec("nixl") is None
+            and importlib.util.find_spec("nixl_cu12") is None
+        ):
+            raise Skip("NIXL is not installed (pip install nixl-cu12)")
+        g0 = self.workers["g0"].client
+        to_prefill = await g0.set_role(Role.PREFILL)
+        g1 = await self.spawn("g1", Role.DECODE)
+        pre = await self.turn(g0, "p", prefill_only=True)
+        assert pre.kv_transfer_params, f"prefill returned no kv_transfer_params: {pre}"
+        dec = await self.turn(g1, "p-d", kv_transfer_params=pre.kv_transfer_params)
+        stats = await g1.stats()
+        back = await g0.set_role(Role.COLOCATED)
+        await self.workers.pop("g1").stop()
+        assert dec.token_ids == self.greedy, f"PD {dec.token_ids} != colocated {self.greedy}"
+        assert stats.kv_bytes_received > 0, "the decode worker received no KV bytes"
+        return {"to_prefill_s": round(to_prefill.wall_s, 1), "back_s": round(back.wall_s, 1),
+                "kv_bytes": stats.kv_bytes_received}  # fmt: skip
+
+    async def sleep(self) -> dict[str, Any]:
+        g0 = self.workers["g0"].client
+        release = await g0.release()
+        stats = await g0.stats()
+        freed = release.detail["gpu_free_after"] - release.detail["gpu_free_before"]
+        wake = await g0.activate(Role.COLOCATED)
+        after = await self.turn(g0, "s")
+        assert freed > 0.15 * stats.gpu_total_bytes, f"sleep freed {_gib(freed)} GiB only"
+        assert after.token_ids == self.greedy, "tokens after wake differ"
+        return {"sleep_s": round(release.wall_s, 2), "wake_s": round(wake.wall_s, 2),
+                "freed_gib": _gib(freed)}  # fmt: skip
+
+    async def weights(self) -> dict[str, Any]:
+        import torch
+
+        from pearl_hpc.train.grpo import GRPOConfig, GRPOTrainer
+        from pearl_hpc.train.loop import WeightSync
+
+        g0 = self.workers["g0"].client
+        self.trainer = GRPOTrainer(self.model_dir, GRPOConfig(device="cuda", seed=0))
+        with torch.no_grad():  # a stand-in for a step: every weight moves
+            for p in self.trainer.model.parameters():
+                p.mul_(1.5)
+        sync = WeightSync(bucket_bytes=1 << 20)  # gloo: host-staged to the same GPU
+        await sync.form({"g0": g0})
+        publish_s = await sync.publish(self.trainer.state_dict(), 1)
+        changed = await self.turn(g0, "w")
+        await g0.release()
+        await g0.activate(Role.COLOCATED)
+        survived = await self.turn(g0, "w2")
+        g1 = await self.spawn("late", Role.COLOCATED)
+        catch_up_s = await sync.catch_up("late", g1)
+        late = await self.turn(g1, "w3")
+        await self.workers.pop("late").stop()
+        hf = _hf_greedy(self.trainer.model, len(changed.token_ids))
+        assert changed.weight_version == 1 and changed.token_ids != self.greedy
+        assert survived.token_ids == changed.token_ids, "weights did not survive sleep"
+        assert late.token_ids == changed.token_ids, "the caught-up engine differs"
+        return {"publish_s": round(publish_s, 3), "catch_up_s": round(catch_up_s, 3),
+                "hf_greedy_equal": hf == changed.token_ids}  # fmt: skip
+
+    async def offload(self) -> dict[str, Any]:
+        import torch
+
+        from pearl_hpc.train.offload import Residency
+
+        if self.trainer is None:
+            raise Skip("needs the trainer of the weights check")
+        t = self.trainer
+        ids = torch.tensor([PROMPT], device=t.device)
+        with torch.no_grad():
+            before = t.model(ids).logits.float().cpu()
+        res = Residency([t.model], t.optimizer, t.device)
+        off = res.offload()
+        on = res.onload()
+        with torch.no_grad():
+            after = t.model(ids).logits.float().cpu()
+        assert off is not None and on is not None
+        assert off.free_after > off.free_before, "offload freed nothing"
+        assert torch.equal(before, after), "the weights changed across the hand-off"
+        return {"offload_s": round(off.wall_s, 3), "onload_s": round(on.wall_s, 3),
+                "freed_mib": (off.free_after - off.free_before) >> 20}  # fmt: skip
+
+    async def nccl_tests(self) -> dict[str, Any]:
+        import torch
+
+        from pearl_hpc.calibrate.nccl import parse_nccl_tests
+
+        gpus = torch.cuda.device_count()
+        if gpus < 2:
+            raise Skip(f"{gpus} GPU: nccl-tests' bandwidth needs 2 ranks")
+        binary = os.environ.get("NCCL_TESTS_BIN") or shutil.which("all_reduce_perf")
+        if not binary:
+            raise Skip("all_reduce_perf not found (build: slurm/nccl-tests.sh build)")
+        run = subprocess.run(
+            [binary, "-b", "8M", "-e", "128M", "-f", "2", "-g", str(gpus)],
+            capture_output=True, text=True, timeout=120, check=True,
+        )  # fmt: skip
+        result = parse_nccl_tests(run.stdout, expected_ranks=gpus)
+        return {"ranks": result.num_ranks, "avg_busbw_gb_per_s": result.avg_busbw_gb_per_s}
+
+    async def close(self) -> None:
+        for worker in self.workers.values():
+            try:
+                await worker.stop()
+            except Exception:
+                worker.kill()
+
+
+def _gib(n: int | None) -> float | None:
+    return None if n is None else round(n / 2**30, 2)
+
+
+def _hf_greedy(model: Any, n: int) -> tuple[int, ...]:
+    import torch
+
+    with torch.no_grad():
+        ids = torch.tensor([PROMPT], device=next(model.parameters()).device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                             do_sample=False)  # fmt: skip
+    return tuple(int(t) for t in out[0, len(PROMPT) :])
+
+
+async def run_checks(smoke: Smoke, deadline_s: float) -> list[Check]:
+    steps: list[tuple[str, Callable[[], Awaitable[dict[str, Any]]]]] = [
+        ("engine", smoke.engine),
+        ("pd", smoke.pd),
+        ("sleep", smoke.sleep),
+        ("weights", smoke.weights),
+        ("offload", smoke.offload),
+        ("nccl-tests", smoke.nccl_tests),
+    ]
+    checks, t_start = [], time.perf_counter()
+    for name, fn in steps:
+        check = Check(name)
+        checks.append(check)
+        left = deadline_s - (time.perf_counter() - t_start)
+        if left <= 0 or (name != "engine" and checks[0].status != "pass"):
+            check.detail["why"] = "deadline passed" if left <= 0 else "no engine"
+            continue
+        t0 = time.perf_counter()
+        try:
+            check.detail = await asyncio.wait_for(fn(), timeout=left)
+            check.status = "pass"
+        except Skip as why:
+            check.status, check.detail = "skip", {"why": str(why)}
+        except Exception as exc:
+            check.status = "fail"
+            check.detail = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+            traceback.print_exc()
+        check.seconds = round(time.perf_counter() - t0, 1)
+        print(f"{check.name:>10}  {check.status:<5}  {check.seconds:6.1f} s  {check.detail}",
+              flush=True)  # fmt: skip
+    return checks
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="model directory (default: build the tiny model)")
+    parser.add_argument("--out", help="write smoke.json here")
+    parser.add_argument("--deadline-s", type=float, default=480.0)
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs/compile (faster)")
+    args = parser.parse_args(argv)
+    reason = no_gpu_reason()
+    if reason is not None:
+        print(f"gpu smoke: skipped: {reason}")
+        return 0
+    work = Path(tempfile.mkdtemp(prefix="pearl-gpu-smoke-"))
+    model_dir = args.model
+    if model_dir is None:
+        from pearl_hpc.engine.tinymodel import build_tiny_model
+
+        model_dir = str(build_tiny_model(work / "tiny-qwen3"))
+    smoke = Smoke(model_dir, work, args.eager)
+
+    async def body() -> list[Check]:
+        try:
+            return await run_checks(smoke, args.deadline_s)
+        finally:
+            await smoke.close()
+
+    checks = asyncio.run(body())
+    for item in NOT_BUILT:
+        print(f"{'':>10}  not built: {item}")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        report = {"checks": [asdict(c) for c in checks], "not_built": list(NOT_BUILT)}
+        (Path(args.out) / "smoke.json").write_text(json.dumps(report, indent=2))
+    return 1 if any(c.status == "fail" for c in checks) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
