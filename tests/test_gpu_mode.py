@@ -305,39 +305,50 @@ def test_the_trainers_handover_moves_every_tensor_and_training_goes_on() -> None
     assert not torch.equal(values[0], model.state_dict()["0.weight"])
 
 
-def test_the_master_journals_each_ranks_handover_and_keeps_the_slowest() -> None:
-    """Trainer ranks ack a step with their measured GPU hand-off; the master journals
-    each and gives the slowest rank's offload + onload to T_toggle's sample."""
+def test_the_master_lends_a_trainers_gpu_and_counts_its_return() -> None:
+    """Before an overlap engine wakes on a trainer's GPU the master asks that trainer
+    rank (only it) to move its tensors out (Op.RELEASE); the next step's acks carry each
+    rank's onload, journalled, the slowest one kept for T_toggle's sample."""
     import asyncio
 
+    from pearl_hpc.comm.messages import Op
     from pearl_hpc.master.members import RemoteTrainer
-
-    acks = {
-        1: {"onload_s": 0.5, "offload_s": 1.0, "offload_free_after": 9 << 30},
-        2: {"onload_s": 0.25, "offload_s": 2.0},
-    }
 
     class Ranks:  # the two trainer ranks' side of Members, as a unit test stands it in
         def __init__(self) -> None:
-            self.hellos = {1: {"version": 3}, 2: {"version": 3}}
+            self.hellos = {
+                1: {"version": 3, "gpu_ids": ["train0"]},
+                2: {"version": 3, "gpu_ids": ["train1"]},
+            }
             self.journal: list[tuple[str, dict]] = []
+            self.calls: list[tuple[int, Op]] = []
 
         def of_kind(self, kind: str) -> list[int]:
             return [1, 2]
 
-        async def call(self, rank: int, op: object, **args: object) -> dict:
+        async def call(self, rank: int, op: Op, **args: object) -> dict:
+            self.calls.append((rank, op))
+            if op is Op.RELEASE:
+                return {"offload_s": 1.5, "offload_free_before": 1, "offload_free_after": 9}
             figures = {"mean_reward": 0.5, "max_staleness": 0, "loss": 0.1, "wall_s": 4.0}
-            return {**acks[rank], "version": 4, **figures}
+            return {"onload_s": 0.5 if rank == 1 else 0.25, "version": 4, **figures}
 
         def events(self, kind: str, **fields: object) -> None:
             self.journal.append((kind, fields))
 
     ranks = Ranks()
-    result = asyncio.run(RemoteTrainer(ranks).train(7, []))  # type: ignore[arg-type]
-    assert result.version == 4 and result.handover_s == 2.25
-    assert [(k, f["rank"], f["offload_s"]) for k, f in ranks.journal] == [
-        ("handover", 1, 1.0),
-        ("handover", 2, 2.0),
+    trainer = RemoteTrainer(ranks)  # type: ignore[arg-type]
+    asyncio.run(trainer.lend(("train1",)))
+    assert ranks.calls == [(2, Op.RELEASE)]
+    assert ranks.journal == [
+        ("handover", {"rank": 2, "gpus": ["train1"], "offload_s": 1.5,
+                      "offload_free_before": 1, "offload_free_after": 9}),
+    ]  # fmt: skip
+    result = asyncio.run(trainer.train(7, []))
+    assert result.version == 4 and result.handover_s == 0.5
+    assert [(k, f["rank"], f.get("onload_s")) for k, f in ranks.journal[1:]] == [
+        ("handover", 1, 0.5),
+        ("handover", 2, 0.25),
     ]
 
 

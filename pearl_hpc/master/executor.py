@@ -247,6 +247,8 @@ class WorkerExecutor:
         A hung engine start (seen: NIXL's listener dying on a taken port) fails the
         slot instead of stalling admission of its whole group."""
         worker = self.workers.get(add.gpu_ids)
+        if add.gpu_ids[0].startswith("train"):  # a trainer's GPU: its tensors leave first
+            await self.weights.lend(add.gpu_ids)
         if worker is not None:
             worker.slot_id = add.slot_id
             await asyncio.wait_for(

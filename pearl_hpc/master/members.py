@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -385,7 +385,7 @@ class TrainResult:
     mismatch_max: float = 0.0
     capped_frac: float = 0.0
     behaviour_coverage: float = 0.0
-    handover_s: float = 0.0  # the slowest rank's GPU offload + onload in this step
+    handover_s: float = 0.0  # the slowest rank's onload of its lent GPU in this step
 
 
 OFF_POLICY_FIGURES = (
@@ -422,8 +422,7 @@ class RemoteTrainer:
             moved = {k: v for k, v in ack.items() if k.startswith(("offload_", "onload_"))}
             if moved:
                 self.members.events("handover", rank=rank, step=step, **moved)
-                seconds = float(moved.get("offload_s", 0.0)) + float(moved.get("onload_s", 0.0))
-                handover_s = max(handover_s, seconds)
+                handover_s = max(handover_s, float(moved.get("onload_s", 0.0)))
         lead = acks[0]
         if any(a["version"] != lead["version"] for a in acks):
             raise PlaneError(f"trainer ranks disagree on the version after step {step}: {acks}")
@@ -454,6 +453,19 @@ class RemoteTrainer:
             unreachable=ack.get("unreachable", []),
         )
         return float(ack["seconds"]), list(ack.get("unreachable", []))
+
+    async def lend(self, gpu_ids: Sequence[str]) -> None:
+        """The trainer ranks on ``gpu_ids`` move their tensors to host memory, so an
+        overlap engine can wake there (measured, journalled; nothing moves on cpu). They
+        come back with the next step."""
+        ranks = [
+            r for r in self.ranks if set(self.members.hellos[r].get("gpu_ids", ())) & set(gpu_ids)
+        ]
+        acks = await asyncio.gather(*[self.members.call(r, Op.RELEASE) for r in ranks])
+        for rank, ack in zip(ranks, acks, strict=True):
+            if ack.get("offload_s") is not None:
+                moved = {k: v for k, v in ack.items() if k.startswith("offload_")}
+                self.members.events("handover", rank=rank, gpus=list(gpu_ids), **moved)
 
     async def catch_up(self, name: str, address: tuple[str, int]) -> float:
         """The latest weights to one engine (point to point)."""

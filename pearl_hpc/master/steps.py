@@ -183,11 +183,11 @@ class StepPipeline:
                 tuple(iterations),
                 batch_size=len(trajectories),
                 borrowed=borrowed,
-                # T_toggle's sample: the engine's wake and return, and the trainer's
-                # measured GPU hand-off that let it wake
-                activation_s=(activated[-1] if activated else 0.0)
+                # T_toggle's sample: the activation (the trainer's offload included), the
+                # return, and the trainer's onload of its GPU before the next step
+                activation_s=activated[-1] if activated else 0.0,
+                deactivation_s=(counters.deactivation_s[-1] if counters.deactivation_s else 0.0)
                 + (counters.handover_s[-1] if borrowed and counters.handover_s else 0.0),
-                deactivation_s=counters.deactivation_s[-1] if counters.deactivation_s else 0.0,
             )
         )
         return RolloutResult(

@@ -25,7 +25,7 @@ from typing import Any
 
 from pearl_hpc.comm.messages import COLLECTIVE, Command, Kind, Op
 from pearl_hpc.comm.mpi import WorkerPlane
-from pearl_hpc.config.run import RankSpec, RunConfig, base_layout, engine_spec
+from pearl_hpc.config.run import RankSpec, RunConfig, engine_spec
 from pearl_hpc.master.journal import prune_snapshots
 from pearl_hpc.master.members import OFF_POLICY_FIGURES
 from pearl_hpc.rollout.types import Trajectory
@@ -84,14 +84,12 @@ class TrainerRank:
         else:
             self.trainer = GRPOTrainer(model_dir, grpo, dp_group=group)
         # an overlap engine time-shares this rank's GPU: the trainer's tensors leave it
-        # between steps (a no-op on cpu)
+        # when the master lends the GPU (Op.RELEASE) and come back for the next step (a
+        # no-op on cpu)
         self.residency = Residency(
             [m for m in (self.trainer.model, self.trainer.reference) if m is not None],
             self.trainer.optimizer,
             self.trainer.device,
-        )
-        self.lends_gpu = any(
-            me.gpu_ids[0] in r.gpu_ids for r in base_layout(cfg.workers, cfg.layout) if r.overlap
         )
         self.wire_dtype = _wire_dtype(cfg, model_dir, device)
         if self.sync is not None and snapshot is not None:
@@ -116,6 +114,8 @@ class TrainerRank:
                 self._ack(cmd, **plane.take_part(cmd))
             elif cmd.op is Op.TRAIN:
                 self.pending.append((cmd, self.pool.submit(self._train, cmd.args)))
+            elif cmd.op is Op.RELEASE:  # after any step in flight: one thread trains
+                self.pending.append((cmd, self.pool.submit(self._lend)))
             elif cmd.op is Op.PUBLISH and self.sync is not None:
                 self.pending.append((cmd, self._on_loop(self._publish(cmd.args))))
             elif cmd.op is Op.CATCH_UP and self.sync is not None:
@@ -139,8 +139,6 @@ class TrainerRank:
         if self.index == 0:  # the replicated weights: one rank writes them
             self.trainer.save_snapshot(self.snapshots)
             prune_snapshots(self.snapshots, keep=2)
-        if self.lends_gpu and (offload := self.residency.offload()) is not None:
-            handover.update(offload.as_dict())  # before the ack: the engine wakes after it
         return {
             **handover,
             "step": int(args["step"]),
@@ -152,6 +150,12 @@ class TrainerRank:
             "wall_s": stats.wall_s,
             **{k: getattr(stats, k) for k in OFF_POLICY_FIGURES},
         }
+
+    def _lend(self) -> dict[str, Any]:
+        """The master lends this rank's GPU to an overlap engine: the trainer's tensors
+        move to host memory before the ack (the engine wakes after it)."""
+        offload = self.residency.offload()
+        return offload.as_dict() if offload is not None else {}
 
     async def _client(self, name: str, host: str, port: int) -> Any:
         from pearl_hpc.engine.client import EngineClient
