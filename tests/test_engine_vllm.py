@@ -381,3 +381,33 @@ def test_borrowed_worker_hand_off_loses_no_trajectory(fleet: Fleet, chat: ChatFo
     )
     fleet.run(overlap.restore(Role.DECODE))
     fleet.run(overlap.admit())
+
+
+def test_a_prefill_engine_released_mid_handoff_waits_for_its_decoder(
+    fleet: Fleet, chat: ChatFormat
+):
+    """The prefill engine is released while the KV of a finished prefill is still unread:
+    it steps until the decoder has read it (vLLM refuses to sleep with KV unread, and a
+    shut-down producer leaves its decoder without the KV), then releases; the decoded
+    turn equals the colocated one."""
+    pre, dec, col = fleet.client("pre"), fleet.client("dec"), fleet.client("col")
+    prompt = tuple(chat.prompt("what is 12 times 12?"))
+    reference = fleet.run(col.generate(TurnRequest("ref", prompt, 16)))
+    injected = fleet.run(dec.stats()).kv_tokens_injected
+
+    async def handoff() -> tuple:
+        first = await pre.generate(TurnRequest("h", prompt, 16, prefill_only=True))
+        release = asyncio.create_task(pre.release())
+        await asyncio.sleep(0.3)  # the release is waiting on the unread KV now
+        decoded = await dec.generate(
+            TurnRequest("h-d", prompt, 16, kv_transfer_params=first.kv_transfer_params)
+        )
+        return await release, decoded
+
+    release, decoded = fleet.run(handoff())
+    assert release.detail["kv_unread"] == 0 and release.wall_s >= 0.3, release
+    assert decoded.token_ids == reference.token_ids
+    # its prompt's KV came from the producer
+    assert fleet.run(dec.stats()).kv_tokens_injected - injected >= len(prompt) - 1
+    fleet.run(pre.restore(Role.PREFILL))
+    fleet.run(pre.admit())

@@ -144,12 +144,16 @@ class EngineWorker:
         role = self.runner.role
         before = self._free("before")
         await self.drain()
-        if role is not None and self.runner.spec.device == "cuda":
+        # a prefill engine's decoders read the KV it holds first; vLLM refuses to sleep
+        # with KV unread, so one still holding some after the wait shuts down instead
+        unread = await self._wait(self.runner.drain_kv())
+        if role is not None and self.runner.spec.device == "cuda" and not unread:
             await self._wait(self.runner.call(lambda e: e.sleep(level=1)))
             self._sleeping_role = role
         else:
             await self._wait(self.runner.stop())
-        return self._timed("release", t0, role=str(role), **before, **self._free("after"))
+        detail = {"role": str(role), "kv_unread": unread, **before, **self._free("after")}
+        return self._timed("release", t0, **detail)
 
     async def restore(self, role: str) -> Timing:
         async with self._ops:

@@ -46,6 +46,10 @@ log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.02  # how often an idle engine steps (a producer frees sent KV blocks)
 CACHE_RETRY_S = 1.0  # how often a prefix-cache reset refused after a weight load is retried
+# the most a prefill engine waits for its decoders to read the KV it still holds before it
+# shuts down or sleeps: a decode request follows its prefill within milliseconds, while
+# one aborted (drained) never reads and vLLM frees its blocks only after 480 s
+KV_DRAIN_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -249,6 +253,11 @@ class EngineRunner:
 
         return self.call(receive)
 
+    def drain_kv(self) -> Future[int]:
+        """A prefill engine steps until its decoders read the KV it holds (at most
+        :data:`KV_DRAIN_S`); resolves to the requests whose KV is still unread."""
+        return self.call(lambda _e: self._drain_kv())
+
     def close(self) -> None:
         try:
             self.stop().result(timeout=60)
@@ -328,12 +337,39 @@ class EngineRunner:
         if self._engine is None:
             return 0.0
         self._abort(list(self._live))
+        self._drain_kv()  # a decoder reading from this engine gets its KV first
         engine, self._engine = self._engine, None
         self.role = None
         engine.engine_core.shutdown()
         del engine
         gc.collect()
         return time.perf_counter() - t0
+
+    def _pending_sends(self) -> int:
+        """Finished requests whose KV blocks wait for a decoder's read (a producer keeps
+        them in the scheduler until the consumer's notification frees them)."""
+        try:  # the in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+            scheduler = self._engine.engine_core.engine_core.scheduler
+        except AttributeError:
+            return 0
+        running, waiting = scheduler.get_request_counts()
+        return max(0, len(scheduler.requests) - running - waiting)
+
+    def _drain_kv(self) -> int:
+        if self._engine is None or self.role is not Role.PREFILL:
+            return 0
+        deadline = time.monotonic() + KV_DRAIN_S
+        while (pending := self._pending_sends()) and time.monotonic() < deadline:
+            self._step()  # receives the decoders' "read" notifications, frees blocks
+            time.sleep(0.005)
+        if pending:
+            log.warning(
+                "%s: %d requests' KV still unread after %.0f s; their decoders will fail",
+                self.worker_id,
+                pending,
+                KV_DRAIN_S,
+            )
+        return pending
 
     def _timed_load(
         self, weights: Iterable[tuple[str, Any]], version: int, stream: Any
