@@ -22,7 +22,7 @@ Checks, in order (each timed; a later one is "not run" once the deadline passed)
    process, parsed by ``pearl-hpc calibrate``'s parser (needs 2 GPUs).
 
 Not built yet, so not checked (README, "GPU mode"): FSDP2 from the config, CUDA IPC to a
-same-GPU engine, draining a prefill engine's pending KV before it sleeps.
+same-GPU engine.
 
 Without a GPU it says why and exits 0; a failed check exits 1. ``--out DIR`` writes
 ``smoke.json`` (every check's status, seconds and figures) there.
@@ -53,7 +53,6 @@ TOKENS = 24
 NOT_BUILT = (
     "FSDP2 from the run config (GRPOConfig.fsdp is not reachable)",
     "CUDA IPC weight transfer to an engine on the trainer's GPU",
-    "draining a prefill engine's pending KV before it sleeps",
 )
 
 
