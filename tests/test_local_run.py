@@ -172,6 +172,37 @@ def test_local_run_grows_reclaims_borrows_and_loses_nothing(tmp_path: Path, monk
 
 @pytest.mark.vllm
 @pytest.mark.skipif(vllm_skip_reason() is not None, reason=str(vllm_skip_reason()))
+def test_two_trainer_ranks_shard_with_fsdp2_and_the_engines_get_the_gathered_weights(
+    tmp_path: Path, monkeypatch
+):
+    """train.fsdp: the two trainer ranks join a default torch.distributed group of their
+    own and shard the model with FSDP2 (gloo on CPU); each step's weights are gathered to
+    trainer 0 and broadcast to the engine; trainer 0 writes weights-only snapshots."""
+    monkeypatch.setenv("PEARL_HPC_CACHE", str(tmp_path / "cache"))
+    config = {
+        **CONFIG,
+        "profile": MEASURED,
+        "workers": {"training_gpus": 2, "reserved_rollout": 1, "overlap": 0},
+        "elastic": {"grace_s": 30, "trace": [{"at_step": 0, "workers": 0}]},
+        "run": {**CONFIG["run"], "steps": 2},
+        "train": {"fsdp": True},
+    }
+    cfg = load_run_config(_write(tmp_path, config))
+    run_dir = tmp_path / "runs" / "t"
+    summary = run_to_summary(cfg, run_dir)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert summary["steps"] == 2 and [m["version"] for m in metrics] == [1, 2]
+    assert [m["trajectories"] for m in metrics] == [16, 16]
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["version"] for e in events if e["kind"] == "publish"] == [1, 2]
+    meta = json.loads((run_dir / "snapshots" / "v000002" / "meta.json").read_text())
+    assert meta["has_optimizer"] is False and meta["config"]["fsdp"] is True
+    logs = "".join(p.read_text() for p in run_dir.glob("rank*-trainer.log"))
+    assert "not sharding" not in logs  # both ranks sharded over their group
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(vllm_skip_reason() is not None, reason=str(vllm_skip_reason()))
 def test_a_real_spot_trace_grants_and_reclaims_over_the_run_clock(tmp_path: Path, monkeypatch):
     """PEARL's segment 1 of the AWS spot traces replayed 80x faster: an elastic worker is
     granted ~1.5 s in (trace 122 s: 9 instances), reclaimed ~14 s in (trace 1096 s: 4

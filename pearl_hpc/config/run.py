@@ -296,6 +296,11 @@ class TrainSettings:
         "the trainer ranks: auto (cuda where the rank is given a GPU, else cpu) | cpu | cuda",
         default="auto",
     )
+    fsdp: bool = spec_field(
+        "shard the trainer ranks' weights, gradients and AdamW state with FSDP2 (bf16 "
+        "compute on cuda; a snapshot then holds the weights only); not with overlap engines",
+        default=False,
+    )
     weight_sync: str = spec_field(
         "how new weights reach the engines: gloo (staged through host memory: any device, "
         "any placement) | nccl (GPU to GPU; not with overlap engines: one would share "
@@ -528,6 +533,12 @@ def train_problem(train: TrainSettings, workers: WorkersConfig = WorkersConfig()
             f"train.weight_sync nccl with workers.overlap {workers.overlap}: an overlap "
             "engine shares trainer 0's GPU and NCCL forbids two ranks on one GPU; use gloo, "
             "or workers.overlap 0"
+        )
+    if train.fsdp and workers.overlap:
+        return (
+            f"train.fsdp with workers.overlap {workers.overlap}: lending a trainer's GPU "
+            "moves whole tensors to host memory, which sharded (FSDP2) weights do not "
+            "support yet; set train.fsdp false or workers.overlap 0"
         )
     for key, choices in (
         ("correction", CORRECTIONS),

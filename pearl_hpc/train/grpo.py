@@ -47,9 +47,13 @@ Decisions (and why):
   made of *whole groups* (advantages are computed per rank) and the same number of
   trajectories on every rank (each minibatch is a collective). Gradients are averaged over
   ranks, which equals the single-process token mean when the ranks hold equally many
-  policy tokens. :meth:`GRPOTrainer.state_dict` gathers the full weights (every rank calls
-  it; the result is complete on all of them). The KL reference is not sharded. Without a
+  policy tokens. The model is built in host memory and sharded there, so a GPU holds
+  only its shard; on cuda compute is bf16 (``MixedPrecisionPolicy``) over fp32 master
+  weights and fp32 gradient reduction. :meth:`GRPOTrainer.state_dict` gathers the full
+  weights into rank 0's host memory (every rank calls it; the others get ``{}``), and
+  rank 0 writes the snapshot (weights only). The KL reference is not sharded. Without a
   process group the flag is ignored with a warning, so the same config runs on one CPU.
+  ``train.fsdp`` in the run config turns it on for the trainer ranks.
 - **Data parallel over a group** (``dp_group``, e.g. gloo training ranks on CPU): every
   rank gets the step's *whole* batch (token ids are small) and so the same advantages and
   the same shuffled minibatches as one process; of each minibatch, rank ``r`` runs the
@@ -257,14 +261,17 @@ class GRPOTrainer:
             )
         torch.manual_seed(config.seed)
         self.device = torch.device(config.device)
-        self.model = self._load_model()
+        # FSDP2: built in host memory and sharded there, so each GPU only ever holds its
+        # shard (and the layer being gathered), never the whole fp32 model
+        self.model = self._load_model(torch.device("cpu") if config.fsdp else self.device)
         self.reference: torch.nn.Module | None = None
         if config.kl_coef > 0:
-            self.reference = self._load_model()
+            self.reference = self._load_model(self.device)
             self.reference.requires_grad_(False)
         self.sharded = False
         if config.fsdp:
             self.sharded = self._shard()
+            self.model.to(self.device)
         # data parallel (replicated weights): a group with rank, size and all_reduce (sum),
         # e.g. pearl_hpc.train.wgroup.WeightGroup over the training ranks
         self.dp_group = dp_group if dp_group is not None and not self.sharded else None
@@ -277,9 +284,9 @@ class GRPOTrainer:
         embeddings = cast(Any, self.model).get_input_embeddings()  # an HF model's method
         self.vocab_size = int(embeddings.num_embeddings)
 
-    def _load_model(self) -> torch.nn.Module:
+    def _load_model(self, device: torch.device) -> torch.nn.Module:
         model: Any = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
-        model.to(self.device)
+        model.to(device)
         model.eval()  # no dropout: see the module docstring
         return model
 
@@ -287,12 +294,18 @@ class GRPOTrainer:
         if not (dist.is_available() and dist.is_initialized()):
             log.warning("GRPOConfig.fsdp is set but there is no process group: not sharding")
             return False
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        # cuda: bf16 compute, fp32 master weights and gradient reduction
+        options: dict[str, Any] = {}
+        if self.device.type == "cuda":
+            options["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+            )
         layers = getattr(getattr(self.model, "model", None), "layers", None)
         for layer in layers or []:
-            fully_shard(layer)
-        fully_shard(self.model)
+            fully_shard(layer, **options)
+        fully_shard(self.model, **options)
         return True
 
     # ---------------------------------------------------------------- training
@@ -554,8 +567,9 @@ class GRPOTrainer:
                 get_model_state_dict,
             )
 
+            # gathered layer by layer into rank 0's host memory; other ranks get {}
             full = get_model_state_dict(
-                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=False)
+                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
             )
             return {k: _host_copy(v, dtype) for k, v in full.items() if isinstance(v, torch.Tensor)}
         return {name: _host_copy(tensor, dtype) for name, tensor in self.model.state_dict().items()}
@@ -617,7 +631,7 @@ class GRPOTrainer:
         meta = read_snapshot_meta(snapshot)
         trainer = cls(model_dir, config, dp_group=dp_group)
         weights: dict[str, Any] = load_file(
-            str(snapshot / WEIGHTS_FILE), device=str(trainer.device)
+            str(snapshot / WEIGHTS_FILE), device="cpu" if trainer.sharded else str(trainer.device)
         )
         try:
             if trainer.sharded:  # full tensors into DTensor shards: every rank read the file

@@ -71,9 +71,11 @@ class TrainerRank:
             (self.sync.store.host, self.sync.store.port) if self.sync is not None else None, 0
         )
         group = None
-        if size > 1:
-            store = self.sync.store.store if self.sync is not None else None
-            backend = "nccl" if device == "cuda" else "gloo"  # one GPU per trainer rank
+        backend = "nccl" if device == "cuda" else "gloo"  # one GPU per trainer rank
+        store = self.sync.store.store if self.sync is not None else None
+        if size > 1 and cfg.train.fsdp:  # FSDP2 shards over the default group of trainers
+            _join_fsdp_world(addr, store, self.index, size, backend)
+        elif size > 1:  # replicated weights, gradients summed over a weight group
             group = WeightGroup(addr[0], addr[1], "dp/", self.index, size, backend, store=store)
         grpo = grpo_config(cfg, device)
         # a resumed run continues from its newest snapshot (the launcher dropped any newer
@@ -92,10 +94,11 @@ class TrainerRank:
             self.trainer.device,
         )
         self.wire_dtype = _wire_dtype(cfg, model_dir, device)
-        if self.sync is not None and snapshot is not None:
-            self.sync.seed(
-                self.trainer.state_dict(self.wire_dtype), self.trainer.version
-            )  # engines catch up
+        self.latest: dict[str, Any] = {}  # trainer 0: the weights the engines get next
+        if snapshot is not None:
+            self._copy_weights()
+            if self.sync is not None:
+                self.sync.seed(self.latest, self.trainer.version)  # engines catch up
         self.clients: dict[str, Any] = {}  # engine name -> EngineClient (trainer 0)
         self.pending: list[tuple[Command, concurrent.futures.Future[dict[str, Any]]]] = []
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="train")
@@ -136,9 +139,11 @@ class TrainerRank:
         if (onload := self.residency.onload()) is not None:
             handover.update(onload.as_dict())
         stats = self.trainer.train_step(trajectories)
-        if self.index == 0:  # the replicated weights: one rank writes them
+        if self.trainer.sharded or self.index == 0:  # trainer 0 writes (FSDP: a gather)
             self.trainer.save_snapshot(self.snapshots)
+        if self.index == 0:
             prune_snapshots(self.snapshots, keep=2)
+        self._copy_weights()
         return {
             **handover,
             "step": int(args["step"]),
@@ -150,6 +155,14 @@ class TrainerRank:
             "wall_s": stats.wall_s,
             **{k: getattr(stats, k) for k in OFF_POLICY_FIGURES},
         }
+
+    def _copy_weights(self) -> None:
+        """Trainer 0's copy of the weights the engines get next, in their dtype, taken
+        before the step's ack (the next step may change the model while they travel);
+        under FSDP every rank takes part in the gather, to trainer 0's host memory."""
+        if self.trainer.sharded or self.index == 0:
+            state = self.trainer.state_dict(self.wire_dtype)
+            self.latest = state if self.index == 0 else {}
 
     def _lend(self) -> dict[str, Any]:
         """The master lends this rank's GPU to an overlap engine: the trainer's tensors
@@ -201,7 +214,7 @@ class TrainerRank:
             t0 = time.perf_counter()
             await self.sync.form(members)
             form_s = time.perf_counter() - t0
-        seconds = await self.sync.publish(self.trainer.state_dict(self.wire_dtype), version)
+        seconds = await self.sync.publish(self.latest, version)
         return {"seconds": seconds, "form_s": form_s, "members": len(members)}
 
     async def _catch_up(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -251,7 +264,26 @@ def grpo_config(cfg: RunConfig, device: str = "cpu") -> Any:
         kl_coef=t.kl_coef,
         kl_bias_correction=t.kl_bias_correction,
         advantage_std=t.advantage_std,
+        fsdp=t.fsdp,
     )
+
+
+def _join_fsdp_world(
+    addr: tuple[str, int], store: Any, index: int, size: int, backend: str
+) -> None:
+    """torch.distributed's default group over the trainer ranks (FSDP2 shards over it):
+    no engine lives in a trainer rank's process, so the default group is theirs."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=120)
+    if store is None:
+        store = dist.TCPStore(addr[0], addr[1], None, is_master=False, timeout=timeout)
+    dist.init_process_group(
+        backend, store=dist.PrefixStore("fsdp/", store), rank=index, world_size=size,
+        timeout=timeout,
+    )  # fmt: skip
 
 
 def _wire_dtype(cfg: RunConfig, model_dir: str, device: str) -> Any:
