@@ -18,11 +18,13 @@ Checks, in order (each timed; a later one is "not run" once the deadline passed)
    not required: GPU kernels differ between HF and vLLM.)
 5. ``offload``: the trainer's hand-off frees its GPU memory and brings back the same
    weights; a forward pass after it matches the one before.
-6. ``nccl-tests``: ``all_reduce_perf`` (``$NCCL_TESTS_BIN`` or PATH) over every GPU in one
+6. ``fsdp``: the trainer sharded with FSDP2 on one rank (NCCL, bf16 compute) gathers
+   exactly the unsharded trainer's weights, and its logits agree to bf16 precision.
+7. ``nccl-tests``: ``all_reduce_perf`` (``$NCCL_TESTS_BIN`` or PATH) over every GPU in one
    process, parsed by ``pearl-hpc calibrate``'s parser (needs 2 GPUs).
 
-Not built yet, so not checked (README, "GPU mode"): FSDP2 from the config, CUDA IPC to a
-same-GPU engine.
+Not built yet, so not checked (README, "GPU mode"): lending an FSDP2 trainer's GPU, CUDA
+IPC to a same-GPU engine.
 
 Without a GPU it says why and exits 0; a failed check exits 1. ``--out DIR`` writes
 ``smoke.json`` (every check's status, seconds and figures) there.
@@ -51,7 +53,7 @@ from pearl_hpc.engine.types import TurnRequest
 PROMPT = (5, 6, 7, 8, 9, 10, 11, 12)  # token ids of the tiny model's 1K vocabulary
 TOKENS = 24
 NOT_BUILT = (
-    "FSDP2 from the run config (GRPOConfig.fsdp is not reachable)",
+    "lending the GPU of an FSDP2 trainer (train.fsdp is refused with overlap engines)",
     "CUDA IPC weight transfer to an engine on the trainer's GPU",
 )
 
@@ -217,6 +219,31 @@ class Smoke:
         return {"offload_s": round(off.wall_s, 3), "onload_s": round(on.wall_s, 3),
                 "freed_mib": (off.free_after - off.free_before) >> 20}  # fmt: skip
 
+    async def fsdp(self) -> dict[str, Any]:
+        import torch
+        import torch.distributed as dist
+
+        from pearl_hpc.train.grpo import GRPOConfig, GRPOTrainer
+
+        plain = GRPOTrainer(self.model_dir, GRPOConfig(device="cuda", seed=0))
+        store = dist.HashStore()
+        dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+        try:
+            sharded = GRPOTrainer(self.model_dir, GRPOConfig(device="cuda", seed=0, fsdp=True))
+            assert sharded.sharded, "the trainer did not shard"
+            full, reference = sharded.state_dict(), plain.state_dict()
+            ids = torch.tensor([PROMPT], device="cuda")
+            with torch.no_grad():
+                a = plain.model(ids).logits.float()
+                b = sharded.model(ids).logits.float()
+        finally:
+            dist.destroy_process_group()
+        assert full.keys() == reference.keys(), "the gathered names differ"
+        assert all(torch.equal(full[k], reference[k]) for k in full), "gathered weights differ"
+        gap = float((a - b).abs().max())
+        assert torch.allclose(a, b, atol=5e-2, rtol=5e-2), f"logits differ by {gap}"
+        return {"tensors": len(full), "max_logit_gap_bf16": round(gap, 4)}
+
     async def nccl_tests(self) -> dict[str, Any]:
         import torch
 
@@ -264,6 +291,7 @@ async def run_checks(smoke: Smoke, deadline_s: float) -> list[Check]:
         ("sleep", smoke.sleep),
         ("weights", smoke.weights),
         ("offload", smoke.offload),
+        ("fsdp", smoke.fsdp),
         ("nccl-tests", smoke.nccl_tests),
     ]
     checks, t_start = [], time.perf_counter()
