@@ -367,3 +367,66 @@ def test_the_gpu_smoke_script_says_why_it_skips_without_a_gpu(tmp_path: Path) ->
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("gpu smoke: skipped: no CUDA GPU"), run.stdout
+
+
+class _SleepyEngine:
+    """The vLLM engine calls a sleeping runner makes, recorded (a unit test of the
+    runner's sleep bookkeeping; real sleep needs a GPU: tests/test_engine_gpu.py)."""
+
+    def __init__(self) -> None:
+        import types
+
+        self.calls: list[tuple] = []
+        self.steps = 0
+        self.engine_core = types.SimpleNamespace(shutdown=lambda: None)
+
+    def sleep(self, level: int) -> None:
+        self.calls.append(("sleep", level))
+
+    def wake_up(self) -> None:
+        self.calls.append(("wake",))
+
+    def collective_rpc(self, method: str, kwargs: dict) -> None:
+        self.calls.append((method, [name for name, _ in kwargs["weights_iterator"]]))
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        self.calls.append(("reset",))
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return False
+
+    def step(self) -> list:
+        self.steps += 1
+        return []
+
+
+def test_weights_reaching_a_sleeping_engine_wait_for_its_wake() -> None:
+    """A sleeping engine's weights live in unmapped memory: a version that arrives then
+    goes to the host copy, and the wake loads it (and empties the prefix cache); the
+    engine thread does not step a sleeping engine."""
+    import time
+
+    import torch
+
+    from pearl_hpc.engine.vllm_engine import EngineRunner
+
+    runner = EngineRunner(EngineSpec("/models/m", device="cuda"), "w0")
+    fake = _SleepyEngine()
+
+    def attach(_engine: object) -> None:
+        runner._engine, runner.role = fake, Role.COLOCATED
+
+    try:
+        runner.call(attach).result(5)
+        runner.sleep().result(5)
+        steps = fake.steps
+        load = runner.load_weights([("w", torch.ones(2))], 1).result(5)
+        time.sleep(0.1)
+        assert load.cache == "asleep: applied at wake" and fake.steps == steps
+        assert fake.calls == [("sleep", 1)]  # nothing written into the sleeping engine
+        runner.wake().result(5)
+        assert fake.calls[1:] == [("wake",), ("reload_weights", ["w"]), ("reset",)]
+        assert runner.weight_version == 1 and not runner.asleep
+    finally:
+        runner.close()

@@ -129,6 +129,7 @@ class EngineWorker:
             old = self.runner.role
             await self.drain()
             stop_s = await self._wait(self.runner.stop())
+            self._sleeping_role = None  # a sleeping engine was shut down with the rest
             start_s = await self._wait(self.runner.start(role))
             self.admitting = True
             return self._timed(
@@ -148,7 +149,7 @@ class EngineWorker:
         # with KV unread, so one still holding some after the wait shuts down instead
         unread = await self._wait(self.runner.drain_kv())
         if role is not None and self.runner.spec.device == "cuda" and not unread:
-            await self._wait(self.runner.call(lambda e: e.sleep(level=1)))
+            await self._wait(self.runner.sleep())
             self._sleeping_role = role
         else:
             await self._wait(self.runner.stop())
@@ -162,7 +163,7 @@ class EngineWorker:
     async def _restore(self, role: Role) -> Timing:
         t0 = time.perf_counter()
         if self._sleeping_role is not None and self._sleeping_role is role:
-            await self._wait(self.runner.call(lambda e: e.wake_up()))
+            await self._wait(self.runner.wake())
             self._sleeping_role = None
         else:
             if self.runner.role is not None or self._sleeping_role is not None:

@@ -60,7 +60,8 @@ class WeightLoad:
     wall_s: float  # receive and load together (streamed: they overlap per bucket)
     recv_s: float  # of which waiting on the network (0 for bytes already here)
     cache: str  # the prefix cache afterwards: "reset", "reset, N running turns
-    # recomputed", "pending" (blocks held for a KV transfer; retried), or "no engine"
+    # recomputed", "pending" (blocks held for a KV transfer; retried), "no engine", or
+    # "asleep: applied at wake"
 
 
 def configure_process_env(spec: EngineSpec) -> None:
@@ -188,6 +189,8 @@ class EngineRunner:
         # change, release on CPU) starts from the model directory and re-applies them
         self._host_weights: dict[str, Any] = {}
         self._cache_stale_at: float | None = None  # a refused prefix-cache reset, when
+        self.asleep = False  # cuda: vLLM sleep level 1 (weights in host memory, KV freed)
+        self._load_on_wake = False  # weights arrived while asleep: applied at wake
         self._telemetry = _Telemetry()
         self._engine: Any = None
         self._live: dict[str, _Live] = {}
@@ -253,6 +256,15 @@ class EngineRunner:
 
         return self.call(receive)
 
+    def sleep(self) -> Future[None]:
+        """cuda: vLLM sleep level 1 (the device's memory given back; no steps until
+        :meth:`wake`). Weights that arrive meanwhile go to the host copy only."""
+        return self.call(lambda _e: self._sleep())
+
+    def wake(self) -> Future[None]:
+        """Wake a sleeping engine, applying weights that arrived while it slept."""
+        return self.call(lambda _e: self._wake())
+
     def drain_kv(self) -> Future[int]:
         """A prefill engine steps until its decoders read the KV it holds (at most
         :data:`KV_DRAIN_S`); resolves to the requests whose KV is still unread."""
@@ -280,7 +292,7 @@ class EngineRunner:
             if fn is not None:
                 self._run(fn, fut)
                 continue
-            if self._engine is not None:
+            if self._engine is not None and not self.asleep:
                 if self._cache_stale_at is not None:
                     self._retry_cache_reset()
                 try:
@@ -330,6 +342,7 @@ class EngineRunner:
         self._engine = engine
         self.role = role
         self.failed = None
+        self.asleep = self._load_on_wake = False
         return time.perf_counter() - t0
 
     def _shutdown(self) -> float:
@@ -340,10 +353,29 @@ class EngineRunner:
         self._drain_kv()  # a decoder reading from this engine gets its KV first
         engine, self._engine = self._engine, None
         self.role = None
+        self.asleep = self._load_on_wake = False
         engine.engine_core.shutdown()
         del engine
         gc.collect()
         return time.perf_counter() - t0
+
+    def _sleep(self) -> None:
+        if self._engine is None or self.asleep:
+            raise EngineError(f"{self.worker_id}: no awake engine to put to sleep")
+        self._engine.sleep(level=1)
+        self.asleep = True
+
+    def _wake(self) -> None:
+        if self._engine is None or not self.asleep:
+            raise EngineError(f"{self.worker_id}: no sleeping engine to wake")
+        self._engine.wake_up()
+        self.asleep = False
+        if self._load_on_wake:  # the version that arrived while it slept
+            self._load_on_wake = False
+            self._engine.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": list(self._host_weights.items())}
+            )
+            self._reset_cache()
 
     def _pending_sends(self) -> int:
         """Finished requests whose KV blocks wait for a decoder's read (a producer keeps
@@ -356,7 +388,7 @@ class EngineRunner:
         return max(0, len(scheduler.requests) - running - waiting)
 
     def _drain_kv(self) -> int:
-        if self._engine is None or self.role is not Role.PREFILL:
+        if self._engine is None or self.asleep or self.role is not Role.PREFILL:
             return 0
         deadline = time.monotonic() + KV_DRAIN_S
         while (pending := self._pending_sends()) and time.monotonic() < deadline:
@@ -389,11 +421,12 @@ class EngineRunner:
                 host[name] = tensor.to("cpu", copy=True)
                 yield name, tensor
 
-        engine = self._engine
+        engine = None if self.asleep else self._engine  # asleep: its memory is unmapped
         try:
-            if engine is None:  # released: the next start applies the host copy
+            if engine is None:  # released or asleep: the next start or wake applies it
                 for _ in kept():
                     pass
+                self._load_on_wake = self.asleep
             elif self.spec.tensor_parallel_size == 1:  # in-process worker: streamed
                 engine.collective_rpc("reload_weights", kwargs={"weights_iterator": kept()})
             else:  # the mp executor pickles its arguments to the TP workers: a list
@@ -408,7 +441,9 @@ class EngineRunner:
             raise
         self._host_weights = host
         self.weight_version = version
-        return self._reset_cache() if engine is not None else "no engine"
+        if engine is None:
+            return "no engine" if self._engine is None else "asleep: applied at wake"
+        return self._reset_cache()
 
     def _restore_weights(self, engine: Any) -> None:
         """Back to the weights held before a load that failed midway."""
