@@ -239,12 +239,15 @@ class EngineWorker:
         engine owns (:mod:`pearl_hpc.train.wgroup`)."""
         from pearl_hpc.train.wgroup import WeightGroup
 
+        await self.leave_weights_group(name)  # the previous epoch's group of that name
         self._weight_groups[name] = await asyncio.to_thread(
             WeightGroup, host, port, prefix, rank, size, backend
         )
 
     async def leave_weights_group(self, name: str) -> None:
-        self._weight_groups.pop(name, None)
+        group = self._weight_groups.pop(name, None)
+        if group is not None:
+            group.close()
 
     async def receive_weights(self, group: str, p2p: bool = False) -> Timing:
         """Take part in the trainer's broadcast in ``group`` (or receive a point-to-point

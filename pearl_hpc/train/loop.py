@@ -79,6 +79,8 @@ class WeightSync:
         """New broadcast group over ``members`` (the serving workers)."""
         self._epoch += 1
         self.members = dict(members)
+        if self._group is not None:
+            self._group.close()
         self._group = await self._group_of("broadcast", f"bcast/{self._epoch}/", self.members)
 
     def seed(self, state: dict[str, torch.Tensor], version: int) -> None:
@@ -122,6 +124,7 @@ class WeightSync:
             client.receive_weights(name, p2p=True),
         )
         await client.leave_weights_group(name)
+        group.close()
         self.versions.loaded(worker_id, version)
         wall_s = time.perf_counter() - t0
         self.timings.append(("p2p", version, wall_s))

@@ -89,6 +89,19 @@ class WeightGroup:
             self.device = torch.device("cpu")
             self.pg = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
 
+    def close(self) -> None:
+        """Tear the communicator down (NCCL keeps one per group until told; gloo's go
+        with the object)."""
+        shutdown = getattr(self.pg, "shutdown", None) if self.backend == "nccl" else None
+        if shutdown is not None:
+            shutdown()
+
+    def synchronize(self) -> None:
+        """Wait for the device (NCCL's ``wait()`` only orders streams: without this a
+        transfer's seconds would be its enqueue time)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
@@ -173,6 +186,7 @@ def _send_buckets(
             group.broadcast(flat, group.rank)
         else:
             group.send(flat, dst)
+    group.synchronize()
 
 
 class WeightStream:
@@ -201,7 +215,9 @@ class WeightStream:
         how = f"recv from rank {self.src}" if self.p2p else "broadcast"
         t0 = time.perf_counter()
         try:
-            return fn()
+            out = fn()
+            self.group.synchronize()
+            return out
         except RuntimeError as exc:
             raise WeightSyncError(
                 f"weights {how} in {self.group.prefix} (rank {self.group.rank}) failed: {exc}"
