@@ -251,9 +251,10 @@ class EngineWorker:
 
     async def receive_weights(self, group: str, p2p: bool = False) -> Timing:
         """Take part in the trainer's broadcast in ``group`` (or receive a point-to-point
-        copy, for a worker that missed broadcasts): the engine loads each bucket as it
-        lands, between two of its steps (generation pauses for the sync)."""
-        from pearl_hpc.train.wgroup import WeightStream
+        copy, for a worker that missed broadcasts) into host memory, one bucket on the
+        device at a time while the engine keeps generating; then load it between two
+        engine steps."""
+        from pearl_hpc.train.wgroup import receive_weights
 
         wg = self._weight_groups.get(group)
         if wg is None:
@@ -262,7 +263,10 @@ class EngineWorker:
                 f"(joined: {sorted(self._weight_groups)})"
             )
         t0 = time.perf_counter()
-        load = await self._wait(self.runner.receive_weights(lambda: WeightStream(wg, 0, p2p=p2p)))
+        # off the engine thread: a broadcast whose source gave up (a member died) blocks
+        # this thread until the group's timeout, never the engine or the next sync
+        version, named, recv_s = await asyncio.to_thread(receive_weights, wg, 0, p2p=p2p)
+        load = await self._wait(self.runner.load_weights(named, version, recv_s))
         return self._timed(
             "weights",
             t0,

@@ -232,29 +232,12 @@ class EngineRunner:
     def stop(self) -> Future[float]:
         return self.call(lambda _e: self._shutdown())
 
-    def load_weights(self, named: list[tuple[str, Any]], version: int) -> Future[WeightLoad]:
-        """Load ``named`` (tensors already in this process) as ``version``."""
-        return self.call(lambda _e: self._timed_load(iter(named), version, None))
-
-    def receive_weights(self, open_stream: Callable[[], Any]) -> Future[WeightLoad]:
-        """Receive a sync and load it bucket by bucket, on the engine thread:
-        ``open_stream()`` returns a :class:`~pearl_hpc.train.wgroup.WeightStream`."""
-
-        def receive(_engine: Any) -> WeightLoad:
-            from pearl_hpc.train.weights import WeightSyncError
-
-            stream = open_stream()
-            try:
-                load = self._timed_load(stream, stream.version, stream)
-            except WeightSyncError:
-                raise  # the group broke: nothing more will arrive
-            except Exception:
-                stream.finish()  # the other receivers still take part in every bucket
-                raise
-            stream.finish()
-            return load
-
-        return self.call(receive)
+    def load_weights(
+        self, named: list[tuple[str, Any]], version: int, recv_s: float = 0.0
+    ) -> Future[WeightLoad]:
+        """Load ``named`` (host tensors this runner may keep: its copy for restarts) as
+        ``version``; ``recv_s``: how long they took to arrive, for the record."""
+        return self.call(lambda _e: self._timed_load(named, version, recv_s))
 
     def sleep(self) -> Future[None]:
         """cuda: vLLM sleep level 1 (the device's memory given back; no steps until
@@ -403,35 +386,20 @@ class EngineRunner:
             )
         return pending
 
-    def _timed_load(
-        self, weights: Iterable[tuple[str, Any]], version: int, stream: Any
-    ) -> WeightLoad:
+    def _timed_load(self, named: list[tuple[str, Any]], version: int, recv_s: float) -> WeightLoad:
         t0 = time.perf_counter()
-        cache = self._load(weights, version)
-        recv_s = stream.recv_s if stream is not None else 0.0
-        return WeightLoad(version, time.perf_counter() - t0, recv_s, cache)
+        cache = self._load(named, version)
+        return WeightLoad(version, recv_s + time.perf_counter() - t0, recv_s, cache)
 
-    def _load(self, weights: Iterable[tuple[str, Any]], version: int) -> str:
-        """Load ``weights`` (a stream: each tensor is copied before the next is asked
-        for) as ``version``, keep their host copy, and empty the prefix cache."""
-        host: dict[str, Any] = {}
-
-        def kept() -> Iterable[tuple[str, Any]]:
-            for name, tensor in weights:
-                host[name] = tensor.to("cpu", copy=True)
-                yield name, tensor
-
+    def _load(self, named: list[tuple[str, Any]], version: int) -> str:
+        """Load ``named`` as ``version`` (they become the host copy a restart re-applies)
+        and empty the prefix cache."""
+        host = {name: tensor.to("cpu") for name, tensor in named}  # no copy if there
         engine = None if self.asleep else self._engine  # asleep: its memory is unmapped
         try:
             if engine is None:  # released or asleep: the next start or wake applies it
-                for _ in kept():
-                    pass
                 self._load_on_wake = self.asleep
-            elif self.spec.tensor_parallel_size == 1:  # in-process worker: streamed
-                engine.collective_rpc("reload_weights", kwargs={"weights_iterator": kept()})
-            else:  # the mp executor pickles its arguments to the TP workers: a list
-                for _ in kept():
-                    pass
+            else:  # (the mp executor of a TP engine pickles the list to its workers)
                 engine.collective_rpc(
                     "reload_weights", kwargs={"weights_iterator": list(host.items())}
                 )

@@ -10,7 +10,8 @@ Data flow (the groups themselves are :mod:`pearl_hpc.train.wgroup`'s)::
     for each bucket b:                               for each bucket b:
         flat = pack_bucket(header, b, state)             flat = empty(bucket_bytes(b))
         send(flat)                   ── bucket ──▶       recv(flat)
-                                                         engine loads unpack(header, b, flat)
+                                                         host copy of unpack(header, b, flat)
+                                                     engine loads the version (host copy)
     versions.published(v)                            versions.loaded(worker_id, v)
 
     later, for a worker that joined (or missed a sync) after the broadcast: the same,
@@ -23,13 +24,16 @@ Decisions (and why):
   buffer of the whole model is 16 GB on each side for an 8B model in bf16 (32 GB in
   fp32), held through the engine's next sleep. Tensors are packed into buckets of at most
   :data:`BUCKET_BYTES` (vLLM's own NCCL weight transfer streams through 1 GiB buffers);
-  a receiver hands each bucket to the engine's loader before it receives the next, so it
-  holds one bucket at a time. :func:`unpack` returns *views* into a bucket, in the
-  ``(name, tensor)`` form vLLM's ``reload_weights(weights_iterator=...)`` takes.
+  a receiver copies each bucket into host memory before it receives the next, so its
+  device holds one bucket at a time, and the engine keeps generating while the version
+  arrives (it loads it afterwards, from the host copy it keeps for restarts anyway; the
+  receive runs off the engine thread, so a broadcast whose source gave up never blocks
+  the engine). :func:`unpack` returns *views* into a bucket, in the ``(name, tensor)``
+  form vLLM's ``reload_weights(weights_iterator=...)`` takes.
 - **A bucket never splits a block.** vLLM loads a layer's checkpoint tensors (q/k/v into
   one fused ``qkv_proj``, every expert of a MoE layer) and processes the layer once all of
-  them arrived; a layer whose tensors straddle two buckets would be kept as views into a
-  buffer the next bucket overwrites. Tensors are grouped by :func:`block_of` (the
+  them arrived; a loader fed straight from the buckets would keep a straddling layer's
+  views into a buffer the next bucket overwrites. Tensors are grouped by :func:`block_of` (the
   transformer block ``model.layers.N``, else the module) and a bucket boundary only
   falls between groups; a group larger than the bound is a bucket of its own.
 - **The engine's dtype on the wire.** The trainer's copy is in the dtype the engine holds

@@ -247,6 +247,19 @@ class WeightStream:
         _release_cached(self.group.device)
 
 
+def receive_weights(
+    group: WeightGroup, src: int = 0, *, p2p: bool = False
+) -> tuple[int, list[tuple[str, torch.Tensor]], float]:
+    """The receiving side of one sync, into host memory: each bucket is copied out before
+    the next lands (the device holds one bucket), so the engine keeps generating during
+    the transfer and loads the version afterwards. Returns the version, the tensors, and
+    the seconds spent waiting on the network."""
+    stream = WeightStream(group, src, p2p=p2p)
+    named = [(name, tensor.to("cpu", copy=True)) for name, tensor in stream]
+    stream.finish()
+    return stream.version, named, stream.recv_s
+
+
 def _release_cached(device: torch.device) -> None:
     """Give the caching allocator's freed bucket memory back to the device (an engine
     sized to free memory may wake on it next)."""
