@@ -192,10 +192,10 @@ def _send_buckets(
 class WeightStream:
     """The receiving side of one sync: the header arrives on construction, the buckets
     as the stream is iterated (``(name, tensor)`` views of one bucket at a time, valid
-    until the next is asked for), so an engine's loader consumes bucket ``b`` before
-    bucket ``b + 1`` lands. :meth:`finish` receives what the loader did not ask for: the
-    transfer is a collective, and a receiver that stops early would leave the others
-    waiting."""
+    until the next is asked for), so a consumer copies bucket ``b`` out before bucket
+    ``b + 1`` lands (:func:`receive_weights` copies them to host memory). :meth:`finish`
+    receives what the consumer did not ask for: the transfer is a collective, and a
+    receiver that stops early would leave the others waiting."""
 
     def __init__(self, group: WeightGroup, src: int = 0, *, p2p: bool = False) -> None:
         self.group, self.src, self.p2p = group, src, p2p
