@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from importlib.util import find_spec
 from pathlib import Path
@@ -639,7 +640,12 @@ class RankSpec:
     @property
     def overlap(self) -> bool:
         """An engine rank on training GPUs (time-shared with the trainer ranks there)."""
-        return self.kind == ENGINE and bool(self.gpu_ids) and self.gpu_ids[0].startswith("train")
+        return self.kind == ENGINE and on_training_gpus(self.gpu_ids)
+
+
+def on_training_gpus(gpu_ids: Sequence[str]) -> bool:
+    """GPUs the role table names as a trainer's (``train:N``): an engine there borrows them."""
+    return bool(gpu_ids) and gpu_ids[0].startswith("train")
 
 
 def base_layout(workers: WorkersConfig, layout: LayoutConfig = LayoutConfig()) -> list[RankSpec]:

@@ -57,8 +57,8 @@ class WeightLoad:
     """What one weight load did (the engine's side of a sync)."""
 
     version: int
-    wall_s: float  # receive and load together (streamed: they overlap per bucket)
-    recv_s: float  # of which waiting on the network (0 for bytes already here)
+    wall_s: float  # receive, then load
+    recv_s: float  # of which the receive (0 for bytes already here)
     cache: str  # the prefix cache afterwards: "reset", "reset, N running turns
     # recomputed", "pending" (blocks held for a KV transfer; retried), "no engine", or
     # "asleep: applied at wake"
@@ -318,14 +318,11 @@ class EngineRunner:
             EngineArgs(**args), stat_loggers=[self._telemetry.factory()]
         )
         if self.weight_version and self._host_weights:
-            engine.collective_rpc(
-                "reload_weights", kwargs={"weights_iterator": list(self._host_weights.items())}
-            )
+            _reload(engine, self._host_weights)
             engine.reset_prefix_cache()  # nothing has run: always succeeds
         self._engine = engine
         self.role = role
         self.failed = None
-        self.asleep = self._load_on_wake = False
         return time.perf_counter() - t0
 
     def _shutdown(self) -> float:
@@ -355,9 +352,7 @@ class EngineRunner:
         self.asleep = False
         if self._load_on_wake:  # the version that arrived while it slept
             self._load_on_wake = False
-            self._engine.collective_rpc(
-                "reload_weights", kwargs={"weights_iterator": list(self._host_weights.items())}
-            )
+            _reload(self._engine, self._host_weights)
             self._reset_cache()
 
     def _pending_sends(self) -> int:
@@ -399,10 +394,8 @@ class EngineRunner:
         try:
             if engine is None:  # released or asleep: the next start or wake applies it
                 self._load_on_wake = self.asleep
-            else:  # (the mp executor of a TP engine pickles the list to its workers)
-                engine.collective_rpc(
-                    "reload_weights", kwargs={"weights_iterator": list(host.items())}
-                )
+            else:
+                _reload(engine, host)
         except Exception:
             if engine is not None:
                 self._restore_weights(engine)  # half-loaded is neither version
@@ -415,10 +408,8 @@ class EngineRunner:
 
     def _restore_weights(self, engine: Any) -> None:
         """Back to the weights held before a load that failed midway."""
-        previous = list(self._host_weights.items())
-        try:  # no iterator: vLLM reloads the model directory (version 0)
-            kwargs = {"weights_iterator": previous} if previous else {}
-            engine.collective_rpc("reload_weights", kwargs=kwargs)
+        try:
+            _reload(engine, self._host_weights)
         except Exception as exc:
             log.exception("restoring weights failed on %s", self.worker_id)
             self.failed = f"a weight load failed midway and the old weights did not reload: {exc}"
@@ -570,6 +561,13 @@ def _sampled_logprobs(completion: Any, known: tuple[float, ...]) -> tuple[float,
         return ()
     fresh = zip(completion.token_ids[len(known) :], entries[len(known) :], strict=False)
     return known + tuple(float(entry[token].logprob) for token, entry in fresh)
+
+
+def _reload(engine: Any, weights: dict[str, Any]) -> None:
+    """vLLM's in-place weight reload from ``weights`` (the mp executor of a TP engine
+    pickles the list to its workers); none: the model directory's (version 0)."""
+    kwargs = {"weights_iterator": list(weights.items())} if weights else {}
+    engine.collective_rpc("reload_weights", kwargs=kwargs)
 
 
 def device_memory(device: str) -> tuple[int, int] | None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pearl_hpc.backends.base import CapacityBackend, EngineWorkerHandle
+from pearl_hpc.config.run import on_training_gpus
 from pearl_hpc.core.controller import (
     Controller,
     Event,
@@ -247,7 +248,7 @@ class WorkerExecutor:
         A hung engine start (seen: NIXL's listener dying on a taken port) fails the
         slot instead of stalling admission of its whole group."""
         worker = self.workers.get(add.gpu_ids)
-        if add.gpu_ids[0].startswith("train"):  # a trainer's GPU: its tensors leave first
+        if on_training_gpus(add.gpu_ids):  # a trainer's GPU: its tensors leave first
             await self.weights.lend(add.gpu_ids)
         if worker is not None:
             worker.slot_id = add.slot_id
@@ -315,7 +316,7 @@ class WorkerExecutor:
             await self.queue.put(WorkerReleased(slot_id))
             return
         t0 = time.perf_counter()
-        overlap = worker.gpu_ids[0].startswith("train")
+        overlap = on_training_gpus(worker.gpu_ids)
         async with self.weights_lock:
             worker.role = None  # out of the next broadcast group
         freed: dict[str, int] = {}  # cuda: the device's free bytes before and after

@@ -36,8 +36,8 @@ class Counters:
     activation_s: list[float] = field(default_factory=list)
     deactivation_s: list[float] = field(default_factory=list)
     return_latency_s: list[float] = field(default_factory=list)  # Training Begin -> start
-    # a trainer rank's GPU hand-off per step (offload after it + onload before it), the
-    # slowest rank's: what an overlap engine on a trainer's GPU costs beyond its own wake
+    # per step that onloaded a lent GPU, the slowest trainer rank's onload (its offload is
+    # inside the overlap engine's activation): part of the GPU's return
     handover_s: list[float] = field(default_factory=list)
 
 
