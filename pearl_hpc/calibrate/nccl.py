@@ -192,6 +192,35 @@ def _check_ranks(num_ranks: int | None, expected: int | None, where: str) -> Non
         )
 
 
+def _check_data(
+    rows: list[NcclRow], out_of_bounds: tuple[int, str] | None, avg: float | None, where: str
+) -> float:
+    """The parsed rows and footer are a finished, correct run; its average bus bandwidth."""
+    if not rows:
+        raise CalibrationError(
+            f"{where}: no data rows (lines starting with a size in bytes); is this the "
+            "stdout of an nccl-tests *_perf binary, and did it start?"
+        )
+    wrong = [r.size_bytes for r in rows for m in (r.out_of_place, r.in_place) if m and m.num_wrong]
+    if wrong:
+        sizes = ", ".join(str(s) for s in sorted(set(wrong)))
+        raise CalibrationError(
+            f"{where}: nccl-tests found wrong values (#wrong > 0) at sizes {sizes} B: the "
+            "collective corrupted data; fix the GPUs/fabric/NCCL setup before calibrating"
+        )
+    if out_of_bounds is not None and (out_of_bounds[0] > 0 or out_of_bounds[1] == "FAILED"):
+        raise CalibrationError(
+            f"{where}: '# Out of bounds values : {out_of_bounds[0]} {out_of_bounds[1]}': "
+            "the collective returned wrong data; fix the setup before calibrating"
+        )
+    if avg is None:
+        raise CalibrationError(
+            f"{where}: the output ends before the '# Avg bus bandwidth' footer: the test "
+            "did not finish (see its stderr)"
+        )
+    return avg
+
+
 def parse_nccl_tests(
     text: str,
     *,
@@ -259,28 +288,7 @@ def parse_nccl_tests(
         elif match := _OOB_RE.match(line):
             out_of_bounds = (int(match.group(1)), match.group(2))
 
-    if not rows:
-        raise CalibrationError(
-            f"{where}: no data rows (lines starting with a size in bytes); is this the "
-            "stdout of an nccl-tests *_perf binary, and did it start?"
-        )
-    wrong = [r.size_bytes for r in rows for m in (r.out_of_place, r.in_place) if m and m.num_wrong]
-    if wrong:
-        sizes = ", ".join(str(s) for s in sorted(set(wrong)))
-        raise CalibrationError(
-            f"{where}: nccl-tests found wrong values (#wrong > 0) at sizes {sizes} B: the "
-            "collective corrupted data; fix the GPUs/fabric/NCCL setup before calibrating"
-        )
-    if out_of_bounds is not None and (out_of_bounds[0] > 0 or out_of_bounds[1] == "FAILED"):
-        raise CalibrationError(
-            f"{where}: '# Out of bounds values : {out_of_bounds[0]} {out_of_bounds[1]}': "
-            "the collective returned wrong data; fix the setup before calibrating"
-        )
-    if avg is None:
-        raise CalibrationError(
-            f"{where}: the output ends before the '# Avg bus bandwidth' footer: the test "
-            "did not finish (see its stderr)"
-        )
+    avg = _check_data(rows, out_of_bounds, avg, where)
     name = named or test
     if not name:
         raise CalibrationError(f"{where}: the output does not name its test; pass test=...")
