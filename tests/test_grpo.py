@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from hypothesis import given, settings  # noqa: E402
+from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from pearl_hpc.engine.tinymodel import build_tiny_model  # noqa: E402
@@ -108,6 +108,7 @@ def test_advantages_reject_bad_input() -> None:
         max_size=24,
     )
 )
+@example([("a", 0.0), ("a", 0.001953125)])  # spread > 1e-3 but std ~ 1e-3: eps shows
 def test_advantages_have_zero_mean_and_unit_std_per_group(
     items: list[tuple[str, float]],
 ) -> None:
@@ -119,7 +120,9 @@ def test_advantages_have_zero_mean_and_unit_std_per_group(
         raw = [r for r, g in zip(rewards, groups, strict=True) if g == group]
         assert abs(sum(values) / len(values)) < 1e-6
         spread = max(raw) - min(raw)
-        if spread > 1e-3:
+        raw_mean = sum(raw) / len(raw)
+        raw_std = math.sqrt(sum((r - raw_mean) ** 2 for r in raw) / len(raw))
+        if raw_std > 1e-3:  # std / (std + eps) is within 1e-3 of 1 from std = 999 eps on
             mean = sum(values) / len(values)
             std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
             assert std == pytest.approx(1.0, rel=1e-3)
