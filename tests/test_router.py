@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from pearl_hpc.core.routing import RoutingRule
 from pearl_hpc.core.types import Mode, Role
 from pearl_hpc.engine.rpc import RpcClient, new_key, serve
 from pearl_hpc.engine.types import Draining, EngineError, TurnRequest, TurnResult
@@ -137,7 +138,7 @@ def test_least_loaded_with_stated_tie_break():
 
 
 def test_sticky_to_prefix_cache_unless_overloaded():
-    table = RoutingTable(sticky_slack=2)
+    table = RoutingTable(rule=RoutingRule(slack=2, slack_ratio=0.5))
     table.set_roles({"a": Role.COLOCATED, "b": Role.COLOCATED})
     table.started("b", "traj")
     table.finished("b")

@@ -194,7 +194,9 @@ def test_invariants_every_event(system: str, segment: int, monkeypatch: pytest.M
     assert sim.audits == sim.events > 1000
     sim.check_census()
     steps = finished_steps(sim)
-    assert len(steps) >= 3
+    # 30 minutes hold two batches on 4 GPUs even with rlboost+'s shortest-queue router
+    # (every moved turn re-prefills its context)
+    assert len(steps) >= 2
     in_flight = (
         len(sim.pending)
         + sum(len(w.decode) + len(w.prefill) + len(w.waiting) for w in sim.workers.values())

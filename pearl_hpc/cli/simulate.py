@@ -18,6 +18,7 @@ from pearl_hpc.cli.common import (
     resolve_workload,
 )
 from pearl_hpc.errors import ConfigError
+from pearl_hpc.sim.systems import ROUTERS
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
@@ -163,10 +164,11 @@ def add_parsers(sub: Any) -> None:
     )
     sim.add_argument(
         "--router",
-        choices=("sticky", "least-loaded"),
-        default="sticky",
-        help="turn routing: back to the worker caching the prefix (default), or "
-        "least loaded (ROLL-style, prefix mostly re-prefilled)",
+        choices=ROUTERS,
+        default="own",
+        help="turn routing: each system's own (default: shortest-queue for rlboost+, sticky "
+        "for the others), or one for all: sticky (back to the worker caching the prefix) or "
+        "shortest-queue (least loaded; prefixes mostly re-prefilled)",
     )
     sim.add_argument("--json", action="store_true", help="print the JSON document")
     sim.add_argument(
@@ -179,6 +181,6 @@ def add_parsers(sub: Any) -> None:
         "calibrate-sim",
         help="compare the simulator with PEARL's published motivation measurements",
     )
-    cal.add_argument("--router", choices=("sticky", "least-loaded"), default="sticky")
+    cal.add_argument("--router", choices=ROUTERS, default="own")
     cal.add_argument("--json", action="store_true")
     cal.set_defaults(func=_cmd_calibrate_sim)

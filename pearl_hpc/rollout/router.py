@@ -1,19 +1,17 @@
 """Route each turn to engine workers according to the current role configuration.
 
-Pure choice (:class:`RoutingTable`) and asynchronous dispatch (:class:`Router`).
+Pure choice (:class:`RoutingTable`) and asynchronous dispatch (:class:`Router`). The rules
+are :mod:`pearl_hpc.core.routing`'s (the simulator uses the same): the mode, the
+least-loaded worker with its tie-breaks, and stickiness to the worker holding a
+trajectory's prefix (colocated workers, and prefill workers in PD).
 
-Rules (``RoutingTable``):
-- **Colocated mode**: a turn goes to a colocated worker. It sticks to the worker that
-  served the trajectory's previous turn (that worker holds its prefix cache) unless that
-  worker is gone, not admitting, or carries more than ``sticky_slack`` requests above the
-  least-loaded colocated worker; otherwise the least-loaded one.
-- **Disaggregated mode**: the prefill worker runs the turn's prompt with ``max_tokens=1``
-  and ``do_remote_decode``; the least-loaded decode worker then generates with the
-  returned ``kv_transfer_params`` (it pulls the KV over NIXL).
-- **Least-loaded** means fewest requests in flight; ties go to the worker that has been
-  routed the fewest turns in total, then to the smallest worker id (deterministic).
-- The mode follows the table's ``mode`` when both kinds of worker exist; otherwise the
-  router uses what exists (during a transition a colocated set and a P/D set can coexist).
+- **Colocated mode**: a turn goes to a colocated worker, sticky to the one that holds its
+  prefix unless that one is too busy (``RoutingRule``).
+- **Disaggregated mode**: a prefill worker (sticky the same way) runs the turn's prompt
+  with ``max_tokens=1`` and ``do_remote_decode``; the least-loaded decode worker then
+  generates with the returned ``kv_transfer_params`` (it pulls the KV over NIXL).
+- **Load** is requests in flight on the worker; ties go to the worker routed the fewest
+  turns in total, then to the smallest worker id.
 - **Admission** can be paused (atomic finalisation of a plan: no new turn starts while
   the role table changes; running turns go on) and a worker can be removed from routing
   at once (``remove``): no new turn reaches it, even before its drain completes.
@@ -26,6 +24,7 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from pearl_hpc.core.routing import RoutingRule, route_mode
 from pearl_hpc.core.types import Mode, Role
 from pearl_hpc.engine.client import EngineClient
 from pearl_hpc.engine.types import Draining, EngineError, TurnRequest, TurnResult
@@ -50,10 +49,10 @@ class _Entry:
 class RoutingTable:
     """Which workers serve which role, their load and the stickiness map (pure)."""
 
-    sticky_slack: int = 2  # tolerate this many more in-flight turns to keep prefix-cache locality
+    rule: RoutingRule = field(default_factory=RoutingRule)
     mode: Mode = Mode.COLOCATED
     workers: dict[str, _Entry] = field(default_factory=dict)
-    last_worker: dict[str, str] = field(default_factory=dict)  # trajectory -> worker
+    last_worker: dict[str, str] = field(default_factory=dict)  # trajectory -> prefix holder
 
     def set_roles(self, roles: Mapping[str, Role]) -> None:
         """Install a role configuration; loads of surviving workers are kept."""
@@ -75,34 +74,26 @@ class RoutingTable:
         if worker_id in self.workers:
             self.workers[worker_id].admitting = admitting
 
-    def _candidates(self, role: Role) -> list[str]:
-        return [w for w, e in self.workers.items() if e.role is role and e.admitting]
-
-    def _least_loaded(self, candidates: list[str]) -> str:
-        return min(candidates, key=lambda w: (self.workers[w].in_flight, self.workers[w].routed, w))
+    def _candidates(self, role: Role) -> list[tuple[int, int, str]]:
+        return [
+            (e.in_flight, e.routed, w)
+            for w, e in self.workers.items()
+            if e.role is role and e.admitting
+        ]
 
     def route_mode(self) -> Mode | None:
         """How the next turn is served, or None when no admitting worker can serve it."""
         has_pd = bool(self._candidates(Role.PREFILL)) and bool(self._candidates(Role.DECODE))
         has_col = bool(self._candidates(Role.COLOCATED))
-        if self.mode is Mode.DISAGGREGATED and has_pd:
-            return Mode.DISAGGREGATED
-        if has_col:
-            return Mode.COLOCATED
-        return Mode.DISAGGREGATED if has_pd else None
+        return route_mode(self.mode is Mode.DISAGGREGATED, has_col, has_pd)
 
     def choose(self, role: Role, trajectory_id: str | None = None) -> str | None:
+        """A worker of ``role``; a colocated or prefill one sticks to the trajectory's prefix."""
         candidates = self._candidates(role)
         if not candidates:
             return None
-        best = self._least_loaded(candidates)
-        if role is Role.COLOCATED and trajectory_id is not None:
-            last = self.last_worker.get(trajectory_id)
-            if last in candidates:
-                slack = self.workers[last].in_flight - self.workers[best].in_flight
-                if slack <= self.sticky_slack:
-                    return last
-        return best
+        last = self.last_worker.get(trajectory_id) if trajectory_id is not None else None
+        return self.rule.pick(candidates, last if role is not Role.DECODE else None)
 
     def started(self, worker_id: str, trajectory_id: str | None = None) -> None:
         entry = self.workers.get(worker_id)
@@ -224,9 +215,10 @@ class Router:
                     self._idle.set()
 
     async def _disaggregated(self, trajectory_id: str, request: TurnRequest) -> RoutedTurn:
-        pid = self.table.choose(Role.PREFILL)
+        pid = self.table.choose(Role.PREFILL, trajectory_id)
         assert pid is not None
-        pre = await self._call(pid, _replace(request, prefill_only=True, logprobs=False), None)
+        prefill_request = _replace(request, prefill_only=True, logprobs=False)
+        pre = await self._call(pid, prefill_request, trajectory_id)  # it holds the prefix
         if pre.aborted or pre.kv_transfer_params is None:
             raise _Retry  # drained during prefill: nothing generated yet, start over
         did = self.table.choose(Role.DECODE)
@@ -235,7 +227,7 @@ class Router:
         decode_request = _replace(
             request, kv_transfer_params=pre.kv_transfer_params, request_id=request.request_id + "-d"
         )
-        result = await self._call(did, decode_request, trajectory_id)
+        result = await self._call(did, decode_request, None)
         return RoutedTurn(result, Mode.DISAGGREGATED, prefill_worker=pid)
 
     async def _call(self, wid: str, request: TurnRequest, trajectory_id: str | None) -> TurnResult:

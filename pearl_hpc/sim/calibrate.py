@@ -2,7 +2,7 @@
 
 Every figure is measured by running the simulator (nothing here feeds back into the
 model): each row gives PEARL's number, ours, the tolerance we hold ourselves to and
-whether we are inside it. Run: ``pearl-hpc calibrate-sim [--router least-loaded]``.
+whether we are inside it. Run: ``pearl-hpc calibrate-sim [--router sticky|shortest-queue]``.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def _rollout_s(doc: dict[str, Any], system: str = "static-coloc") -> float:
     return statistics.fmean(s["rollout_s"] for s in steps[1:] or steps)
 
 
-def run(router: str = "sticky", progress: Callable[[str], None] | None = None) -> list[Figure]:
+def run(router: str = "own", progress: Callable[[str], None] | None = None) -> list[Figure]:
     say = progress or (lambda _msg: None)
     figures: list[Figure] = []
 

@@ -38,9 +38,10 @@ from pearl_hpc.core.controller import (
 from pearl_hpc.core.orchestrator import WorkerAdd
 from pearl_hpc.core.policies import PolicyConfig
 from pearl_hpc.core.profile import WorkloadProfile
+from pearl_hpc.core.routing import RoutingRule, route_mode
 from pearl_hpc.core.table import ElasticSource
 from pearl_hpc.core.tracker import IterationRecord, TurnRecord
-from pearl_hpc.core.types import Role, Status, Zone
+from pearl_hpc.core.types import Mode, Role, Status, Zone
 from pearl_hpc.sim.costmodel import CHUNK_TOKENS, CostModel
 from pearl_hpc.sim.traces import AvailabilityTrace
 from pearl_hpc.sim.workload import TrajectorySpec, WorkloadConfig, WorkloadGenerator
@@ -105,10 +106,12 @@ class SimWorker:
     iteration_s: float = 0.0
     updated_s: float = 0.0
     version: int = 0
+    routed: int = 0  # turns routed here in total (the router's tie-break)
 
     @property
-    def load(self) -> int:
-        return len(self.decode) + len(self.prefill) + len(self.waiting)
+    def candidate(self) -> tuple[int, int, int]:
+        """As the router sees it: (requests on the worker, turns routed, id)."""
+        return (len(self.decode) + len(self.prefill) + len(self.waiting), self.routed, self.slot_id)
 
 
 @dataclass
@@ -151,7 +154,7 @@ class SimSetup:
     overlap: bool = True  # overlap workers exist on the training GPUs (borrowing)
     grace_s: float = 30.0  # reclaim deadline after the trace drops
     weight_pull: bool = True  # joining workers pull the latest weights (preparation)
-    prefix_affinity: bool = True  # route a turn back to the worker caching its prefix
+    routing: RoutingRule = RoutingRule()  # the system's router (core.routing)
 
 
 # ----------------------------------------------------------------------- simulator
@@ -525,22 +528,14 @@ class Simulator:
         coloc = self._active(Role.COLOCATED)
         prefill = self._active(Role.PREFILL)
         decode = self._active(Role.DECODE)
-        if not coloc and not (prefill and decode):
+        mode = route_mode(bool(prefill), bool(coloc), bool(prefill and decode))
+        if mode is None:
             return  # nothing can serve: turns wait for capacity
+        pool = {w.slot_id: w for w in (coloc if mode is Mode.COLOCATED else prefill)}
         while self.pending:
             traj = self.pending.popleft()
-            pool = coloc if coloc else prefill
-            w = self._pick(pool, traj.worker if self.setup.prefix_affinity else None)
+            w = pool[self.setup.routing.pick([p.candidate for p in pool.values()], traj.worker)]
             self._submit_prefill(w, traj)
-
-    def _pick(self, pool: list[SimWorker], sticky: int | None) -> SimWorker:
-        """Sticky to the worker holding the prefix (``sticky``) unless its load exceeds
-        1.5x the mean + 2; otherwise least loaded (ties: lowest slot id)."""
-        mean = sum(w.load for w in pool) / len(pool)
-        for w in pool:
-            if w.slot_id == sticky and w.load <= 1.5 * mean + 2:
-                return w
-        return min(pool, key=lambda w: (w.load, w.slot_id))
 
     def _submit_prefill(self, w: SimWorker, traj: Traj) -> None:
         turn = traj.spec.turns[traj.turn]
@@ -556,6 +551,7 @@ class Simulator:
         req.kv_tokens = traj.context + turn.new_tokens + turn.gen_tokens
         req.prompt_tokens = prompt
         traj.worker = w.slot_id
+        w.routed += 1
         self._admit(w, "prefill", req)
 
     def _admit(self, w: SimWorker, phase: str, req: Request) -> None:
@@ -708,13 +704,12 @@ class Simulator:
 
     def _to_decode(self, req: Request) -> None:
         self._in_transit -= 1
-        decode = self._active(Role.DECODE)
+        decode = {w.slot_id: w for w in self._active(Role.DECODE)}
         if not decode:  # no decode worker any more: the turn is re-routed whole
             self._requeue(req.traj)
             return
-        w = min(
-            decode, key=lambda d: (d.kv_used + sum(r.kv_tokens for _, r in d.waiting), d.slot_id)
-        )
+        w = decode[self.setup.routing.pick([d.candidate for d in decode.values()])]
+        w.routed += 1
         self._admit(w, "decode", req)
 
     def _turn_done(self, req: Request, w: SimWorker) -> None:

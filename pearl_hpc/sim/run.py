@@ -11,9 +11,10 @@ from typing import Any
 from pearl_hpc.config import REPO_CONFIGS
 from pearl_hpc.core.policies import PolicyConfig
 from pearl_hpc.core.profile import WorkloadProfile
+from pearl_hpc.core.routing import RoutingPolicy
 from pearl_hpc.sim.costmodel import CHUNK_TOKENS, NETWORK_EFFICIENCY, CostModel, SimConfigError
 from pearl_hpc.sim.engine import Simulator
-from pearl_hpc.sim.systems import make_setup
+from pearl_hpc.sim.systems import ROUTERS, make_setup
 from pearl_hpc.sim.traces import AvailabilityTrace, load_segment, load_trace
 from pearl_hpc.sim.workload import WorkloadConfig
 
@@ -67,7 +68,7 @@ class SimRequest:
     seed: int = 0
     workload_path: str | Path = DEFAULT_WORKLOAD
     sweep_static: bool = False
-    router: str = "sticky"  # sticky (prefix affinity) | least-loaded
+    router: str = "own"  # own (each system's router) | sticky | shortest-queue
 
     def resolve_trace(self) -> tuple[AvailabilityTrace | None, float]:
         """The elastic trace (None for fixed resources) and the simulated duration."""
@@ -172,8 +173,8 @@ def simulate(
     if req.max_trajectory_tokens is not None:
         changes["max_trajectory_tokens"] = req.max_trajectory_tokens
     workload = dataclasses.replace(workload, **changes)
-    if req.router not in ("sticky", "least-loaded"):
-        raise SimConfigError(f"--router {req.router!r}: choose sticky or least-loaded")
+    if req.router not in ROUTERS:
+        raise SimConfigError(f"--router {req.router!r}: choose {', '.join(ROUTERS)}")
     if workload.batch_size < 1 or workload.max_trajectory_tokens < 64:
         raise SimConfigError("--batch-size must be >= 1 and --max-trajectory-tokens >= 64")
     trace, duration = req.resolve_trace()
@@ -188,7 +189,7 @@ def simulate(
             rollout_gpus=req.rollout_gpus,
             training_gpus=req.training_gpus,
             tp=req.tp,
-            prefix_affinity=req.router == "sticky",
+            routing=None if req.router == "own" else RoutingPolicy(req.router),
         )
         for name in names
     }  # every name is checked before anything runs

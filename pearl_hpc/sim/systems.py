@@ -1,15 +1,20 @@
 """The simulated systems: each is a configuration of the same simulator + controller.
 
-| system      | rollout GPUs                         | PD            | borrowing | expansion |
-|-------------|--------------------------------------|---------------|-----------|-----------|
-| roll        | 4 fixed                              | colocated     | none      | -         |
-| roll-large  | 14 / 10 / 12 fixed (segment 1/2/3)   | colocated     | none      | -         |
-| rlboost+    | 4 reserved + trace                   | colocated     | none      | always    |
-| pd-only     | as given                             | adaptive      | none      | gated     |
-| pd+toggle   | as given                             | adaptive      | ungated   | gated     |
-| pearl       | as given (4 reserved + trace)        | adaptive      | gated     | gated     |
-| static-XPYD | fixed                                | fixed X:Y     | none      | -         |
-| static-coloc| fixed                                | colocated     | none      | -         |
+| system      | rollout GPUs                       | PD        | borrowing | expansion | router  |
+|-------------|------------------------------------|-----------|-----------|-----------|---------|
+| roll        | 4 fixed                            | colocated | none      | -         | sticky  |
+| roll-large  | 14 / 10 / 12 fixed (segment 1/2/3) | colocated | none      | -         | sticky  |
+| rlboost+    | 4 reserved + trace                 | colocated | none      | always    | shortest|
+| pd-only     | as given                           | adaptive  | none      | gated     | sticky  |
+| pd+toggle   | as given                           | adaptive  | ungated   | gated     | sticky  |
+| pearl       | as given (4 reserved + trace)      | adaptive  | gated     | gated     | sticky  |
+| static-XPYD | fixed                              | fixed X:Y | none      | -         | sticky  |
+| static-coloc| fixed                              | colocated | none      | -         | sticky  |
+
+Routers are :mod:`pearl_hpc.core.routing`'s (the real router's): ``sticky`` keeps a turn on
+the worker holding its prefix (colocated, or the prefill side of PD; decode goes to the
+least loaded), ``shortest`` (shortest-queue) sends every turn to the least-loaded worker.
+``--router sticky|shortest-queue`` gives every system the same one.
 
 RLBoost+ (RLBoost adapted to asynchronous agentic RL) gets everything its design has:
 elastic replicas from the same trace, weight pull by joining instances (the same
@@ -22,6 +27,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from pearl_hpc.core.policies import BorrowingName, ExpansionName, PDPolicyName, PolicyConfig
+from pearl_hpc.core.routing import RoutingPolicy, RoutingRule
 from pearl_hpc.sim.costmodel import SimConfigError
 from pearl_hpc.sim.engine import SimSetup
 from pearl_hpc.sim.traces import AvailabilityTrace
@@ -30,6 +36,7 @@ SYSTEMS = ("roll", "roll-large", "rlboost+", "pd-only", "pd+toggle", "pearl")
 ROLL_LARGE_GPUS = {1: 14, 2: 10, 3: 12}
 RESERVED_ROLLOUT_GPUS = 4
 TRAINING_GPUS = 16
+ROUTERS = ("own", *(p.value for p in RoutingPolicy))  # own: each system's router
 
 
 def _policy(
@@ -61,7 +68,7 @@ def make_setup(
     rollout_gpus: int | None,
     training_gpus: int = TRAINING_GPUS,
     tp: int = 2,
-    prefix_affinity: bool = True,
+    routing: RoutingPolicy | None = None,  # None: the system's own
 ) -> SimSetup:
     """``rollout_gpus`` set = fixed resources (no elastic trace) for every system."""
     adaptive, coloc = PDPolicyName.ADAPTIVE, PDPolicyName.COLOCATED
@@ -69,6 +76,7 @@ def make_setup(
     fixed = rollout_gpus is not None
 
     def setup(policy: PolicyConfig, gpus: int, elastic: bool, overlap: bool) -> SimSetup:
+        own = RoutingPolicy.SHORTEST_QUEUE if name == "rlboost+" else RoutingPolicy.STICKY
         return SimSetup(
             name,
             policy,
@@ -76,7 +84,7 @@ def make_setup(
             training_gpus=training_gpus,
             elastic=trace if elastic and not fixed else None,
             overlap=overlap,
-            prefix_affinity=prefix_affinity,
+            routing=RoutingRule(routing or own),
         )
 
     reserved = rollout_gpus if rollout_gpus is not None else RESERVED_ROLLOUT_GPUS
