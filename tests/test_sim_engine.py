@@ -17,8 +17,8 @@ from pearl_hpc.core.controller import WorkerReleased
 from pearl_hpc.core.policies import BorrowingName, ExpansionName, PDPolicyName, PolicyConfig
 from pearl_hpc.core.types import Role, Status, Zone
 from pearl_hpc.sim import run as run_module
-from pearl_hpc.sim.costmodel import CostModel, SimConfigError
-from pearl_hpc.sim.engine import SimInvariantError, Simulator
+from pearl_hpc.sim.costmodel import CHUNK_TOKENS, CostModel, SimConfigError
+from pearl_hpc.sim.engine import Request, SimInvariantError, Simulator, SimWorker, Traj
 from pearl_hpc.sim.run import SimRequest, initial_profile, simulate
 from pearl_hpc.sim.systems import make_setup
 from pearl_hpc.sim.workload import WorkloadConfig
@@ -538,3 +538,24 @@ def test_the_calibrated_workload_prefills_pearls_share_of_tokens() -> None:
         share[name] = simulate(req)["systems"]["roll"]["prefill_token_share"]
     assert share["swe-bench-pearl-mix"] == pytest.approx(0.967, abs=0.01)
     assert share["swe-bench"] < 0.8
+
+
+def test_a_prefill_iteration_batches_queued_prompts_up_to_the_token_budget() -> None:
+    sim = build("static-2P2D", segment=None, rollout_gpus=8)
+    traj = Traj(sim.gen.batch(0)[0], 0)
+    pre = SimWorker(99, Role.PREFILL, Zone.DEDICATED, 10**7)
+    for tokens in (1000, 1500, 500):
+        sim._enter(pre, "prefill", Request(traj, prefill_tokens=tokens, prompt_tokens=tokens))
+    sim._reschedule(pre)
+    assert pre.chunk == 3000  # three prompts in one iteration, first come first served
+    assert pre.prefill_rate * pre.iteration_s == pytest.approx(3000)
+    sim._enter(pre, "prefill", Request(traj, prefill_tokens=9000, prompt_tokens=9000))
+    sim._reschedule(pre)
+    assert pre.chunk == CHUNK_TOKENS
+    # a colocated iteration's decode tokens come out of the same budget
+    col = SimWorker(98, Role.COLOCATED, Zone.DEDICATED, 10**7)
+    for _ in range(100):
+        sim._enter(col, "decode", Request(traj, gen_left=50, prompt_tokens=100))
+    sim._enter(col, "prefill", Request(traj, prefill_tokens=20000, prompt_tokens=20000))
+    sim._reschedule(col)
+    assert col.chunk == CHUNK_TOKENS - 100

@@ -5,8 +5,9 @@ Granularity is the phase, not the token: a turn is *route -> prefill -> (KV tran
 -> decode -> environment*. Inside a worker, decoding sequences share the engine by
 processor sharing (one token per sequence per iteration; an iteration lasts
 ``CostModel.decode_iteration_s``), tracked with a per-worker virtual clock so each event
-costs O(log n). Prefill jobs run first-come first-served in chunks; on a colocated
-worker a pending chunk lengthens every decode iteration (the interference PEARL
+costs O(log n). Prefill jobs run first-come first-served, several prompts to a chunk of
+up to ``CHUNK_TOKENS`` per iteration (less the iteration's decode tokens on a colocated
+worker); there a pending chunk lengthens every decode iteration (the interference PEARL
 measures). KV memory is reserved per running request (admission waits when full); a
 worker keeps finished trajectories' contexts in an LRU prefix cache, so a turn that
 returns to the same worker prefills only its new tokens and one that moves re-prefills
@@ -97,6 +98,8 @@ class SimWorker:
     cached_tokens: int = 0  # sum of cache values
     prefill: deque[Request] = field(default_factory=deque)
     prefill_left: float = 0.0  # remaining tokens of the head prefill job
+    prefill_backlog: float = 0.0  # remaining tokens of every queued prefill job
+    chunk: float = 0.0  # prefill tokens per iteration since the last reschedule
     waiting: deque[tuple[str, Request]] = field(default_factory=deque)  # KV admission queue
     kv_used: int = 0
     cache: OrderedDict[str, int] = field(default_factory=OrderedDict)  # traj -> cached tokens
@@ -571,6 +574,7 @@ class Simulator:
             if not w.prefill:
                 w.prefill_left = req.prefill_tokens
             w.prefill.append(req)
+            w.prefill_backlog += req.prefill_tokens
         else:
             req.started_vt = w.vt
             req.finish_vt = w.vt + req.gen_left
@@ -599,17 +603,17 @@ class Simulator:
             if w.decode:
                 w.vt += w.decode_rate * dt
             if w.prefill:
-                w.prefill_left = max(0.0, w.prefill_left - w.prefill_rate * dt)
+                done = min(w.prefill_left, w.prefill_rate * dt)
+                w.prefill_left -= done
+                w.prefill_backlog = max(0.0, w.prefill_backlog - done)
             if (w.decode or w.prefill) and w.iteration_s > 0:
-                head = w.prefill[0].prefill_tokens if w.prefill else 0
-                chunk = min(CHUNK_TOKENS, head) if head else 0
                 self._iters.append(
                     IterationRecord(
                         w.slot_id,
                         w.role,
                         len(w.decode),
                         int(w.decode_ctx),
-                        int(chunk),
+                        int(w.chunk),
                         w.iteration_s,
                         count=dt / w.iteration_s,
                     )
@@ -622,9 +626,9 @@ class Simulator:
         ctx = w.decode_ctx
         if w.prefill:
             head = w.prefill[0]
-            chunk = min(float(CHUNK_TOKENS), max(w.prefill_left, 1.0))
-            # attention span of this chunk: the prompt up to where prefill has got to
-            span = head.prompt_tokens - w.prefill_left + chunk / 2
+            chunk = w.chunk = self._chunk(w)
+            # attention span of the head's part: its prompt up to where prefill has got to
+            span = head.prompt_tokens - w.prefill_left + min(chunk, w.prefill_left) / 2
             if n and w.role is Role.COLOCATED:
                 it = cost.mixed_iteration_s(n, ctx, chunk, span)
             else:
@@ -636,9 +640,9 @@ class Simulator:
             it = cost.decode_iteration_s(n, ctx)
             w.iteration_s = it
             w.decode_rate = 1.0 / it
-            w.prefill_rate = 0.0
+            w.prefill_rate = w.chunk = 0.0
         else:
-            w.iteration_s = w.decode_rate = w.prefill_rate = 0.0
+            w.iteration_s = w.decode_rate = w.prefill_rate = w.chunk = 0.0
         w.version += 1
         nxt = float("inf")
         if n:
@@ -647,6 +651,14 @@ class Simulator:
             nxt = min(nxt, self.now + w.prefill_left / w.prefill_rate)
         if nxt < float("inf"):
             self.at(nxt, _P_WORK, self._on_worker, w, w.version)
+
+    @staticmethod
+    def _chunk(w: SimWorker) -> float:
+        """Prefill tokens in this iteration: the queued prompts, first come first served,
+        up to the token budget that the iteration's decode tokens leave (vLLM's chunked
+        prefill: ``max_num_batched_tokens`` covers both; several prompts share a chunk)."""
+        budget = CHUNK_TOKENS - len(w.decode) if w.role is Role.COLOCATED else CHUNK_TOKENS
+        return min(float(budget), max(w.prefill_backlog, w.prefill_left, 1.0))
 
     def _on_worker(self, w: SimWorker, version: int) -> None:
         if version != w.version or self.workers.get(w.slot_id) is not w:
@@ -770,7 +782,7 @@ class Simulator:
         w.decode_ctx = 0.0
         w.kv_used = 0
         w.cached_tokens = 0
-        w.prefill_left = 0.0
+        w.prefill_left = w.prefill_backlog = 0.0
         w.cache.clear()
         self._reschedule(w)
         for req in victims:
