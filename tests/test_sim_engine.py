@@ -520,12 +520,13 @@ def test_pearl_borrows_idle_training_gpus_on_fixed_resources() -> None:
 
 
 def test_the_calibrated_workload_prefills_pearls_share_of_tokens() -> None:
-    """swe-bench-pearl-mix is calibrated to PEARL.md section 7's 96.7% of tokens
+    """swe-bench-pearl-mix is calibrated to PEARL.md section 1's 96.7% of tokens
     prefilled: its agent rewrites its history, so no turn reuses a cached prefix; the
-    uncalibrated swe-bench mix reuses them and prefills far less."""
+    uncalibrated swe-bench mix reuses them and prefills far less. The time colocated
+    workers spend in prefill iterations follows (PEARL: 26.5%)."""
     from pearl_hpc.cli.common import resolve_workload
 
-    share = {}
+    share, time_share = {}, {}
     for name in ("swe-bench", "swe-bench-pearl-mix"):
         req = SimRequest(
             systems=("roll",),
@@ -535,9 +536,12 @@ def test_the_calibrated_workload_prefills_pearls_share_of_tokens() -> None:
             batch_size=16,
             workload_path=resolve_workload(name),
         )
-        share[name] = simulate(req)["systems"]["roll"]["prefill_token_share"]
+        roll = simulate(req)["systems"]["roll"]
+        share[name], time_share[name] = roll["prefill_token_share"], roll["prefill_time_share"]
     assert share["swe-bench-pearl-mix"] == pytest.approx(0.967, abs=0.01)
     assert share["swe-bench"] < 0.8
+    assert 0 < time_share["swe-bench"] < time_share["swe-bench-pearl-mix"] < 1
+    assert time_share["swe-bench-pearl-mix"] > 4 * time_share["swe-bench"]
 
 
 def test_a_prefill_iteration_batches_queued_prompts_up_to_the_token_budget() -> None:

@@ -93,11 +93,15 @@ def _cmd_calibrate_sim(args: argparse.Namespace) -> int:
     from pearl_hpc.sim.calibrate import run
 
     console = Console(stderr=True)
-    figures = run(args.router, progress=None if args.json else console.log)
+    workload = resolve_workload(args.workload)
+    figures = run(args.router, workload, progress=None if args.json else console.log)
     if args.json:
         print(json.dumps([f.to_dict() for f in figures], indent=2))
         return 0
-    table = Table(title=f"simulator vs PEARL's measurements (router: {args.router})")
+    table = Table(
+        title=f"simulator vs PEARL's measurements (router: {args.router}, "
+        f"workload: {args.workload})"
+    )
     for col in ("figure", "PEARL", "simulator", "tolerance", "within"):
         table.add_column(col)
     for f in figures:
@@ -182,5 +186,10 @@ def add_parsers(sub: Any) -> None:
         help="compare the simulator with PEARL's published motivation measurements",
     )
     cal.add_argument("--router", choices=ROUTERS, default="own")
+    cal.add_argument(
+        "--workload",
+        default="swe-bench",
+        help="swe-bench | swe-bench-pearl-mix (calibrated to PEARL's token mix) | a YAML path",
+    )
     cal.add_argument("--json", action="store_true")
     cal.set_defaults(func=_cmd_calibrate_sim)

@@ -200,6 +200,8 @@ class Simulator:
         self.trajs_finished = 0
         self.interrupted_turns = 0
         self.prefilled_tokens = 0  # every token prefilled (cache misses and resumes included)
+        self.busy_s = 0.0  # worker-seconds in engine iterations
+        self.prefill_busy_s = 0.0  # ... in iterations that carry a prefill chunk
         self.released: list[str] = []
         self._turns: list[TurnRecord] = []
         self._iters: list[IterationRecord] = []
@@ -607,6 +609,9 @@ class Simulator:
                 w.prefill_left -= done
                 w.prefill_backlog = max(0.0, w.prefill_backlog - done)
             if (w.decode or w.prefill) and w.iteration_s > 0:
+                self.busy_s += dt
+                if w.prefill:
+                    self.prefill_busy_s += dt
                 self._iters.append(
                     IterationRecord(
                         w.slot_id,
