@@ -8,10 +8,12 @@ processor sharing (one token per sequence per iteration; an iteration lasts
 costs O(log n). Prefill jobs run first-come first-served, several prompts to a chunk of
 up to ``CHUNK_TOKENS`` per iteration (less the iteration's decode tokens on a colocated
 worker); there a pending chunk lengthens every decode iteration (the interference PEARL
-measures). KV memory is reserved per running request (admission waits when full); a
-worker keeps finished trajectories' contexts in an LRU prefix cache, so a turn that
-returns to the same worker prefills only its new tokens and one that moves re-prefills
-its whole context; every weight update empties the prefix caches.
+measures). KV memory follows each role's engine (:mod:`pearl_hpc.sim.entities`: on
+demand with recompute preemption when colocated, preallocated prompt + ``max_tokens`` on
+decode workers, admission waits when it does not fit); a worker keeps idle trajectories'
+contexts in an LRU prefix cache, so a turn that returns to the same worker prefills only
+its new tokens and one that moves re-prefills its whole context; every weight update
+empties the prefix caches.
 
 Events are ordered by ``(time_s, priority, seq)``; all randomness is the workload's
 seeded generator, so a seed gives one result.
@@ -21,9 +23,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from pearl_hpc.core.controller import (
@@ -37,127 +38,26 @@ from pearl_hpc.core.controller import (
     WorkerReleased,
 )
 from pearl_hpc.core.orchestrator import WorkerAdd
-from pearl_hpc.core.policies import PolicyConfig
 from pearl_hpc.core.profile import WorkloadProfile
-from pearl_hpc.core.routing import RoutingRule, route_mode
+from pearl_hpc.core.routing import route_mode
 from pearl_hpc.core.table import ElasticSource
 from pearl_hpc.core.tracker import IterationRecord, TurnRecord
 from pearl_hpc.core.types import Mode, Role, Status, Zone
 from pearl_hpc.sim.costmodel import CHUNK_TOKENS, CostModel
-from pearl_hpc.sim.traces import AvailabilityTrace
-from pearl_hpc.sim.workload import TrajectorySpec, WorkloadConfig, WorkloadGenerator
+from pearl_hpc.sim.entities import (
+    Request,
+    SimInvariantError,
+    SimSetup,
+    SimWorker,
+    StepRecord,
+    Traj,
+)
+from pearl_hpc.sim.workload import WorkloadConfig, WorkloadGenerator
 
 # event priorities at equal times: capacity changes, then completions, then arrivals
 _P_CAPACITY, _P_CONTROL, _P_WORK, _P_ARRIVAL = 0, 1, 2, 3
 DEDICATED_RELEASE_S = 1.0  # stop a dedicated worker: abort requests, free the GPUs
 RETURN_DEADLINE_S = 120.0  # borrowed GPUs not back this long after Training Begin: a bug
-
-
-class SimInvariantError(AssertionError):
-    """A simulated run broke a guarantee (lost trajectory, late return, ...)."""
-
-
-# ------------------------------------------------------------------------ entities
-@dataclass(eq=False)
-class Traj:
-    spec: TrajectorySpec
-    step: int
-    turn: int = 0
-    context: int = 0  # tokens in context before the current turn
-    done_gen: int = 0  # tokens of the current turn's response generated so far
-    worker: int | None = None  # last worker that held its prefix (prefill side)
-    prefilled: int = 0  # tokens prefilled for the current turn (re-prefills included)
-    finished_s: float | None = None
-    interrupts: int = 0
-    turn_started_s: float = 0.0  # when the current turn's request was made
-
-
-@dataclass(eq=False)
-class Request:
-    """One turn of one trajectory on its way through the workers."""
-
-    traj: Traj
-    prefill_tokens: int = 0  # tokens to prefill (new, or whole context on a miss)
-    gen_left: int = 0
-    kv_tokens: int = 0  # reserved on the worker where it is resident
-    prompt_tokens: int = 0  # context the turn's response starts from
-    finish_vt: float = 0.0
-    started_vt: float = 0.0
-    worker: int | None = None
-
-
-@dataclass(eq=False)
-class SimWorker:
-    slot_id: int
-    role: Role
-    zone: Zone
-    kv_capacity: int
-    state: str = "starting"  # starting | active | rerole | draining | off
-    decode: list[tuple[float, int, Request]] = field(default_factory=list)  # heap by finish_vt
-    decode_ctx: float = 0.0  # context read per decode step (prompt + half the response)
-    cached_tokens: int = 0  # sum of cache values
-    prefill: deque[Request] = field(default_factory=deque)
-    prefill_left: float = 0.0  # remaining tokens of the head prefill job
-    prefill_backlog: float = 0.0  # remaining tokens of every queued prefill job
-    chunk: float = 0.0  # prefill tokens per iteration since the last reschedule
-    waiting: deque[tuple[str, Request]] = field(default_factory=deque)  # KV admission queue
-    kv_used: int = 0
-    cache: OrderedDict[str, int] = field(default_factory=OrderedDict)  # traj -> cached tokens
-    vt: float = 0.0  # tokens generated per decoding sequence since creation
-    decode_rate: float = 0.0  # tokens/s per sequence
-    prefill_rate: float = 0.0  # tokens/s of the head job
-    iteration_s: float = 0.0
-    updated_s: float = 0.0
-    version: int = 0
-    routed: int = 0  # turns routed here in total (the router's tie-break)
-
-    @property
-    def candidate(self) -> tuple[int, int, int]:
-        """As the router sees it: (requests on the worker, turns routed, id)."""
-        return (len(self.decode) + len(self.prefill) + len(self.waiting), self.routed, self.slot_id)
-
-
-@dataclass
-class StepRecord:
-    """One step: the window from the previous batch's completion to this one's."""
-
-    step: int
-    started_s: float
-    rollout_started_s: float = 0.0
-    finished_s: float = 0.0
-    generated_tokens: int = 0
-    trained_tokens: int = 0
-    mode: str = ""
-    num_prefill: int = 0
-    num_decode: int = 0
-    num_colocated: int = 0
-    borrowed_workers: int = 0
-    dedicated_gpus: int = 0
-    training_return_s: float = 0.0  # Training Begin -> borrowed GPUs back
-
-    @property
-    def duration_s(self) -> float:
-        return self.finished_s - self.started_s
-
-    @property
-    def throughput_tokens_per_s(self) -> float:
-        d = self.duration_s
-        return (self.generated_tokens + self.trained_tokens) / d if d > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class SimSetup:
-    """Resources and policies of one simulated system."""
-
-    name: str
-    policy: PolicyConfig
-    reserved_rollout_gpus: int = 4
-    training_gpus: int = 16
-    elastic: AvailabilityTrace | None = None  # elastic GPUs over time (None: fixed)
-    overlap: bool = True  # overlap workers exist on the training GPUs (borrowing)
-    grace_s: float = 30.0  # reclaim deadline after the trace drops
-    weight_pull: bool = True  # joining workers pull the latest weights (preparation)
-    routing: RoutingRule = RoutingRule()  # the system's router (core.routing)
 
 
 # ----------------------------------------------------------------------- simulator
@@ -200,6 +100,7 @@ class Simulator:
         self.trajs_finished = 0
         self.interrupted_turns = 0
         self.prefilled_tokens = 0  # every token prefilled (cache misses and resumes included)
+        self.preempted_turns = 0  # decoding requests preempted for KV and recomputed
         self.busy_s = 0.0  # worker-seconds in engine iterations
         self.prefill_busy_s = 0.0  # ... in iterations that carry a prefill chunk
         self.released: list[str] = []
@@ -434,8 +335,7 @@ class Simulator:
         # the old ones (as pearl_hpc's vLLM engines and SGLang's update_weights do):
         # running requests keep their KV, idle trajectories re-prefill their context
         for w in self.workers.values():
-            w.cache.clear()
-            w.cached_tokens = 0
+            w.clear_cache()
         unfinished = self._left.get(self._rollout_step, self.workload.batch_size)
         self.controller.handle(TrainingFinished(step, unfinished))
         self._maybe_train()
@@ -544,7 +444,7 @@ class Simulator:
 
     def _submit_prefill(self, w: SimWorker, traj: Traj) -> None:
         turn = traj.spec.turns[traj.turn]
-        cached = self._uncache(w, traj.spec.trajectory_id)
+        cached = w.uncache(traj.spec.trajectory_id)
         if not self.workload.prefix_reuse:  # the agent rewrote its history: nothing matches
             cached = 0
         # the prompt includes a response interrupted earlier (token-level resume)
@@ -553,15 +453,14 @@ class Simulator:
         req = Request(traj, prefill_tokens=max(1, tokens), gen_left=turn.gen_tokens - traj.done_gen)
         traj.prefilled += req.prefill_tokens
         self.prefilled_tokens += req.prefill_tokens
-        req.kv_tokens = traj.context + turn.new_tokens + turn.gen_tokens
-        req.prompt_tokens = prompt
+        req.kv_tokens = req.prompt_tokens = prompt  # the prompt's KV, allocated at admission
         traj.worker = w.slot_id
         w.routed += 1
         self._admit(w, "prefill", req)
 
     def _admit(self, w: SimWorker, phase: str, req: Request) -> None:
         self._advance(w)
-        if w.kv_used + req.kv_tokens > w.kv_capacity and (w.decode or w.prefill):
+        if not w.fits(req.kv_tokens):
             w.waiting.append((phase, req))
             return
         self._enter(w, phase, req)
@@ -569,8 +468,8 @@ class Simulator:
 
     def _enter(self, w: SimWorker, phase: str, req: Request, *, reserve: bool = True) -> None:
         if reserve:
-            w.kv_used += req.kv_tokens
-            self._evict(w)
+            w.kv_static += req.kv_tokens
+            w.evict()
         req.worker = w.slot_id
         if phase == "prefill":
             if not w.prefill:
@@ -582,17 +481,17 @@ class Simulator:
             req.finish_vt = w.vt + req.gen_left
             heapq.heappush(w.decode, (req.finish_vt, next(self._seq), req))
             w.decode_ctx += self._decode_ctx(req)
+            w.started_sum += req.started_vt
 
-    def _evict(self, w: SimWorker) -> None:
-        room = w.kv_capacity - w.kv_used
-        while w.cache and w.cached_tokens > room:
-            _, tokens = w.cache.popitem(last=False)
-            w.cached_tokens -= tokens
-
-    def _uncache(self, w: SimWorker, tid: str) -> int:
-        tokens = w.cache.pop(tid, 0)
-        w.cached_tokens -= tokens
-        return tokens
+    def _leave_decode(self, w: SimWorker, req: Request) -> None:
+        """Bookkeeping of a request that stops decoding on ``w`` (popped from the heap);
+        what it grew becomes part of its allocation."""
+        w.decode_ctx -= self._decode_ctx(req)
+        w.started_sum = w.started_sum - req.started_vt if w.decode else 0.0
+        if w.grows:
+            grown = round(w.vt - req.started_vt)
+            w.kv_static += grown
+            req.kv_tokens += grown
 
     @staticmethod
     def _decode_ctx(req: Request) -> float:
@@ -604,6 +503,8 @@ class Simulator:
         if dt > 0:
             if w.decode:
                 w.vt += w.decode_rate * dt
+                if w.grows:
+                    w.evict()
             if w.prefill:
                 done = min(w.prefill_left, w.prefill_rate * dt)
                 w.prefill_left -= done
@@ -654,6 +555,8 @@ class Simulator:
             nxt = self.now + max(0.0, w.decode[0][0] - w.vt) / w.decode_rate
         if w.prefill:
             nxt = min(nxt, self.now + w.prefill_left / w.prefill_rate)
+        if n > 1 and w.grows:  # colocated decoding fills the KV: preempt then
+            nxt = min(nxt, self.now + max(0.0, w.full_at_vt() - w.vt) / w.decode_rate)
         if nxt < float("inf"):
             self.at(nxt, _P_WORK, self._on_worker, w, w.version)
 
@@ -673,7 +576,7 @@ class Simulator:
         done_decode: list[Request] = []
         while w.decode and w.decode[0][0] - w.vt <= eps:
             _, _, req = heapq.heappop(w.decode)
-            w.decode_ctx -= self._decode_ctx(req)
+            self._leave_decode(w, req)
             done_decode.append(req)
         done_prefill: Request | None = None
         if w.prefill and w.prefill_left <= eps:
@@ -684,23 +587,43 @@ class Simulator:
             self._turn_done(req, w)
         if done_prefill is not None:
             self._prefill_done(w, done_prefill)
+        while len(w.decode) > 1 and w.kv_used > w.kv_capacity - 1:
+            self._preempt(w)
         self._admit_waiting(w)
         self._reschedule(w)
 
+    def _preempt(self, w: SimWorker) -> None:
+        """The KV is full: the newest decoding request gives its blocks back and waits at
+        the head of the queue; when readmitted it recomputes its prompt and what it had
+        generated (vLLM's recompute preemption)."""
+        newest = max(w.decode, key=lambda e: (e[2].started_vt, e[1]))
+        w.decode.remove(newest)
+        heapq.heapify(w.decode)
+        req = newest[2]
+        self._leave_decode(w, req)
+        w.kv_static -= req.kv_tokens
+        done = req.kv_tokens - req.prompt_tokens
+        req.traj.done_gen += done
+        req.gen_left -= done
+        req.prompt_tokens = req.kv_tokens
+        req.prefill_tokens = req.prompt_tokens
+        req.traj.prefilled += req.prefill_tokens
+        self.prefilled_tokens += req.prefill_tokens
+        self.preempted_turns += 1
+        w.waiting.appendleft(("prefill", req))
+
     def _release_kv(self, w: SimWorker, req: Request, *, keep_cache: bool) -> None:
-        w.kv_used -= req.kv_tokens
+        w.kv_static -= req.kv_tokens
         if keep_cache:  # the prompt stays cached as a prefix (not this turn's reasoning)
-            tid = req.traj.spec.trajectory_id
-            self._uncache(w, tid)
-            tokens = req.traj.context + req.traj.spec.turns[req.traj.turn].new_tokens
-            w.cache[tid] = tokens
-            w.cached_tokens += tokens
-            self._evict(w)
+            traj = req.traj
+            w.cache_prefix(
+                traj.spec.trajectory_id, traj.context + traj.spec.turns[traj.turn].new_tokens
+            )
 
     def _admit_waiting(self, w: SimWorker) -> None:
         while w.waiting:
             phase, req = w.waiting[0]
-            if w.kv_used + req.kv_tokens > w.kv_capacity and (w.decode or w.prefill):
+            if not w.fits(req.kv_tokens):
                 break
             w.waiting.popleft()
             self._enter(w, phase, req)
@@ -713,7 +636,7 @@ class Simulator:
         self._release_kv(w, req, keep_cache=True)
         self._in_transit += 1
         self.at(
-            self.now + self.cost.transfer_s(req.kv_tokens - req.gen_left),
+            self.now + self.cost.transfer_s(req.prompt_tokens),
             _P_WORK,
             self._to_decode,
             req,
@@ -727,6 +650,12 @@ class Simulator:
             return
         w = decode[self.setup.routing.pick([d.candidate for d in decode.values()])]
         w.routed += 1
+        # preallocated: the prompt and the response's whole budget (max_tokens)
+        cfg = self.workload
+        budget = min(
+            cfg.gen_tokens_max - req.traj.done_gen, cfg.max_trajectory_tokens - req.prompt_tokens
+        )
+        req.kv_tokens = req.prompt_tokens + max(req.gen_left, budget)
         self._admit(w, "decode", req)
 
     def _turn_done(self, req: Request, w: SimWorker) -> None:
@@ -753,7 +682,7 @@ class Simulator:
                 raise SimInvariantError(f"trajectory {traj.spec.trajectory_id} finished twice")
             traj.finished_s = self.now
             for holder in self.workers.values():  # its prefix will never be used again
-                self._uncache(holder, traj.spec.trajectory_id)
+                holder.uncache(traj.spec.trajectory_id)
             self.trajs_finished += 1
             self._left[traj.step] -= 1
             if self._left[traj.step] == 0:
@@ -785,10 +714,10 @@ class Simulator:
         w.prefill.clear()
         w.waiting.clear()
         w.decode_ctx = 0.0
-        w.kv_used = 0
-        w.cached_tokens = 0
+        w.kv_static = 0
+        w.started_sum = 0.0
         w.prefill_left = w.prefill_backlog = 0.0
-        w.cache.clear()
+        w.clear_cache()
         self._reschedule(w)
         for req in victims:
             self.interrupted_turns += 1

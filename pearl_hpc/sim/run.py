@@ -142,6 +142,7 @@ def _summary(sim: Simulator) -> dict[str, Any]:
         "rollout_tokens": sum(s.generated_tokens for s in steps),
         "trained_tokens": sum(s.trained_tokens for s in steps),
         "steps": len(steps),
+        "preempted_turns": sim.preempted_turns,
         "prefill_time_share": round(sim.prefill_busy_s / max(sim.busy_s, 1e-9), 4),
         "prefill_token_share": round(
             sim.prefilled_tokens

@@ -29,7 +29,7 @@ from dataclasses import replace
 from pearl_hpc.core.policies import BorrowingName, ExpansionName, PDPolicyName, PolicyConfig
 from pearl_hpc.core.routing import RoutingPolicy, RoutingRule
 from pearl_hpc.sim.costmodel import SimConfigError
-from pearl_hpc.sim.engine import SimSetup
+from pearl_hpc.sim.entities import SimSetup
 from pearl_hpc.sim.traces import AvailabilityTrace
 
 SYSTEMS = ("roll", "roll-large", "rlboost+", "pd-only", "pd+toggle", "pearl")
