@@ -604,3 +604,25 @@ def test_colocated_kv_runs_out_and_the_newest_request_is_preempted_and_recompute
     assert roll["preempted_turns"] > 0
     assert roll["steps"] >= 1 and sim.trajs_finished >= 128
     assert sim.interrupted_turns == 0  # preemption is not a drain: the turn stays here
+
+
+def test_no_engine_generates_while_the_new_weights_load() -> None:
+    class Watched(Simulator):
+        pauses = 0
+
+        def _pause_for_sync(self, until_s: float) -> None:
+            super()._pause_for_sync(until_s)
+            vts = {s: w.vt for s, w in self.workers.items()}
+            # just before the load ends, no worker has moved
+            self.at(until_s - 1e-6, 0, self._check_paused, vts)
+
+        def _check_paused(self, vts: dict[int, float]) -> None:
+            Watched.pauses += 1
+            for slot_id, vt in vts.items():
+                w = self.workers.get(slot_id)
+                if w is not None:
+                    self._advance(w)
+                    assert w.vt == vt and w.decode_rate == 0.0
+
+    sim = build("roll", segment=None, rollout_gpus=4, sim_cls=Watched).run()
+    assert Watched.pauses >= 2 and sim.cost.weight_sync_s > 0.1

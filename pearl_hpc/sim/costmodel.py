@@ -265,8 +265,12 @@ class CostModel:
     def training_step_s(self, tokens: float, num_gpus: int) -> float:
         mfu = TRAIN_MFU_MOE if self.model.num_experts else TRAIN_MFU_DENSE
         compute_s = 8.0 * self.model.active_params * tokens / (num_gpus * self.gpu.bf16_flops * mfu)
-        sync_s = self.model.weight_bytes / (self.gpu.network_bytes_per_s * NETWORK_EFFICIENCY)
-        return compute_s + sync_s
+        return compute_s + self.weight_sync_s
+
+    @property
+    def weight_sync_s(self) -> float:
+        """The new weights' broadcast to the rollout engines (generation pauses meanwhile)."""
+        return self.model.weight_bytes / (self.gpu.network_bytes_per_s * NETWORK_EFFICIENCY)
 
     # ---------------------------------------------------------- reconfiguration
     def reconfig_s(self, kind: str) -> float:

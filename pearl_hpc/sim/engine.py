@@ -312,13 +312,17 @@ class Simulator:
         self._training_started = True
         rec = self.steps[step]
         rec.training_return_s = wait_s
-        tokens = rec.trained_tokens
-        self.at(
-            self.now + self.cost.training_step_s(tokens, self.setup.training_gpus),
-            _P_CONTROL,
-            self._training_done,
-            step,
-        )
+        done_s = self.now + self.cost.training_step_s(rec.trained_tokens, self.setup.training_gpus)
+        self.at(done_s - self.cost.weight_sync_s, _P_CONTROL, self._pause_for_sync, done_s)
+        self.at(done_s, _P_CONTROL, self._training_done, step)
+
+    def _pause_for_sync(self, until_s: float) -> None:
+        """The weight broadcast reaches the engines: none generates until it is loaded
+        (the engines pause for ``update_weights``)."""
+        for w in self.workers.values():
+            self._advance(w)
+            w.paused_until = until_s
+            self._reschedule(w)
 
     def release_capacity(self, source: ElasticSource) -> None:
         """The controller gives an elastic job back (declined, drained or failed): its
@@ -527,6 +531,11 @@ class Simulator:
         w.updated_s = self.now
 
     def _reschedule(self, w: SimWorker) -> None:
+        if self.now < w.paused_until:  # loading new weights: nothing runs until then
+            w.iteration_s = w.decode_rate = w.prefill_rate = w.chunk = 0.0
+            w.version += 1
+            self.at(w.paused_until, _P_WORK, self._on_worker, w, w.version)
+            return
         cost = self.cost
         n = len(w.decode)
         ctx = w.decode_ctx

@@ -85,6 +85,7 @@ class SimWorker:
     iteration_s: float = 0.0
     updated_s: float = 0.0
     version: int = 0
+    paused_until: float = 0.0  # loading new weights: no iteration before this
     routed: int = 0  # turns routed here in total (the router's tie-break)
 
     @property
