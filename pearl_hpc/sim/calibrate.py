@@ -2,7 +2,11 @@
 
 Every figure is measured by running the simulator (nothing here feeds back into the
 model): each row gives PEARL's number, ours, the tolerance we hold ourselves to and
-whether we are inside it. Run: ``pearl-hpc calibrate-sim [--router sticky|shortest-queue]``.
+whether we are inside it. The last rows check the decision engine's hysteresis against
+the predictor's measured error: of the switches it would make (a predicted gain above
+``mode_switch_threshold`` / ``ratio_switch_threshold`` between two static configurations),
+the share whose measured makespan really is shorter. Run: ``pearl-hpc calibrate-sim
+[--router sticky|shortest-queue] [--workload swe-bench-pearl-mix]``.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pearl_hpc.core.predictor import predict
 from pearl_hpc.sim.costmodel import CostModel
+from pearl_hpc.sim.engine import Simulator
 from pearl_hpc.sim.run import DEFAULT_WORKLOAD, SimRequest, simulate
 
 DURATION_S = 7200.0
@@ -46,6 +52,7 @@ def _fixed(
     batch: int | None = None,
     training_gpus: int = 16,
     sweep: bool = False,
+    keep: dict[str, Simulator] | None = None,
 ) -> dict[str, Any]:
     req = SimRequest(
         model=model,
@@ -59,13 +66,23 @@ def _fixed(
         batch_size=batch,
         training_gpus=training_gpus,
     )
-    return simulate(req)
+    return simulate(req, keep=keep)
 
 
 def _rollout_s(doc: dict[str, Any], system: str = "static-coloc") -> float:
     steps = doc["systems"][system]["per_step"]
     # a batch's rollout: from its release to its last trajectory (the first, cold one skipped)
     return statistics.fmean(s["rollout_s"] for s in steps[1:] or steps)
+
+
+@dataclass(frozen=True)
+class Difference:
+    """Two static configurations' relative makespan difference, predicted and measured."""
+
+    predicted: float
+    measured: float
+    change: str  # "mode" | "P:D ratio": what switching between the two changes
+    threshold: float  # the predicted gain the decision engine needs for that change
 
 
 Fixed = Callable[..., dict[str, Any]]  # (model, gpus, **SimRequest fields) -> document
@@ -94,8 +111,8 @@ def run(
     say("decode throughput, Qwen3-30B-A3B colocated on 16 GPUs")
     figures += _decode_rate()
     say("colocated vs best disaggregated, Qwen3-30B-A3B on 16 GPUs")
-    figures += _crossover(fixed)
-    return figures
+    crossover, errors = _crossover(fixed)
+    return figures + crossover + _hysteresis(errors)
 
 
 def _scaling(fixed: Fixed) -> list[Figure]:
@@ -196,12 +213,18 @@ def _decode_rate() -> list[Figure]:
     ]
 
 
-def _crossover(fixed: Fixed) -> list[Figure]:
+def _crossover(fixed: Fixed) -> tuple[list[Figure], list[Difference]]:
+    """The figures, and every predicted and measured makespan difference of two static
+    configurations (for :func:`_hysteresis`)."""
     paper = {32: 0.097, 80: 0.014, 96: -0.061}
     best_ratio = {48: "4P4D", 64: "5P3D"}
     figures = []
+    errors: list[Difference] = []
     for batch in (32, 48, 64, 80, 96):
-        sweep = fixed("qwen3-30b-a3b", 16, batch=batch, sweep=True)["systems"]
+        keep: dict[str, Simulator] = {}
+        doc = fixed("qwen3-30b-a3b", 16, batch=batch, sweep=True, keep=keep)
+        errors += _differences(doc, keep["pd-only"])
+        sweep = doc["systems"]
         coloc = sweep["static-coloc"]["throughput_tokens_per_s"]
         splits = {
             n: r["throughput_tokens_per_s"]
@@ -231,4 +254,61 @@ def _crossover(fixed: Fixed) -> list[Figure]:
                     ours == best_ratio[batch],
                 )
             )
+    return figures, errors
+
+
+def _config(name: str, workers: int) -> tuple[int, int, int]:
+    """(P, D, colocated) of a static system's name."""
+    if name == "static-coloc":
+        return 0, 0, workers
+    p, d = name.removeprefix("static-").removesuffix("D").split("P")
+    return int(p), int(d), 0
+
+
+def _differences(doc: dict[str, Any], pd_only: Simulator) -> list[Difference]:
+    """Predicted (by the profile pd-only's controller fitted) and measured makespan of every
+    static configuration, as relative differences of each pair."""
+    profile = pd_only.controller.profile
+    workers = doc["rollout_gpus"] // doc["tp"]
+    names = [n for n in doc["systems"] if n.startswith("static-")]
+    predicted = {n: predict(profile, *_config(n, workers)) for n in names}
+    measured = {n: _rollout_s(doc, n) for n in names}
+    out = []
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            mode = (a == "static-coloc") != (b == "static-coloc")
+            out.append(
+                Difference(
+                    predicted[a] / predicted[b] - 1,
+                    measured[a] / measured[b] - 1,
+                    "mode" if mode else "P:D ratio",
+                    profile.mode_switch_threshold if mode else profile.ratio_switch_threshold,
+                )
+            )
+    return out
+
+
+def _hysteresis(differences: list[Difference]) -> list[Figure]:
+    """The decision engine switches only for a predicted gain above a threshold, so what
+    must hold is: a switch predicted to gain more than the threshold really gains. Over
+    every pair of static configurations, the share that does (and the predictor's median
+    error on the difference, for scale)."""
+    figures = []
+    for change in ("mode", "P:D ratio"):
+        group = [d for d in differences if d.change == change]
+        threshold = group[0].threshold
+        errs = sorted(abs(d.predicted - d.measured) for d in group)
+        switches = [d for d in group if abs(d.predicted) > threshold]
+        right = sum((d.predicted > 0) == (d.measured > 0) for d in switches)
+        share = right / len(switches) if switches else 1.0
+        figures.append(
+            Figure(
+                f"{change} switches predicted to gain > {100 * threshold:.0f}% that gain (30B)",
+                "-",
+                f"{right}/{len(switches)} (median error {100 * statistics.median(errs):.1f} "
+                "points)",
+                ">= 90%",
+                share >= 0.9,
+            )
+        )
     return figures
