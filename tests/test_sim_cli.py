@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from pearl_hpc.config import REPO_CONFIGS
+
 BASE = ["--duration-s", "1800", "--no-progress"]
 SYSTEM_KEYS = {
     "throughput_tokens_per_s",
@@ -212,6 +214,7 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> N
         (["--rollout-gpus", "5", "--no-elastic"], ["--rollout-gpus = 5", "multiple of 2"]),
         (["--training-gpus", "1"], ["--training-gpus = 1"]),
         (["--workload", "nope"], ["--workload 'nope'", "swe-bench, swe-bench-pearl-mix"]),
+        (["--kv-bandwidth-from", "nope"], ["--kv-bandwidth-from 'nope'", "qwen3-8b-h800-tp2"]),
     ],
 )
 def test_bad_input_one_line_exit_2(args: list[str], needles: list[str]) -> None:
@@ -252,3 +255,23 @@ def test_segment_with_trace(tmp_path: Path) -> None:
     assert_one_line_error(
         cli("--segment", "1", "--trace", str(trace), *BASE), "--segment", "--trace"
     )
+
+
+def test_kv_bandwidth_from_a_calibrated_profile_slows_disaggregation(tmp_path: Path) -> None:
+    """The KV hand-off runs at the profile's measured transfer_bytes_per_s: a slow link
+    (2 GB/s, as a congested or TCP fabric) lengthens a disaggregated split's rollout and
+    leaves colocation (no hand-off) as it was."""
+    shipped = REPO_CONFIGS / "profiles" / "qwen3-8b-h800-tp2.yaml"
+    slow = tmp_path / "measured.yaml"
+    slow.write_text(
+        shipped.read_text().replace("transfer_bytes_per_s: 5.0e+10", "transfer_bytes_per_s: 2.0e+9")
+    )
+    base = ["--rollout-gpus", "8", "--no-elastic", "--duration-s", "1800", "--json"]
+    args = [*base, "--systems", "static-coloc,static-2P2D", "--no-progress"]
+    docs = [
+        json.loads(cli(*args, *extra).stdout) for extra in ([], ["--kv-bandwidth-from", str(slow)])
+    ]
+    assert [d["kv_transfer_gb_per_s"] for d in docs] == [50.0, 2.0]
+    tput = [{n: s["throughput_tokens_per_s"] for n, s in d["systems"].items()} for d in docs]
+    assert tput[1]["static-coloc"] == tput[0]["static-coloc"]
+    assert tput[1]["static-2P2D"] < 0.98 * tput[0]["static-2P2D"]  # 4% slower here

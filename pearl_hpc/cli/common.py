@@ -93,9 +93,9 @@ def _refuse(why: str) -> NoReturn:
     raise argparse.ArgumentTypeError(why)
 
 
-def resolve_profile(name_or_path: str) -> Path:
+def resolve_profile(name_or_path: str, flag: str = "--profile") -> Path:
     """A profile path, or the name of a shipped profile in ``configs/profiles``."""
-    return _resolve_shipped("profiles", "--profile", name_or_path)
+    return _resolve_shipped("profiles", flag, name_or_path)
 
 
 def resolve_workload(name_or_path: str) -> Path:

@@ -15,6 +15,7 @@ from pearl_hpc.cli.common import (
     number,
     out_dir,
     positive_int,
+    resolve_profile,
     resolve_workload,
 )
 from pearl_hpc.errors import ConfigError
@@ -58,6 +59,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         sweep_static=args.sweep_static,
         router=args.router,
         workload_path=resolve_workload(args.workload),
+        kv_bandwidth_from=None
+        if args.kv_bandwidth_from is None
+        else resolve_profile(args.kv_bandwidth_from, "--kv-bandwidth-from"),
     )
     sims: dict = {}
     show = sys.stderr.isatty() and not args.no_progress
@@ -173,6 +177,13 @@ def add_parsers(sub: Any) -> None:
         help="turn routing: each system's own (default: shortest-queue for rlboost+, sticky "
         "for the others), or one for all: sticky (back to the worker caching the prefix) or "
         "shortest-queue (least loaded; prefixes mostly re-prefilled)",
+    )
+    sim.add_argument(
+        "--kv-bandwidth-from",
+        metavar="PROFILE",
+        help="take the per-worker KV transfer bandwidth from a profile (one that "
+        "`pearl-hpc calibrate --profile-out` wrote from nccl-tests); default: the GPU's "
+        "data-sheet link at 50%%",
     )
     sim.add_argument("--json", action="store_true", help="print the JSON document")
     sim.add_argument(

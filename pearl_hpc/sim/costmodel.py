@@ -165,6 +165,9 @@ class CostModel:
     gpu: GpuSpec
     model: ModelSpec
     tp: int = 2
+    # per-worker KV hand-off bandwidth measured on the cluster (a calibrated profile's
+    # transfer_bytes_per_s); None: the data sheet's link at NETWORK_EFFICIENCY
+    kv_transfer_bytes_per_s: float | None = None
 
     @classmethod
     def from_names(cls, gpu: str, model: str, tp: int = 2) -> CostModel:
@@ -258,8 +261,14 @@ class CostModel:
 
     def transfer_s(self, tokens: float) -> float:
         """KV hand-off of ``tokens`` from a prefill to a decode worker."""
-        rate = self.gpu.network_bytes_per_s * NETWORK_EFFICIENCY
-        return TRANSFER_LATENCY_S + tokens * self.kv_bytes_per_token / rate
+        return TRANSFER_LATENCY_S + tokens * self.kv_bytes_per_token / self.kv_transfer_rate
+
+    @property
+    def kv_transfer_rate(self) -> float:
+        """Bytes/s of one prefill -> decode hand-off (each worker its own link)."""
+        if self.kv_transfer_bytes_per_s is not None:
+            return self.kv_transfer_bytes_per_s
+        return self.gpu.network_bytes_per_s * NETWORK_EFFICIENCY
 
     # --------------------------------------------------------------- training
     def training_step_s(self, tokens: float, num_gpus: int) -> float:

@@ -8,11 +8,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pearl_hpc.config import REPO_CONFIGS
+from pearl_hpc.config import REPO_CONFIGS, load_profile
 from pearl_hpc.core.policies import PolicyConfig
 from pearl_hpc.core.profile import WorkloadProfile
 from pearl_hpc.core.routing import RoutingPolicy
-from pearl_hpc.sim.costmodel import CHUNK_TOKENS, NETWORK_EFFICIENCY, CostModel, SimConfigError
+from pearl_hpc.sim.costmodel import CHUNK_TOKENS, CostModel, SimConfigError
 from pearl_hpc.sim.engine import Simulator
 from pearl_hpc.sim.systems import ROUTERS, make_setup
 from pearl_hpc.sim.traces import AvailabilityTrace, load_segment, load_trace
@@ -45,7 +45,7 @@ def initial_profile(cost: CostModel, workload: WorkloadConfig) -> WorkloadProfil
         env_s=turns * workload.env_s_median,
         decode_bubble_ratio=1.0,
         kv_bytes_per_token=kv,
-        transfer_bytes_per_s=cost.gpu.network_bytes_per_s * NETWORK_EFFICIENCY,
+        transfer_bytes_per_s=cost.kv_transfer_rate,
         kv_bytes_per_trajectory=workload.max_trajectory_tokens * kv,
         kv_capacity_bytes_per_worker=cost.kv_capacity_tokens * kv,
     )
@@ -69,6 +69,7 @@ class SimRequest:
     workload_path: str | Path = DEFAULT_WORKLOAD
     sweep_static: bool = False
     router: str = "own"  # own (each system's router) | sticky | shortest-queue
+    kv_bandwidth_from: str | Path | None = None  # a calibrated profile: its transfer_bytes_per_s
 
     def resolve_trace(self) -> tuple[AvailabilityTrace | None, float]:
         """The elastic trace (None for fixed resources) and the simulated duration."""
@@ -168,6 +169,9 @@ def simulate(
     ``progress(system, simulated_s, total_s)`` is called as the runs advance; ``keep``
     receives the finished simulators (for reports)."""
     cost = CostModel.from_names(req.gpu, req.model, req.tp)
+    if req.kv_bandwidth_from is not None:
+        measured = load_profile(req.kv_bandwidth_from).transfer_bytes_per_s
+        cost = dataclasses.replace(cost, kv_transfer_bytes_per_s=measured)
     workload = WorkloadConfig.load(req.workload_path)
     changes: dict[str, Any] = {}
     if req.batch_size is not None:
@@ -219,6 +223,7 @@ def simulate(
         "batch_size": workload.batch_size,
         "max_trajectory_tokens": workload.max_trajectory_tokens,
         "router": req.router,
+        "kv_transfer_gb_per_s": round(cost.kv_transfer_rate / 1e9, 3),
         "systems": results,
     }
     for base in ("roll", "rlboost+", "static-coloc"):
