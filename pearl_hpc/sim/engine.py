@@ -507,7 +507,7 @@ class Simulator:
         if dt > 0:
             if w.decode:
                 w.vt += w.decode_rate * dt
-                if w.grows:
+                if w.cache and w.grows:
                     w.evict()
             if w.prefill:
                 done = min(w.prefill_left, w.prefill_rate * dt)

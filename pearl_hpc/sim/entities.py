@@ -118,6 +118,8 @@ class SimWorker:
 
     def evict(self) -> None:
         """Drop least-recently-used prefixes until running requests' KV fits beside them."""
+        if not self.cache:
+            return
         room = self.kv_capacity - self.kv_used
         while self.cache and self.cached_tokens > room:
             _, tokens = self.cache.popitem(last=False)
