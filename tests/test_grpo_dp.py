@@ -62,6 +62,8 @@ def test_two_dp_ranks_take_the_single_process_step(tmp_path: Path) -> None:
         step_single = want - initial[name]
         step_dp = ranks[0][name] - initial[name]
         if step_single.norm() > 0:
-            assert _relative(step_dp, step_single) < 2e-5, name  # fp32 sums in another order
+            # fp32 sums in another order: up to 2.5e-5 (the embedding) on some CPUs,
+            # whose kernels sum differently; a wrong normalisation is > 1e-2
+            assert _relative(step_dp, step_single) < 1e-4, name
         else:
             assert step_dp.norm() == 0, name
