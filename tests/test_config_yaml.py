@@ -181,3 +181,11 @@ def test_the_train_section_reaches_the_trainer(tmp_path: Path) -> None:
     assert (grpo.correction, grpo.is_cap, grpo.loss_type) == ("decoupled", 3.0, "dr_grpo")
     assert grpo.temperature == cfg.run.temperature
     assert grpo.max_completion_tokens == cfg.run.max_turns * cfg.run.max_tokens_per_turn
+
+
+def test_a_policy_built_only_in_the_simulator_is_refused_by_a_run(tmp_path: Path) -> None:
+    doc = yaml.safe_load(RUN.read_text())
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump({**doc, "policy": {**doc["policy"], "tail_start": True}}))
+    with pytest.raises(ConfigError, match=r"policy\.tail_start is built in the simulator only"):
+        load_run_config(run)

@@ -193,7 +193,7 @@ def test_same_seed_identical_simulator_state() -> None:
 
 # --------------------------------------------------------------------------- (b), (c)
 @pytest.mark.parametrize("segment", [1, 2, 3])
-@pytest.mark.parametrize("system", ["roll", "rlboost+", "pd+toggle", "pearl"])
+@pytest.mark.parametrize("system", ["roll", "rlboost+", "pd+toggle", "pearl", "pearl+"])
 def test_invariants_every_event(system: str, segment: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # run through simulate() so the summary is checked too, with the audited engine
     monkeypatch.setattr(run_module, "Simulator", AuditedSimulator)
@@ -626,3 +626,38 @@ def test_no_engine_generates_while_the_new_weights_load() -> None:
 
     sim = build("roll", segment=None, rollout_gpus=4, sim_cls=Watched).run()
     assert Watched.pauses >= 2 and sim.cost.weight_sync_s > 0.1
+
+
+def test_pearl_plus_starts_the_next_batch_in_the_tail_and_trains_in_step_order() -> None:
+    """tail_start: batch j+1's trajectories start before batch j's last one finishes
+    (when the staleness bound allows), training still takes the batches in step order,
+    and the workers idle less than PEARL's, which waits for the whole batch."""
+    sims = {name: build(name, segment=2, duration_s=3600).run() for name in ("pearl", "pearl+")}
+    plus = sims["pearl+"]
+    overlaps = [
+        (a.step, b.step)
+        for a, b in itertools.pairwise(plus.steps)
+        if a.finished_s == 0 or b.rollout_started_s < a.finished_s
+    ]
+    assert overlaps, "no batch started before the previous one finished"
+    for a, b in itertools.pairwise(sims["pearl"].steps):  # PEARL: one batch at a time
+        assert a.finished_s == 0 or b.rollout_started_s >= a.finished_s
+    done = [s for s in plus.steps if s.finished_s > 0]
+    idle = {
+        n: sum(s.idle_worker_s for s in finished_steps(sim))
+        / sum(s.active_worker_s for s in finished_steps(sim))
+        for n, sim in sims.items()
+    }
+    assert idle["pearl+"] < idle["pearl"]
+    assert len(done) >= len(finished_steps(sims["pearl"]))
+    assert plus._next_train == plus._trained_step + 1 + (plus._training_running is not None)
+
+
+def test_tail_level_is_where_decode_runs_at_half_its_bound() -> None:
+    from pearl_hpc.core.policies import tail_level
+
+    profile = initial_profile(CostModel.from_names("h800", "qwen3-8b"), WorkloadConfig())
+    a, b = profile.decode_fixed_s, profile.decode_per_seq_s
+    assert tail_level(profile, 4) == pytest.approx(4 * a / b)
+    assert tail_level(profile.replace(decode_per_seq_s=0.0), 4) == 4
+    assert tail_level(profile.replace(decode_fixed_s=0.0), 4) == 4  # at least one each

@@ -303,6 +303,12 @@ class PolicyConfig:
     tracker_ema_alpha: float = spec_field(
         "EMA weight of each step's profile fit", default=0.5, gt=0, le=1
     )
+    tail_start: bool = spec_field(
+        "start the next batch's trajectories while this batch's tail runs, once fewer are "
+        "left than the serving workers can keep busy (tail_level), within the staleness "
+        "bound (PEARL waits for the whole batch)",
+        default=False,
+    )
 
     @classmethod
     def from_dict(cls, data: Any, *, where: str = "policy") -> PolicyConfig:
@@ -385,3 +391,13 @@ def gate_expansion_of(
         config.finalisation_s,
     )
     return policies.expansion.allow(inputs)
+
+
+def tail_level(profile: WorkloadProfile, num_workers: int) -> float:
+    """Unfinished trajectories below which ``num_workers`` serving workers idle: a worker
+    decoding ``n`` sequences runs at ``n / (A + b*n)`` tokens/s, half its bound at
+    ``n = A / b`` (the weights' read equals the KV's). Below ``num_workers * A / b`` the
+    batch's tail leaves part of every worker unused."""
+    if profile.decode_per_seq_s <= 0:
+        return float(num_workers)
+    return num_workers * max(1.0, profile.decode_fixed_s / profile.decode_per_seq_s)

@@ -38,6 +38,7 @@ from pearl_hpc.core.controller import (
     WorkerReleased,
 )
 from pearl_hpc.core.orchestrator import WorkerAdd
+from pearl_hpc.core.policies import tail_level
 from pearl_hpc.core.profile import WorkloadProfile
 from pearl_hpc.core.routing import route_mode
 from pearl_hpc.core.table import ElasticSource
@@ -101,6 +102,9 @@ class Simulator:
         self.interrupted_turns = 0
         self.prefilled_tokens = 0  # every token prefilled (cache misses and resumes included)
         self.preempted_turns = 0  # decoding requests preempted for KV and recomputed
+        self.idle_worker_s = 0.0  # active workers with nothing to run, worker-seconds
+        self.active_worker_s = 0.0
+        self._idle_at_done = self._active_at_done = self._last_done_s = 0.0
         self.busy_s = 0.0  # worker-seconds in engine iterations
         self.prefill_busy_s = 0.0  # ... in iterations that carry a prefill chunk
         self.released: list[str] = []
@@ -110,7 +114,8 @@ class Simulator:
         self._left: dict[int, int] = {}
         self._rollout_step = 0
         self._trained_step = -1  # last finished training step
-        self._training_queue: deque[int] = deque()  # completed batches awaiting training
+        self._training_queue: list[int] = []  # heap: completed batches awaiting training
+        self._next_train = 0  # training runs the batches in step order
         self._training_running: int | None = None
         self._training_begin_s: float | None = None
         self._training_started = False
@@ -346,9 +351,12 @@ class Simulator:
         self._maybe_start_next_batch()
 
     def _maybe_train(self) -> None:
-        if self._training_running is not None or not self._training_queue:
+        # in step order: with tail_start a later batch can complete first
+        queue = self._training_queue
+        if self._training_running is not None or not queue or queue[0] != self._next_train:
             return
-        step = self._training_queue.popleft()
+        step = heapq.heappop(queue)
+        self._next_train = step + 1
         self._training_running = step
         self._training_begin_s = self.now
         self._training_started = False
@@ -368,8 +376,7 @@ class Simulator:
         trajs = [Traj(spec, step) for spec in specs]
         self._batches[step] = trajs
         self._left[step] = len(trajs)
-        window_start = self.steps[-1].finished_s if self.steps else 0.0
-        self.steps.append(StepRecord(step, window_start, rollout_started_s=self.now))
+        self.steps.append(StepRecord(step, 0.0, rollout_started_s=self.now))
         self.trajs_started += len(trajs)
         for t in trajs:
             t.turn_started_s = self.now
@@ -378,17 +385,26 @@ class Simulator:
 
     def _maybe_start_next_batch(self) -> None:
         # staleness s: batch j may start once training step j - 1 - s has finished
+        # (tail_start: also while the newest batch's tail leaves workers idle)
         nxt = self._rollout_step + 1
-        if (
-            self._left.get(self._rollout_step, 1) == 0
-            and self._trained_step >= nxt - 1 - self.workload.staleness
-        ):
+        left = self._left.get(self._rollout_step, 1)
+        tail = self.setup.policy.tail_start and left < self._tail_level()
+        if (left == 0 or tail) and self._trained_step >= nxt - 1 - self.workload.staleness:
             self._rollout_step = nxt
             self._start_batch()
 
+    def _tail_level(self) -> float:
+        return tail_level(self.controller.profile, len(self._active()))
+
     def _batch_done(self, step: int) -> None:
         rec = self.steps[step]
-        rec.finished_s = self.now
+        rec.started_s, rec.finished_s = self._last_done_s, self.now  # one window each
+        self._last_done_s = self.now
+        for w in self.workers.values():  # settle the workers' idle time up to now
+            self._advance(w)
+        rec.idle_worker_s = self.idle_worker_s - self._idle_at_done
+        rec.active_worker_s = self.active_worker_s - self._active_at_done
+        self._idle_at_done, self._active_at_done = self.idle_worker_s, self.active_worker_s
         trajs = self._batches.pop(step)
         rec.generated_tokens = sum(t.spec.generated_tokens for t in trajs)
         rec.trained_tokens = sum(t.spec.total_tokens for t in trajs)
@@ -416,7 +432,7 @@ class Simulator:
         self._turns, self._iters = [], []
         self._activation_s, self._deactivation_s = [], []
         self.controller.handle(telemetry)
-        self._training_queue.append(step)
+        heapq.heappush(self._training_queue, step)
         self._maybe_train()
         self._maybe_start_next_batch()
 
@@ -504,6 +520,10 @@ class Simulator:
     # ------------------------------------------------------- processor sharing
     def _advance(self, w: SimWorker) -> None:
         dt = self.now - w.updated_s
+        if dt > 0 and w.state == "active":
+            self.active_worker_s += dt
+            if not (w.decode or w.prefill):
+                self.idle_worker_s += dt
         if dt > 0:
             if w.decode:
                 w.vt += w.decode_rate * dt
@@ -696,6 +716,8 @@ class Simulator:
             self._left[traj.step] -= 1
             if self._left[traj.step] == 0:
                 self._batch_done(traj.step)
+            elif self.setup.policy.tail_start:
+                self._maybe_start_next_batch()
             return
         self._in_transit += 1
         self.at(self.now + turn.env_s, _P_ARRIVAL, self._env_done, traj)

@@ -158,6 +158,8 @@ class StepRecord:
     borrowed_workers: int = 0
     dedicated_gpus: int = 0
     training_return_s: float = 0.0  # Training Begin -> borrowed GPUs back
+    idle_worker_s: float = 0.0  # in the window: active rollout workers with nothing to run
+    active_worker_s: float = 0.0  # in the window: active rollout workers, worker-seconds
 
     @property
     def duration_s(self) -> float:

@@ -22,8 +22,8 @@ _STATE_COLORS = {
 def markdown_table(doc: dict[str, Any]) -> str:
     has_roll = "ratios_vs_roll" in doc
     has_rlb = "ratios_vs_rlboost+" in doc
-    head = "| system | tokens/s | steps | rollout tokens | trained tokens |"
-    rule = "|---|---|---|---|---|"
+    head = "| system | tokens/s | aggregate tokens/s | steps | rollout tokens | trained tokens |"
+    rule = "|---|---|---|---|---|---|"
     if has_roll:
         head, rule = head + " vs roll |", rule + "---|"
     if has_rlb:
@@ -44,7 +44,8 @@ def markdown_table(doc: dict[str, Any]) -> str:
     ]
     for name, r in doc["systems"].items():
         row = (
-            f"| {name} | {r['throughput_tokens_per_s']:.0f} | {r['steps']} | "
+            f"| {name} | {r['throughput_tokens_per_s']:.0f} | {r['aggregate_tokens_per_s']:.0f} "
+            f"| {r['steps']} | "
             f"{r['rollout_tokens']} | {r['trained_tokens']} |"
         )
         if has_roll:
@@ -52,6 +53,13 @@ def markdown_table(doc: dict[str, Any]) -> str:
         if has_rlb:
             row += f" {100 * (doc['ratios_vs_rlboost+'][name] - 1):+.1f}% |"
         lines.append(row)
+    if any(r["steps"] and name == "pearl+" for name, r in doc["systems"].items()):
+        lines += [
+            "",
+            "tokens/s and the ratios are PEARL's metric, the mean of per-step throughputs; "
+            "pearl+'s batches overlap, so two can finish close together and make a tiny "
+            "step window: compare it by aggregate tokens/s (all tokens over the time).",
+        ]
     return "\n".join(lines) + "\n"
 
 

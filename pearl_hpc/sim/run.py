@@ -134,16 +134,29 @@ def _summary(sim: Simulator) -> dict[str, Any]:
             "borrowed_workers": s.borrowed_workers,
             "dedicated_rollout_gpus": s.dedicated_gpus,
             "training_return_wait_s": round(s.training_return_s, 3),
+            "idle_worker_s": round(s.idle_worker_s, 3),
         }
         for s in steps
     ]
     mean = statistics.fmean(s.throughput_tokens_per_s for s in steps) if steps else 0.0
     return {
         "throughput_tokens_per_s": round(mean, 3),
+        # the same tokens over the time they took: PEARL's per-step mean breaks when
+        # batches overlap (pearl+), two completing close together make a tiny window
+        "aggregate_tokens_per_s": round(
+            sum(s.generated_tokens + s.trained_tokens for s in steps)
+            / max(1e-9, max((s.finished_s for s in steps), default=0.0)),
+            3,
+        ),
         "rollout_tokens": sum(s.generated_tokens for s in steps),
         "trained_tokens": sum(s.trained_tokens for s in steps),
         "steps": len(steps),
         "preempted_turns": sim.preempted_turns,
+        # rollout workers serving nothing (the batch tail, environment waits)
+        "idle_worker_share": round(
+            sum(s.idle_worker_s for s in steps) / max(1e-9, sum(s.active_worker_s for s in steps)),
+            4,
+        ),
         "prefill_time_share": round(sim.prefill_busy_s / max(sim.busy_s, 1e-9), 4),
         "prefill_token_share": round(
             sim.prefilled_tokens

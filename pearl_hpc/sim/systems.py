@@ -8,8 +8,13 @@
 | pd-only     | as given                           | adaptive  | none      | gated     | sticky  |
 | pd+toggle   | as given                           | adaptive  | ungated   | gated     | sticky  |
 | pearl       | as given (4 reserved + trace)      | adaptive  | gated     | gated     | sticky  |
+| pearl+      | as pearl, plus tail_start (below)  | adaptive  | gated     | gated     | sticky  |
 | static-XPYD | fixed                              | fixed X:Y | none      | -         | sticky  |
 | static-coloc| fixed                              | colocated | none      | -         | sticky  |
+
+``pearl+`` is PEARL with the policies of "beyond PEARL" (``PolicyConfig``): so far
+``tail_start``, the next batch's trajectories start while this batch's tail leaves the
+workers idle (within the staleness bound) instead of after its last trajectory.
 
 Routers are :mod:`pearl_hpc.core.routing`'s (the real router's): ``sticky`` keeps a turn on
 the worker holding its prefix (colocated, or the prefill side of PD; decode goes to the
@@ -32,7 +37,7 @@ from pearl_hpc.sim.costmodel import SimConfigError
 from pearl_hpc.sim.entities import SimSetup
 from pearl_hpc.sim.traces import AvailabilityTrace
 
-SYSTEMS = ("roll", "roll-large", "rlboost+", "pd-only", "pd+toggle", "pearl")
+SYSTEMS = ("roll", "roll-large", "rlboost+", "pd-only", "pd+toggle", "pearl", "pearl+")
 ROLL_LARGE_GPUS = {1: 14, 2: 10, 3: 12}
 RESERVED_ROLLOUT_GPUS = 4
 TRAINING_GPUS = 16
@@ -106,6 +111,8 @@ def make_setup(
         return setup(_policy(base, adaptive, ungated), reserved, True, True)
     if name == "pearl":
         return setup(_policy(base, adaptive, gated), reserved, True, True)
+    if name == "pearl+":
+        return setup(replace(_policy(base, adaptive, gated), tail_start=True), reserved, True, True)
     if name == "static-coloc":
         return setup(_policy(base, coloc, none), reserved, False, False)
     if name.startswith("static-") and name.endswith("D") and "P" in name:
