@@ -147,8 +147,8 @@ class AuditedSimulator(Simulator):
                 assert not w.decode and not w.prefill and not w.waiting, (slot_id, w.state)
             if w.role is Role.PREFILL:
                 assert not w.decode
-            if w.role is Role.DECODE:
-                assert not w.prefill
+            if w.role is Role.DECODE:  # prefills only a turn whose prefix it holds
+                assert not w.prefill or self.setup.policy.local_prefill
                 # preallocated: the prompt and at least the whole response
                 assert all(e[2].kv_tokens >= e[2].prompt_tokens + e[2].gen_left for e in w.decode)
         if self.training_executing is not None:
@@ -661,3 +661,46 @@ def test_tail_level_is_where_decode_runs_at_half_its_bound() -> None:
     assert tail_level(profile, 4) == pytest.approx(4 * a / b)
     assert tail_level(profile.replace(decode_per_seq_s=0.0), 4) == 4
     assert tail_level(profile.replace(decode_fixed_s=0.0), 4) == 4  # at least one each
+
+
+def test_conditional_disaggregation_pays_where_the_kv_transfer_is_slow() -> None:
+    """local_prefill on a static 2P6D split (16 GPUs, prefixes reused): a turn whose
+    prefix its decode worker holds is prefilled there when that beats the transfer. On a
+    slow fabric (2 GB/s) many turns qualify and the split gets faster; on the data
+    sheet's 50 GB/s few do (the interference outweighs a cheap transfer). Audited."""
+
+    def run(local: bool, kv_bytes_per_s: float) -> Simulator:
+        sim = build("static-2P6D", segment=None, rollout_gpus=16, sim_cls=AuditedSimulator)
+        policy = dataclasses.replace(sim.setup.policy, local_prefill=local)
+        cost = dataclasses.replace(sim.cost, kv_transfer_bytes_per_s=kv_bytes_per_s)
+        return AuditedSimulator(
+            dataclasses.replace(sim.setup, policy=policy),
+            cost,
+            sim.workload,
+            initial_profile(cost, sim.workload),
+            seed=0,
+            duration_s=3600,
+        ).run()
+
+    def tokens_per_s(sim: Simulator) -> float:
+        steps = finished_steps(sim)
+        return sum(s.generated_tokens + s.trained_tokens for s in steps) / steps[-1].finished_s
+
+    slow_off, slow_on = run(False, 2e9), run(True, 2e9)
+    fast_on = run(True, 50e9)
+    assert slow_off.local_prefills == 0
+    assert slow_on.local_prefills > 5 * fast_on.local_prefills > 0
+    assert tokens_per_s(slow_on) > 1.02 * tokens_per_s(slow_off)
+
+
+def test_prefill_locally_weighs_the_stalled_decodes_against_the_transfer() -> None:
+    from pearl_hpc.core.policies import prefill_locally
+
+    profile = initial_profile(CostModel.from_names("h800", "qwen3-8b"), WorkloadConfig())
+    per_token = profile.kv_bytes_per_token / profile.transfer_bytes_per_s
+    ratio = per_token / profile.prefill_s_per_token  # local tokens per prompt token, alone
+    prompt = 20000
+    assert prefill_locally(profile, int(ratio * prompt), prompt, decoding=0)
+    assert not prefill_locally(profile, int(ratio * prompt) + 10, prompt, decoding=0)
+    assert not prefill_locally(profile, int(ratio * prompt), prompt, decoding=3)
+    assert prefill_locally(profile, int(ratio * prompt / 4), prompt, decoding=3)

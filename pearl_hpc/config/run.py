@@ -407,11 +407,12 @@ def load_run_config(path: str | Path, *, need_slurm: bool = True) -> RunConfig:
         raise ConfigError(f"{path}: {problem}")
     if cfg.backend not in BACKENDS:
         raise ConfigError(f"{path}: backend {cfg.backend!r}: use local or slurm")
-    if cfg.policy.tail_start:
-        raise ConfigError(
-            f"{path}: policy.tail_start is built in the simulator only (pearl-hpc simulate "
-            "--systems pearl+), not yet in pearl-hpc run; remove it"
-        )
+    for key in ("tail_start", "local_prefill"):
+        if getattr(cfg.policy, key):
+            raise ConfigError(
+                f"{path}: policy.{key} is built in the simulator only (pearl-hpc simulate "
+                "--systems pearl+), not yet in pearl-hpc run; remove it"
+            )
     if not _PLAIN_NAME.fullmatch(cfg.name):
         raise ConfigError(
             f"{path}: name {cfg.name!r}: a plain name (letters, digits, '.', '_', '-'; "

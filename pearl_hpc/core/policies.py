@@ -309,6 +309,12 @@ class PolicyConfig:
         "bound (PEARL waits for the whole batch)",
         default=False,
     )
+    local_prefill: bool = spec_field(
+        "disaggregated mode: prefill a turn on the decode worker that holds its prefix when "
+        "that costs less than moving its KV (prefill_locally; NVIDIA Dynamo's conditional "
+        "disaggregation); decode workers then keep prefixes cached",
+        default=False,
+    )
 
     @classmethod
     def from_dict(cls, data: Any, *, where: str = "policy") -> PolicyConfig:
@@ -401,3 +407,16 @@ def tail_level(profile: WorkloadProfile, num_workers: int) -> float:
     if profile.decode_per_seq_s <= 0:
         return float(num_workers)
     return num_workers * max(1.0, profile.decode_fixed_s / profile.decode_per_seq_s)
+
+
+def prefill_locally(
+    profile: WorkloadProfile, uncached_tokens: int, prompt_tokens: int, decoding: int
+) -> bool:
+    """Conditional disaggregation: prefilling ``uncached_tokens`` on the decode worker
+    costs less than prefilling them on a prefill worker and moving the whole prompt's KV
+    (``prompt * K / BW``, which only this turn waits for). The local prefill stalls this
+    turn and each of the worker's ``decoding`` sequences for ``uncached * t_prefill``
+    (the interference disaggregation exists to avoid)."""
+    local_s = uncached_tokens * profile.prefill_s_per_token * (1 + decoding)
+    transfer_s = prompt_tokens * profile.kv_bytes_per_token / profile.transfer_bytes_per_s
+    return local_s <= transfer_s

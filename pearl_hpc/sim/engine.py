@@ -38,7 +38,7 @@ from pearl_hpc.core.controller import (
     WorkerReleased,
 )
 from pearl_hpc.core.orchestrator import WorkerAdd
-from pearl_hpc.core.policies import tail_level
+from pearl_hpc.core.policies import prefill_locally, tail_level
 from pearl_hpc.core.profile import WorkloadProfile
 from pearl_hpc.core.routing import route_mode
 from pearl_hpc.core.table import ElasticSource
@@ -102,6 +102,7 @@ class Simulator:
         self.interrupted_turns = 0
         self.prefilled_tokens = 0  # every token prefilled (cache misses and resumes included)
         self.preempted_turns = 0  # decoding requests preempted for KV and recomputed
+        self.local_prefills = 0  # disaggregated turns prefilled on their decode worker
         self.idle_worker_s = 0.0  # active workers with nothing to run, worker-seconds
         self.active_worker_s = 0.0
         self._idle_at_done = self._active_at_done = self._last_done_s = 0.0
@@ -457,10 +458,28 @@ class Simulator:
         if mode is None:
             return  # nothing can serve: turns wait for capacity
         pool = {w.slot_id: w for w in (coloc if mode is Mode.COLOCATED else prefill)}
+        local = {w.slot_id: w for w in decode} if self.setup.policy.local_prefill else {}
         while self.pending:
             traj = self.pending.popleft()
+            holder = (
+                local.get(traj.decode_worker)
+                if mode is Mode.DISAGGREGATED and traj.decode_worker is not None
+                else None
+            )
+            if holder is not None and self._prefill_here(holder, traj):
+                self.local_prefills += 1
+                self._submit_prefill(holder, traj)
+                continue
             w = pool[self.setup.routing.pick([p.candidate for p in pool.values()], traj.worker)]
             self._submit_prefill(w, traj)
+
+    def _prefill_here(self, w: SimWorker, traj: Traj) -> bool:
+        """local_prefill: the decode worker holding the turn's prefix prefills it itself
+        when that is cheaper than a prefill worker and a KV transfer."""
+        prompt = traj.context + traj.spec.turns[traj.turn].new_tokens + traj.done_gen
+        cached = w.cache.get(traj.spec.trajectory_id, 0) if self.workload.prefix_reuse else 0
+        uncached = prompt - min(cached, traj.context)
+        return prefill_locally(self.controller.profile, uncached, prompt, len(w.decode))
 
     def _submit_prefill(self, w: SimWorker, traj: Traj) -> None:
         turn = traj.spec.turns[traj.turn]
@@ -474,7 +493,10 @@ class Simulator:
         traj.prefilled += req.prefill_tokens
         self.prefilled_tokens += req.prefill_tokens
         req.kv_tokens = req.prompt_tokens = prompt  # the prompt's KV, allocated at admission
-        traj.worker = w.slot_id
+        if w.role is Role.DECODE:  # prefilled locally (local_prefill): decode preallocates
+            req.kv_tokens = self._decode_reservation(req)
+        else:
+            traj.worker = w.slot_id
         w.routed += 1
         self._admit(w, "prefill", req)
 
@@ -564,7 +586,7 @@ class Simulator:
             chunk = w.chunk = self._chunk(w)
             # attention span of the head's part: its prompt up to where prefill has got to
             span = head.prompt_tokens - w.prefill_left + min(chunk, w.prefill_left) / 2
-            if n and w.role is Role.COLOCATED:
+            if n and w.role is not Role.PREFILL:  # colocated, or a decode worker's local prefill
                 it = cost.mixed_iteration_s(n, ctx, chunk, span)
             else:
                 it = cost.prefill_iteration_s(chunk, span)
@@ -594,7 +616,7 @@ class Simulator:
         """Prefill tokens in this iteration: the queued prompts, first come first served,
         up to the token budget that the iteration's decode tokens leave (vLLM's chunked
         prefill: ``max_num_batched_tokens`` covers both; several prompts share a chunk)."""
-        budget = CHUNK_TOKENS - len(w.decode) if w.role is Role.COLOCATED else CHUNK_TOKENS
+        budget = CHUNK_TOKENS - len(w.decode) if w.role is not Role.PREFILL else CHUNK_TOKENS
         return min(float(budget), max(w.prefill_backlog, w.prefill_left, 1.0))
 
     def _on_worker(self, w: SimWorker, version: int) -> None:
@@ -612,7 +634,12 @@ class Simulator:
             done_prefill = w.prefill.popleft()
             w.prefill_left = float(w.prefill[0].prefill_tokens) if w.prefill else 0.0
         for req in done_decode:
-            self._release_kv(w, req, keep_cache=w.role is Role.COLOCATED)
+            if w.role is Role.DECODE:
+                req.traj.decode_worker = w.slot_id
+            keep = w.role is Role.COLOCATED or (
+                w.role is Role.DECODE and self.setup.policy.local_prefill
+            )
+            self._release_kv(w, req, keep_cache=keep)
             self._turn_done(req, w)
         if done_prefill is not None:
             self._prefill_done(w, done_prefill)
@@ -658,7 +685,7 @@ class Simulator:
             self._enter(w, phase, req)
 
     def _prefill_done(self, w: SimWorker, req: Request) -> None:
-        if w.role is Role.COLOCATED:  # decode in place, KV already reserved
+        if w.role is not Role.PREFILL:  # decode in place, KV already reserved
             self._enter(w, "decode", req, reserve=False)
             return
         # disaggregated: hand the KV to a decode worker, keep the prefix cached here
@@ -679,13 +706,17 @@ class Simulator:
             return
         w = decode[self.setup.routing.pick([d.candidate for d in decode.values()])]
         w.routed += 1
-        # preallocated: the prompt and the response's whole budget (max_tokens)
+        req.kv_tokens = self._decode_reservation(req)
+        self._admit(w, "decode", req)
+
+    def _decode_reservation(self, req: Request) -> int:
+        """What a decode worker preallocates: the prompt and the response's whole budget
+        (max_tokens, cut to the trajectory cap)."""
         cfg = self.workload
         budget = min(
             cfg.gen_tokens_max - req.traj.done_gen, cfg.max_trajectory_tokens - req.prompt_tokens
         )
-        req.kv_tokens = req.prompt_tokens + max(req.gen_left, budget)
-        self._admit(w, "decode", req)
+        return req.prompt_tokens + max(req.gen_left, budget)
 
     def _turn_done(self, req: Request, w: SimWorker) -> None:
         traj = req.traj

@@ -41,6 +41,7 @@ class Traj:
     context: int = 0  # tokens in context before the current turn
     done_gen: int = 0  # tokens of the current turn's response generated so far
     worker: int | None = None  # last worker that held its prefix (prefill side)
+    decode_worker: int | None = None  # the decode worker of its last turn (local_prefill)
     prefilled: int = 0  # tokens prefilled for the current turn (re-prefills included)
     finished_s: float | None = None
     interrupts: int = 0

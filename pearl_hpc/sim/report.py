@@ -53,7 +53,7 @@ def markdown_table(doc: dict[str, Any]) -> str:
         if has_rlb:
             row += f" {100 * (doc['ratios_vs_rlboost+'][name] - 1):+.1f}% |"
         lines.append(row)
-    if any(r["steps"] and name == "pearl+" for name, r in doc["systems"].items()):
+    if any(r["steps"] and name.startswith("pearl+") for name, r in doc["systems"].items()):
         lines += [
             "",
             "tokens/s and the ratios are PEARL's metric, the mean of per-step throughputs; "

@@ -152,6 +152,7 @@ def _summary(sim: Simulator) -> dict[str, Any]:
         "trained_tokens": sum(s.trained_tokens for s in steps),
         "steps": len(steps),
         "preempted_turns": sim.preempted_turns,
+        "local_prefills": sim.local_prefills,
         # rollout workers serving nothing (the batch tail, environment waits)
         "idle_worker_share": round(
             sum(s.idle_worker_s for s in steps) / max(1e-9, sum(s.active_worker_s for s in steps)),

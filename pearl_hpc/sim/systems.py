@@ -8,13 +8,18 @@
 | pd-only     | as given                           | adaptive  | none      | gated     | sticky  |
 | pd+toggle   | as given                           | adaptive  | ungated   | gated     | sticky  |
 | pearl       | as given (4 reserved + trace)      | adaptive  | gated     | gated     | sticky  |
-| pearl+      | as pearl, plus tail_start (below)  | adaptive  | gated     | gated     | sticky  |
+| pearl+      | as pearl, + tail_start, local_prefill | adaptive | gated  | gated     | sticky  |
+| pearl+tail  | as pearl, + tail_start only        | adaptive  | gated     | gated     | sticky  |
+| pearl+local | as pearl, + local_prefill only     | adaptive  | gated     | gated     | sticky  |
 | static-XPYD | fixed                              | fixed X:Y | none      | -         | sticky  |
 | static-coloc| fixed                              | colocated | none      | -         | sticky  |
 
-``pearl+`` is PEARL with the policies of "beyond PEARL" (``PolicyConfig``): so far
-``tail_start``, the next batch's trajectories start while this batch's tail leaves the
-workers idle (within the staleness bound) instead of after its last trajectory.
+``pearl+`` is PEARL with the policies of "beyond PEARL" (``PolicyConfig``), and
+``pearl+tail`` / ``pearl+local`` each of them alone (the ablation): ``tail_start``, the
+next batch's trajectories start while this batch's tail leaves the workers idle (within
+the staleness bound) instead of after its last trajectory; ``local_prefill``, in
+disaggregated mode a turn is prefilled on the decode worker holding its prefix when that
+is cheaper than the transfer (conditional disaggregation).
 
 Routers are :mod:`pearl_hpc.core.routing`'s (the real router's): ``sticky`` keeps a turn on
 the worker holding its prefix (colocated, or the prefill side of PD; decode goes to the
@@ -38,6 +43,11 @@ from pearl_hpc.sim.entities import SimSetup
 from pearl_hpc.sim.traces import AvailabilityTrace
 
 SYSTEMS = ("roll", "roll-large", "rlboost+", "pd-only", "pd+toggle", "pearl", "pearl+")
+BEYOND = {  # pearl + the policies of issue 17, together and one at a time
+    "pearl+": {"tail_start": True, "local_prefill": True},
+    "pearl+tail": {"tail_start": True},
+    "pearl+local": {"local_prefill": True},
+}
 ROLL_LARGE_GPUS = {1: 14, 2: 10, 3: 12}
 RESERVED_ROLLOUT_GPUS = 4
 TRAINING_GPUS = 16
@@ -111,8 +121,8 @@ def make_setup(
         return setup(_policy(base, adaptive, ungated), reserved, True, True)
     if name == "pearl":
         return setup(_policy(base, adaptive, gated), reserved, True, True)
-    if name == "pearl+":
-        return setup(replace(_policy(base, adaptive, gated), tail_start=True), reserved, True, True)
+    if name in BEYOND:
+        return setup(replace(_policy(base, adaptive, gated), **BEYOND[name]), reserved, True, True)
     if name == "static-coloc":
         return setup(_policy(base, coloc, none), reserved, False, False)
     if name.startswith("static-") and name.endswith("D") and "P" in name:
@@ -124,5 +134,6 @@ def make_setup(
         policy = _policy(base, PDPolicyName.FIXED_RATIO, none, fraction=num_p / workers)
         return setup(policy, reserved, False, False)
     raise SimConfigError(
-        f"unknown system {name!r}; known: {', '.join(SYSTEMS)}, static-coloc, static-<P>P<D>D"
+        f"unknown system {name!r}; known: {', '.join(SYSTEMS)}, pearl+tail, pearl+local, "
+        "static-coloc, static-<P>P<D>D"
     )
