@@ -679,7 +679,7 @@ def test_conditional_disaggregation_pays_where_the_kv_transfer_is_slow() -> None
             sim.workload,
             initial_profile(cost, sim.workload),
             seed=0,
-            duration_s=3600,
+            duration_s=1800,
         ).run()
 
     def tokens_per_s(sim: Simulator) -> float:
