@@ -44,7 +44,7 @@ from pearl_hpc.core.routing import route_mode
 from pearl_hpc.core.table import ElasticSource
 from pearl_hpc.core.tracker import IterationRecord, TurnRecord
 from pearl_hpc.core.types import Mode, Role, Status, Zone
-from pearl_hpc.sim.costmodel import CHUNK_TOKENS, CostModel
+from pearl_hpc.sim.costmodel import CostModel
 from pearl_hpc.sim.entities import (
     Request,
     SimInvariantError,
@@ -522,22 +522,18 @@ class Simulator:
             req.started_vt = w.vt
             req.finish_vt = w.vt + req.gen_left
             heapq.heappush(w.decode, (req.finish_vt, next(self._seq), req))
-            w.decode_ctx += self._decode_ctx(req)
+            w.decode_ctx += req.decode_ctx
             w.started_sum += req.started_vt
 
     def _leave_decode(self, w: SimWorker, req: Request) -> None:
         """Bookkeeping of a request that stops decoding on ``w`` (popped from the heap);
         what it grew becomes part of its allocation."""
-        w.decode_ctx -= self._decode_ctx(req)
+        w.decode_ctx -= req.decode_ctx
         w.started_sum = w.started_sum - req.started_vt if w.decode else 0.0
         if w.grows:
             grown = round(w.vt - req.started_vt)
             w.kv_static += grown
             req.kv_tokens += grown
-
-    @staticmethod
-    def _decode_ctx(req: Request) -> float:
-        return req.prompt_tokens + req.gen_left / 2
 
     # ------------------------------------------------------- processor sharing
     def _advance(self, w: SimWorker) -> None:
@@ -583,7 +579,7 @@ class Simulator:
         ctx = w.decode_ctx
         if w.prefill:
             head = w.prefill[0]
-            chunk = w.chunk = self._chunk(w)
+            chunk = w.chunk = w.prefill_chunk()
             # attention span of the head's part: its prompt up to where prefill has got to
             span = head.prompt_tokens - w.prefill_left + min(chunk, w.prefill_left) / 2
             if n and w.role is not Role.PREFILL:  # colocated, or a decode worker's local prefill
@@ -610,14 +606,6 @@ class Simulator:
             nxt = min(nxt, self.now + max(0.0, w.full_at_vt() - w.vt) / w.decode_rate)
         if nxt < float("inf"):
             self.at(nxt, _P_WORK, self._on_worker, w, w.version)
-
-    @staticmethod
-    def _chunk(w: SimWorker) -> float:
-        """Prefill tokens in this iteration: the queued prompts, first come first served,
-        up to the token budget that the iteration's decode tokens leave (vLLM's chunked
-        prefill: ``max_num_batched_tokens`` covers both; several prompts share a chunk)."""
-        budget = CHUNK_TOKENS - len(w.decode) if w.role is not Role.PREFILL else CHUNK_TOKENS
-        return min(float(budget), max(w.prefill_backlog, w.prefill_left, 1.0))
 
     def _on_worker(self, w: SimWorker, version: int) -> None:
         if version != w.version or self.workers.get(w.slot_id) is not w:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pearl_hpc.core.policies import PolicyConfig
 from pearl_hpc.core.routing import RoutingRule
 from pearl_hpc.core.types import Role, Zone
+from pearl_hpc.sim.costmodel import CHUNK_TOKENS
 from pearl_hpc.sim.traces import AvailabilityTrace
 from pearl_hpc.sim.workload import TrajectorySpec
 
@@ -60,6 +61,11 @@ class Request:
     finish_vt: float = 0.0
     started_vt: float = 0.0
     worker: int | None = None
+
+    @property
+    def decode_ctx(self) -> float:
+        """Context a decode step reads for it, on average: the prompt, half the response."""
+        return self.prompt_tokens + self.gen_left / 2
 
 
 @dataclass(eq=False)
@@ -104,6 +110,13 @@ class SimWorker:
         """KV tokens held by requests (``vt`` must be current)."""
         grown = len(self.decode) * self.vt - self.started_sum if self.grows else 0.0
         return self.kv_static + grown
+
+    def prefill_chunk(self) -> float:
+        """Prefill tokens in this iteration: the queued prompts, first come first served,
+        up to the token budget that the iteration's decode tokens leave (vLLM's chunked
+        prefill: ``max_num_batched_tokens`` covers both; several prompts share a chunk)."""
+        budget = CHUNK_TOKENS - len(self.decode) if self.role is not Role.PREFILL else CHUNK_TOKENS
+        return min(float(budget), max(self.prefill_backlog, self.prefill_left, 1.0))
 
     def fits(self, tokens: int) -> bool:
         """``tokens`` more can be allocated (evicting cached prefixes) leaving the
