@@ -150,6 +150,18 @@ def test_sticky_to_prefix_cache_unless_overloaded():
     assert table.choose(Role.COLOCATED, "traj") == "b"
 
 
+def test_pd_keeps_the_prefix_on_its_prefill_worker_and_decode_goes_least_loaded():
+    table = RoutingTable(mode=Mode.DISAGGREGATED)
+    roles = {"p1": Role.PREFILL, "p2": Role.PREFILL, "d1": Role.DECODE, "d2": Role.DECODE}
+    table.set_roles(roles)
+    table.started("p2", "traj")  # the trajectory's last prefill ran on p2
+    table.finished("p2")
+    table.started("d2")
+    assert table.choose(Role.PREFILL, "traj") == "p2"  # it holds the prefix
+    assert table.choose(Role.PREFILL, "other") == "p1"  # no prefix: least routed
+    assert table.choose(Role.DECODE, "traj") == "d1"  # decode: least loaded, no stickiness
+
+
 def test_route_mode_follows_the_table_and_what_exists():
     table = RoutingTable(mode=Mode.DISAGGREGATED)
     table.set_roles({"p": Role.PREFILL, "d": Role.DECODE, "c": Role.COLOCATED})
