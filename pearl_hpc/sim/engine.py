@@ -476,19 +476,21 @@ class Simulator:
     def _prefill_here(self, w: SimWorker, traj: Traj) -> bool:
         """local_prefill: the decode worker holding the turn's prefix prefills it itself
         when that is cheaper than a prefill worker and a KV transfer."""
+        prompt, uncached = self._prefill_need(w, traj)
+        return prefill_locally(self.controller.profile, uncached, prompt, len(w.decode))
+
+    def _prefill_need(self, w: SimWorker, traj: Traj) -> tuple[int, int]:
+        """The turn's prompt -- with a response interrupted earlier (token-level resume)
+        -- and the part of it ``w`` has not cached (all of it when the agent rewrote its
+        history)."""
         prompt = traj.context + traj.spec.turns[traj.turn].new_tokens + traj.done_gen
         cached = w.cache.get(traj.spec.trajectory_id, 0) if self.workload.prefix_reuse else 0
-        uncached = prompt - min(cached, traj.context)
-        return prefill_locally(self.controller.profile, uncached, prompt, len(w.decode))
+        return prompt, prompt - min(cached, traj.context)
 
     def _submit_prefill(self, w: SimWorker, traj: Traj) -> None:
         turn = traj.spec.turns[traj.turn]
-        cached = w.uncache(traj.spec.trajectory_id)
-        if not self.workload.prefix_reuse:  # the agent rewrote its history: nothing matches
-            cached = 0
-        # the prompt includes a response interrupted earlier (token-level resume)
-        prompt = traj.context + turn.new_tokens + traj.done_gen
-        tokens = prompt - min(cached, traj.context)
+        prompt, tokens = self._prefill_need(w, traj)
+        w.uncache(traj.spec.trajectory_id)  # the prefix now belongs to the running request
         req = Request(traj, prefill_tokens=max(1, tokens), gen_left=turn.gen_tokens - traj.done_gen)
         traj.prefilled += req.prefill_tokens
         self.prefilled_tokens += req.prefill_tokens
