@@ -247,17 +247,26 @@ def _proc_state(pid: int) -> str:
 
 @pytest.mark.vllm
 @pytest.mark.skipif(vllm_skip_reason() is not None, reason=str(vllm_skip_reason()))
-@pytest.mark.parametrize("staleness", [0, 1], ids=["synchronous", "rollout-ahead"])
-def test_a_master_killed_mid_step_resumes_without_losing_anything(tmp_path: Path, staleness: int):
+@pytest.mark.parametrize(
+    ("staleness", "tail_start"),
+    [(0, False), (1, False), (1, True)],
+    ids=["synchronous", "rollout-ahead", "tail-start"],
+)
+def test_a_master_killed_mid_step_resumes_without_losing_anything(
+    tmp_path: Path, staleness: int, tail_start: bool
+):
     """SIGKILL the master of `pearl-hpc run` in the middle of step 1's rollout: its engine
     workers exit by themselves, `pearl-hpc run --resume` continues from the journal with
     the latest weights, keeps step 1's finished trajectories and resumes the unfinished
     ones from their last turn; every step is trained exactly once. With the rollout
     ahead (staleness 1) step 0 may still be training at the kill: it is trained by the
-    resumed master from its complete trajectory log."""
+    resumed master from its complete trajectory log. With tail_start, step 2's rollout
+    may also be running (started in step 1's tail on step 0's weights): it is resumed
+    too, within the staleness bound."""
     config = {
         **CONFIG,
         "profile": MEASURED,  # colocated throughout: the journal is under test, not PD
+        "policy": {**CONFIG["policy"], "tail_start": tail_start},
         "elastic": {"grace_s": 30, "trace": [{"at_step": 0, "workers": 1}]},
         "run": {**CONFIG["run"], "max_staleness": staleness},
     }
@@ -311,6 +320,7 @@ def test_a_master_killed_mid_step_resumes_without_losing_anything(tmp_path: Path
     assert [m["step"] for m in metrics] == [0, 1, 2]
     assert [m["version"] for m in metrics] == [1, 2, 3]
     assert [m["trajectories"] for m in metrics] == [16] * 3
+    assert all(m["max_staleness"] <= staleness for m in metrics)  # the bound held
     assert metrics[1]["resumed"] == len(before) > 0
     assert metrics[1]["tokens_per_s"] > 0  # the tokens this master generated, counted
     after = {}

@@ -172,6 +172,50 @@ def test_route_mode_follows_the_table_and_what_exists():
     assert table.route_mode() is None
 
 
+def test_idle_time_is_each_routed_workers_time_with_nothing_in_flight():
+    now = [0.0]
+    table = RoutingTable(clock=lambda: now[0])
+    table.set_roles({"a": Role.COLOCATED, "b": Role.COLOCATED})
+    start = table.idle_totals()
+    now[0] = 1.0
+    table.started("a")  # a idle 1 s, then busy
+    now[0] = 3.0
+    table.finished("a")  # busy 2 s
+    now[0] = 4.0
+    table.remove("b")  # b idle its whole 4 s, settled on removal
+    table.set_roles({"a": Role.COLOCATED, "c": Role.COLOCATED})  # c joins at 4 s
+    now[0] = 5.0
+    totals = table.idle_totals()
+    assert (totals.worker_s, totals.idle_s) == (5.0 + 4.0 + 1.0, 3.0 + 4.0 + 1.0)
+    assert totals.share_since(start) == 8.0 / 10.0
+    now[0] = 6.0
+    table.started("c")
+    now[0] = 7.0
+    later = table.idle_totals()  # over 5..7: a idle 2 s, c idle 1 s of 4 worker-seconds
+    assert later.share_since(totals) == 3.0 / 4.0
+
+
+def test_a_batch_reaches_its_tail_below_the_level_the_workers_keep_busy():
+    from pearl_hpc.master.steps import BatchProgress
+
+    async def scenario() -> None:
+        level = [3.0]
+        progress = BatchProgress(lambda: level[0], Router())
+        progress.begin(5)
+        assert not progress.tail.is_set()
+        progress.finished_one(None)  # type: ignore[arg-type]
+        progress.finished_one(None)  # type: ignore[arg-type]
+        assert not progress.tail.is_set()  # 3 left: not below 3
+        level[0] = 4.0  # a worker joined: the level rises
+        progress.check()
+        assert progress.tail.is_set() and progress.tail_t is not None
+        resumed = BatchProgress(lambda: 1.0, Router())
+        resumed.begin(0)  # every trajectory finished before a resume: all tail
+        assert resumed.tail.is_set()
+
+    asyncio.run(scenario())
+
+
 # --------------------------------------------------------------------------- dispatch
 
 

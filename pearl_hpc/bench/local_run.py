@@ -6,10 +6,17 @@ Runs the same run YAML twice on real engines:
 - **pearl**: the YAML's policies (adaptive PD, gated borrowing, gated expansion);
 - **colocated**: colocated always, no borrowing; the same workers and elastic trace;
 - **pearl-sync**: pearl with synchronous steps (``run.max_staleness: 0``), to show what
-  running step k+1's rollout during step k's training buys.
+  running step k+1's rollout during step k's training buys;
+- **pearl+**: pearl with ``policy.tail_start`` (issue 17): step k+2's rollout starts in
+  step k+1's tail, on the weights of step k, once fewer trajectories are left than the
+  serving workers can keep busy.
 
+``--variants`` picks which (``pearl`` first), ``--steps`` overrides the YAML's steps.
 Then it prints:
-- tokens/s of both, and their ratio;
+- per-rollout and aggregate tokens/s (generated tokens over the time from the first
+  rollout's start to the last one's end: the one to compare overlapping batches by), the
+  share of routed worker time with nothing in flight, overall and in the batch tails,
+  and the ratios;
 - the reconfiguration latencies PEARL measured, next to what this run measured. These
   are read from the pearl run's ``events.jsonl``:
   - inter-scale preparation: a new worker process started, up to weights caught up;
@@ -35,6 +42,7 @@ from typing import Any
 from pearl_hpc.backends.world import run_to_summary
 from pearl_hpc.config.run import RunConfig, load_run_config
 from pearl_hpc.core.policies import BorrowingName, PDPolicyName
+from pearl_hpc.errors import PearlError
 from pearl_hpc.master.records import read_jsonl
 
 # PEARL.md, "Reconfiguration latency" (Qwen3-8B / Qwen3-30B-A3B on H800), seconds
@@ -101,16 +109,32 @@ def _colocated(cfg: RunConfig) -> RunConfig:
     return replace(cfg, name=cfg.name + "-colocated", policy=policy)
 
 
-def run(config: str) -> dict[str, Any]:
+VARIANTS = ("pearl", "colocated", "pearl-sync", "pearl+")
+
+
+def _variant(cfg: RunConfig, name: str) -> RunConfig:
+    if name == "pearl":
+        return cfg
+    if name == "colocated":
+        return _colocated(cfg)
+    if name == "pearl-sync":
+        return replace(cfg, name=cfg.name + "-sync", run=replace(cfg.run, max_staleness=0))
+    if name == "pearl+":
+        policy = replace(cfg.policy, tail_start=True)
+        return replace(cfg, name=cfg.name + "-plus", policy=policy)
+    raise PearlError(f"bench --local: unknown variant {name!r}; use {', '.join(VARIANTS)}")
+
+
+def run(
+    config: str, variants: tuple[str, ...] = VARIANTS, steps: int | None = None
+) -> dict[str, Any]:
     cfg = load_run_config(config)
+    if steps is not None:
+        cfg = replace(cfg, run=replace(cfg.run, steps=steps))
+    chosen = [_variant(cfg, name) for name in variants]  # a bad name fails before any run
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="pearl-bench-local-") as tmp:
-        variants = (
-            ("pearl", cfg),
-            ("colocated", _colocated(cfg)),
-            ("pearl-sync", replace(cfg, run=replace(cfg.run, max_staleness=0))),
-        )
-        for name, variant in variants:
+        for name, variant in zip(variants, chosen, strict=True):
             run_dir = Path(tmp) / name
             print(f"bench --local: running {name} ...", flush=True)
             summary = run_to_summary(variant, run_dir)
@@ -131,27 +155,42 @@ def _median(xs: list[float]) -> str:
 
 
 def format_results(results: dict[str, Any]) -> str:
-    lines = ["| system | rollout tokens/s | wall s | targets | borrow cycles | mode changes |"]
-    lines.append("|---|---|---|---|---|---|")
+    lines = [
+        "| system | rollout tokens/s | aggregate tokens/s | wall s | idle share | tail idle "
+        "share | targets | borrow cycles | mode changes |"
+    ]
+    lines.append("|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         s = r["summary"]
         c = s["counters"]
         targets = [t for i, t in enumerate(s["targets"]) if i == 0 or s["targets"][i - 1] != t]
         lines.append(
-            f"| {name} | {s['tokens_per_s']:.0f} | {s['wall_s']:.0f} | {' -> '.join(targets)} | "
-            f"{c['borrow_cycles']} | {c['mode_changes']} |"
+            f"| {name} | {s['tokens_per_s']:.0f} | {s['aggregate_tokens_per_s']:.0f} | "
+            f"{s['wall_s']:.0f} | {s['idle_share']:.1%} | {s['tail_idle_share']:.1%} | "
+            f"{' -> '.join(targets)} | {c['borrow_cycles']} | {c['mode_changes']} |"
         )
-    pearl, coloc = results["pearl"]["summary"], results["colocated"]["summary"]
-    ratio = pearl["tokens_per_s"] / coloc["tokens_per_s"]
-    lines.append(
-        f"\npearl / colocated rollout tokens/s: {ratio:.2f}x"
-        " (2 CPU cores shared by every engine: see the module docstring)"
-    )
+    if "pearl" not in results:
+        return "\n".join(lines)
+    pearl = results["pearl"]["summary"]
+    if "colocated" in results:
+        coloc = results["colocated"]["summary"]
+        lines.append(
+            f"\npearl / colocated rollout tokens/s: "
+            f"{pearl['tokens_per_s'] / coloc['tokens_per_s']:.2f}x"
+            " (2 CPU cores shared by every engine: see the module docstring)"
+        )
     if "pearl-sync" in results:
         sync = results["pearl-sync"]["summary"]
         lines.append(
             f"pearl wall time / pearl-sync: {pearl['wall_s'] / sync['wall_s']:.2f}x "
             "(rollout k+1 during training k, on the same 2 cores)"
+        )
+    if "pearl+" in results:
+        plus = results["pearl+"]["summary"]
+        lines.append(
+            f"pearl+ / pearl aggregate tokens/s: "
+            f"{plus['aggregate_tokens_per_s'] / pearl['aggregate_tokens_per_s']:.2f}x, wall time "
+            f"{plus['wall_s'] / pearl['wall_s']:.2f}x (the next batch in this one's tail)"
         )
     lines.append("\n| reconfiguration | PEARL Qwen3-8B / 30B-A3B (s) | this run, median (n) |")
     lines.append("|---|---|---|")
@@ -166,11 +205,26 @@ def format_results(results: dict[str, Any]) -> str:
         lines.append(
             f"| {m['step']} | {m['config']} | {m['predicted_s']:.2f} | {m['rollout_s']:.2f} |"
         )
+    for name in ("pearl", "pearl+"):
+        if name in results:
+            lines.append(f"\n{name}: per step, rollout window, its tail, idle shares")
+            lines.append("| step | rollout start-end s | tail s | idle share | tail idle share |")
+            lines.append("|---|---|---|---|---|")
+            for m in results[name]["metrics"]:
+                lines.append(
+                    f"| {m['step']} | {m['rollout_started_s']:.1f}-{m['rollout_ended_s']:.1f} | "
+                    f"{m['tail_s']:.1f} | {m['idle_share']:.1%} | {m['tail_idle_share']:.1%} |"
+                )
     return "\n".join(lines)
 
 
-def main(config: str, as_json: bool = False) -> int:
-    results = run(config)
+def main(
+    config: str,
+    as_json: bool = False,
+    variants: tuple[str, ...] = VARIANTS,
+    steps: int | None = None,
+) -> int:
+    results = run(config, variants, steps)
     if as_json:
         print(json.dumps(results, indent=1))
     else:

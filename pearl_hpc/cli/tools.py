@@ -27,13 +27,19 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.local:
         from pearl_hpc.bench import local_run
 
-        return local_run.main(args.config or str(REPO_CONFIGS / "runs" / "local.yaml"), args.json)
+        return local_run.main(
+            args.config or str(REPO_CONFIGS / "runs" / "local.yaml"),
+            args.json,
+            variants=tuple(args.variants.split(",")),
+            steps=args.steps,
+        )
     if args.harvest:
         from pearl_hpc.bench import harvest
 
         config = args.config or str(REPO_CONFIGS / "runs" / "slurm-local.yaml")
         requests = tuple(args.requests.split(","))
-        return harvest.main(config, args.segment, args.speedup, args.steps, args.json, requests)
+        steps = 40 if args.steps is None else args.steps
+        return harvest.main(config, args.segment, args.speedup, steps, args.json, requests)
     module = sim_speed if args.sim else decision_speed
     return module.main(["--json"] if args.json else [])
 
@@ -60,8 +66,13 @@ def add_parsers(sub: Any) -> None:
     bench.add_argument(
         "--local",
         action="store_true",
-        help="the local training run: pearl vs fixed colocated, reconfiguration latencies, "
-        "predicted vs measured rollout",
+        help="the local training run: pearl vs fixed colocated, synchronous steps and pearl+ "
+        "(tail_start), reconfiguration latencies, predicted vs measured rollout",
+    )
+    bench.add_argument(
+        "--variants",
+        default="pearl,colocated,pearl-sync,pearl+",
+        help="with --local: which runs, comma-separated (pearl first)",
     )
     bench.add_argument(
         "--harvest",
@@ -75,7 +86,11 @@ def add_parsers(sub: Any) -> None:
     bench.add_argument(
         "--speedup", type=float, default=60.0, help="with --harvest: trace seconds per second"
     )
-    bench.add_argument("--steps", type=int, default=40, help="with --harvest: steps per run")
+    bench.add_argument(
+        "--steps",
+        type=int,
+        help="steps per run (--harvest: default 40; --local: default the run YAML's)",
+    )
     bench.add_argument(
         "--requests", default="single,hetjob", help="with --harvest: request kinds to run"
     )

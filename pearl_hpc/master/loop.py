@@ -60,7 +60,13 @@ from pearl_hpc.master.journal import (
     write_lines,
 )
 from pearl_hpc.master.members import Members, RemoteTrainer
-from pearl_hpc.master.records import EventLog, StepMetrics, event_fields, read_metrics
+from pearl_hpc.master.records import (
+    EventLog,
+    StepMetrics,
+    event_fields,
+    read_metrics,
+    rollout_summary,
+)
 from pearl_hpc.master.steps import StepPipeline, Workload
 from pearl_hpc.rollout.router import Router
 
@@ -516,6 +522,7 @@ class MasterRun:
                 / max(1e-9, sum(m.rollout_s for m in metrics)),
                 1,
             ),
+            **rollout_summary(metrics),
             "reward_curve": [m.mean_reward for m in metrics],
             "targets": [str(r.plan.target) for r in self.controller.history],
             "counters": asdict(self.executor.counters),

@@ -72,6 +72,15 @@ class StepMetrics:
     clip_frac: float = 0.0
     behaviour_coverage: float = 0.0  # share of policy tokens that had a mu
     env_failures: int = 0  # trajectories an environment fault ended (reason in the journal)
+    # run clock at the rollout's start and end (batches overlap with policy.tail_start)
+    rollout_started_s: float = 0.0
+    rollout_ended_s: float = 0.0
+    # the batch's tail: how long it ran with fewer unfinished trajectories than the
+    # serving workers can keep busy (core.policies.tail_level), and the share of routed
+    # worker time with nothing in flight over the step's window and over that tail
+    tail_s: float = 0.0
+    idle_share: float = 0.0
+    tail_idle_share: float = 0.0
 
 
 class EventLog:
@@ -154,7 +163,8 @@ def format_step(m: StepMetrics) -> str:
         f"rollout {m.rollout_s:.1f} s, train {m.train_s:.1f} s, return "
         f"{m.return_latency_s:.2f} s, elastic {m.elastic_workers}, "
         f"borrowed {'yes' if m.borrowed else 'no'}, moved turns {m.moved_turns}, "
-        f"roles {roles}, off-policy {m.mismatch_mean:.3f}/{m.mismatch_max:.2f}"
+        f"roles {roles}, off-policy {m.mismatch_mean:.3f}/{m.mismatch_max:.2f}, "
+        f"idle {m.idle_share:.0%} (tail {m.tail_s:.1f} s, {m.tail_idle_share:.0%} idle)"
         + (f", resumed {m.resumed} trajectories" if m.resumed else "")
         + (f", {m.env_failures} failed by the environment" if m.env_failures else "")
     )
@@ -165,7 +175,9 @@ def format_summary(summary: dict[str, Any]) -> str:
     ret = c["return_latency_s"]
     lines = [
         f"steps {summary['steps']} in {summary['wall_s']} s; rollout {summary['tokens_per_s']} "
-        "tokens/s",
+        f"tokens/s per rollout, {summary.get('aggregate_tokens_per_s', 0.0)} aggregate; idle "
+        f"{summary.get('idle_share', 0.0):.0%} of worker time, "
+        f"{summary.get('tail_idle_share', 0.0):.0%} in the batch tails",
         "reward per step: " + " ".join(f"{r:.3f}" for r in summary["reward_curve"]),
         f"elastic grows {c['grows']}, reclaims {c['reclaims']}; borrow cycles "
         f"{c['borrow_cycles']}; mode changes {c['mode_changes']}, ratio changes "
@@ -175,6 +187,21 @@ def format_summary(summary: dict[str, Any]) -> str:
         "targets: " + " -> ".join(_dedup(summary["targets"])),
     ]
     return "\n".join(lines)
+
+
+def rollout_summary(metrics: list[StepMetrics]) -> dict[str, float]:
+    """The rollouts' aggregate over a master's steps: tokens it generated over the time
+    from the first rollout's start to the last one's end (the throughput to compare
+    overlapping batches by), and the mean idle shares."""
+    if not metrics:
+        return {"aggregate_tokens_per_s": 0.0, "idle_share": 0.0, "tail_idle_share": 0.0}
+    generated = sum(m.tokens_per_s * m.rollout_s for m in metrics)  # resumed ones left out
+    span_s = max(m.rollout_ended_s for m in metrics) - min(m.rollout_started_s for m in metrics)
+    return {
+        "aggregate_tokens_per_s": round(generated / span_s, 1) if span_s > 0 else 0.0,
+        "idle_share": round(sum(m.idle_share for m in metrics) / len(metrics), 4),
+        "tail_idle_share": round(sum(m.tail_idle_share for m in metrics) / len(metrics), 4),
+    }
 
 
 def _dedup(items: list[str]) -> list[str]:

@@ -12,6 +12,9 @@ trajectory's prefix (colocated workers, and prefill workers in PD).
   generates with the returned ``kv_transfer_params`` (it pulls the KV over NIXL).
 - **Load** is requests in flight on the worker; ties go to the worker routed the fewest
   turns in total, then to the smallest worker id.
+- **Idle time**: each worker's seconds with no request in flight, summed over the workers
+  routed to (``idle_totals``): the master reads it at a batch's tail and end to report
+  the worker time the tail leaves unused.
 - **Admission** can be paused (atomic finalisation of a plan: no new turn starts while
   the role table changes; running turns go on) and a worker can be removed from routing
   at once (``remove``): no new turn reaches it, even before its drain completes.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -40,9 +44,28 @@ class NoWorkers(PearlError):
 @dataclass
 class _Entry:
     role: Role
+    since_s: float  # routed to from then on
+    idle_since_s: float | None  # nothing in flight from then on (None: busy)
     in_flight: int = 0
     routed: int = 0
     admitting: bool = True
+    idle_s: float = 0.0  # settled idle seconds (up to idle_since_s)
+
+    def idle_until(self, now_s: float) -> float:
+        return self.idle_s + (now_s - self.idle_since_s if self.idle_since_s is not None else 0.0)
+
+
+@dataclass(frozen=True)
+class IdleTotals:
+    """Worker-seconds routed to and idle (nothing in flight), over every worker so far."""
+
+    worker_s: float
+    idle_s: float
+
+    def share_since(self, earlier: IdleTotals) -> float:
+        """The idle share of the worker time between ``earlier`` and these totals."""
+        worker_s = self.worker_s - earlier.worker_s
+        return (self.idle_s - earlier.idle_s) / worker_s if worker_s > 0 else 0.0
 
 
 @dataclass
@@ -53,22 +76,40 @@ class RoutingTable:
     mode: Mode = Mode.COLOCATED
     workers: dict[str, _Entry] = field(default_factory=dict)
     last_worker: dict[str, str] = field(default_factory=dict)  # trajectory -> prefix holder
+    clock: Callable[[], float] = time.monotonic
+    # of the workers no longer routed to
+    _gone: IdleTotals = field(default=IdleTotals(0.0, 0.0), init=False)
 
     def set_roles(self, roles: Mapping[str, Role]) -> None:
         """Install a role configuration; loads of surviving workers are kept."""
         for wid in list(self.workers):
             if wid not in roles:
-                del self.workers[wid]
+                self.remove(wid)
+        now = self.clock()
         for wid, role in roles.items():
             entry = self.workers.get(wid)
             if entry is None:
-                self.workers[wid] = _Entry(role)
+                self.workers[wid] = _Entry(role, since_s=now, idle_since_s=now)
             else:
                 entry.role = role
                 entry.admitting = True
 
     def remove(self, worker_id: str) -> None:
-        self.workers.pop(worker_id, None)
+        entry = self.workers.pop(worker_id, None)
+        if entry is not None:
+            now = self.clock()
+            self._gone = IdleTotals(
+                self._gone.worker_s + now - entry.since_s,
+                self._gone.idle_s + entry.idle_until(now),
+            )
+
+    def idle_totals(self) -> IdleTotals:
+        """Worker-seconds and idle worker-seconds of every worker routed to so far."""
+        now = self.clock()
+        return IdleTotals(
+            self._gone.worker_s + sum(now - e.since_s for e in self.workers.values()),
+            self._gone.idle_s + sum(e.idle_until(now) for e in self.workers.values()),
+        )
 
     def set_admitting(self, worker_id: str, admitting: bool) -> None:
         if worker_id in self.workers:
@@ -98,6 +139,9 @@ class RoutingTable:
     def started(self, worker_id: str, trajectory_id: str | None = None) -> None:
         entry = self.workers.get(worker_id)
         if entry is not None:
+            if entry.idle_since_s is not None:
+                entry.idle_s = entry.idle_until(self.clock())
+                entry.idle_since_s = None
             entry.in_flight += 1
             entry.routed += 1
         if trajectory_id is not None:
@@ -107,6 +151,8 @@ class RoutingTable:
         entry = self.workers.get(worker_id)
         if entry is not None and entry.in_flight > 0:
             entry.in_flight -= 1
+            if entry.in_flight == 0:
+                entry.idle_since_s = self.clock()
 
     def forget(self, trajectory_id: str) -> None:
         self.last_worker.pop(trajectory_id, None)
