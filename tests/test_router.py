@@ -15,7 +15,7 @@ from pearl_hpc.engine.rpc import RpcClient, new_key, serve
 from pearl_hpc.engine.types import Draining, EngineError, TurnRequest, TurnResult
 from pearl_hpc.errors import ConfigError
 from pearl_hpc.rollout.agent import ChatFormat, RolloutConfig, rollout_batch, run_trajectory
-from pearl_hpc.rollout.router import NoWorkers, Router, RoutingTable
+from pearl_hpc.rollout.router import IdleTotals, NoWorkers, Router, RoutingTable
 
 EOS = 0
 
@@ -187,12 +187,12 @@ def test_idle_time_is_each_routed_workers_time_with_nothing_in_flight():
     now[0] = 5.0
     totals = table.idle_totals()
     assert (totals.worker_s, totals.idle_s) == (5.0 + 4.0 + 1.0, 3.0 + 4.0 + 1.0)
-    assert totals.share_since(start) == 8.0 / 10.0
+    assert totals.since(start).share == 8.0 / 10.0
     now[0] = 6.0
     table.started("c")
     now[0] = 7.0
     later = table.idle_totals()  # over 5..7: a idle 2 s, c idle 1 s of 4 worker-seconds
-    assert later.share_since(totals) == 3.0 / 4.0
+    assert later.since(totals) == IdleTotals(4.0, 3.0)
 
 
 def test_a_batch_reaches_its_tail_below_the_level_the_workers_keep_busy():

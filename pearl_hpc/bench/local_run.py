@@ -147,6 +147,10 @@ def run(
     return results
 
 
+def _share(part: float, whole: float) -> str:
+    return f"{part / whole:.1%}" if whole > 0 else "-"
+
+
 def _median(xs: list[float]) -> str:
     if not xs:
         return "-"
@@ -213,7 +217,8 @@ def format_results(results: dict[str, Any]) -> str:
             for m in results[name]["metrics"]:
                 lines.append(
                     f"| {m['step']} | {m['rollout_started_s']:.1f}-{m['rollout_ended_s']:.1f} | "
-                    f"{m['tail_s']:.1f} | {m['idle_share']:.1%} | {m['tail_idle_share']:.1%} |"
+                    f"{m['tail_s']:.1f} | {_share(m['idle_worker_s'], m['worker_s'])} | "
+                    f"{_share(m['tail_idle_worker_s'], m['tail_worker_s'])} |"
                 )
     return "\n".join(lines)
 

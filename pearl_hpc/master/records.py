@@ -76,11 +76,21 @@ class StepMetrics:
     rollout_started_s: float = 0.0
     rollout_ended_s: float = 0.0
     # the batch's tail: how long it ran with fewer unfinished trajectories than the
-    # serving workers can keep busy (core.policies.tail_level), and the share of routed
-    # worker time with nothing in flight over the step's window and over that tail
+    # serving workers can keep busy (core.policies.tail_level); routed worker-seconds and
+    # those with nothing in flight, over the step's window and over that tail
     tail_s: float = 0.0
-    idle_share: float = 0.0
-    tail_idle_share: float = 0.0
+    worker_s: float = 0.0
+    idle_worker_s: float = 0.0
+    tail_worker_s: float = 0.0
+    tail_idle_worker_s: float = 0.0
+
+    @property
+    def idle_share(self) -> float:
+        return self.idle_worker_s / self.worker_s if self.worker_s > 0 else 0.0
+
+    @property
+    def tail_idle_share(self) -> float:
+        return self.tail_idle_worker_s / self.tail_worker_s if self.tail_worker_s > 0 else 0.0
 
 
 class EventLog:
@@ -192,15 +202,22 @@ def format_summary(summary: dict[str, Any]) -> str:
 def rollout_summary(metrics: list[StepMetrics]) -> dict[str, float]:
     """The rollouts' aggregate over a master's steps: tokens it generated over the time
     from the first rollout's start to the last one's end (the throughput to compare
-    overlapping batches by), and the mean idle shares."""
+    overlapping batches by), and the share of routed worker time with nothing in flight,
+    over the steps' windows and over their tails."""
     if not metrics:
         return {"aggregate_tokens_per_s": 0.0, "idle_share": 0.0, "tail_idle_share": 0.0}
     generated = sum(m.tokens_per_s * m.rollout_s for m in metrics)  # resumed ones left out
     span_s = max(m.rollout_ended_s for m in metrics) - min(m.rollout_started_s for m in metrics)
     return {
         "aggregate_tokens_per_s": round(generated / span_s, 1) if span_s > 0 else 0.0,
-        "idle_share": round(sum(m.idle_share for m in metrics) / len(metrics), 4),
-        "tail_idle_share": round(sum(m.tail_idle_share for m in metrics) / len(metrics), 4),
+        "idle_share": round(
+            sum(m.idle_worker_s for m in metrics) / max(1e-9, sum(m.worker_s for m in metrics)), 4
+        ),
+        "tail_idle_share": round(
+            sum(m.tail_idle_worker_s for m in metrics)
+            / max(1e-9, sum(m.tail_worker_s for m in metrics)),
+            4,
+        ),
     }
 
 

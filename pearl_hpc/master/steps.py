@@ -21,9 +21,10 @@ rollout k+2 starts on it -- the staleness bound holds, the tail's idle workers g
     training k ──┘ publish v_k+1 ┘      └ training k+1
                                └─ rollout k+2 (v_k+1) ──────────
 
-Each step's record says how long its batch's tail ran (``tail_s``) and the share of
-routed worker time with nothing in flight over the step's window and over its tail
-(``idle_share``, ``tail_idle_share``; the router counts it).
+Each step's record says how long its batch's tail ran (``tail_s``) and the routed
+worker-seconds with and without anything in flight over the step's window and over its
+tail (``worker_s``, ``idle_worker_s``, ``tail_worker_s``, ``tail_idle_worker_s``; the
+router counts them).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from pearl_hpc.master.journal import TrajectoryLog
 from pearl_hpc.master.members import RemoteTrainer, TrainResult
 from pearl_hpc.master.records import StepMetrics
 from pearl_hpc.rollout.agent import rollout_batch, tracker_turns
-from pearl_hpc.rollout.router import Router
+from pearl_hpc.rollout.router import IdleTotals, Router
 from pearl_hpc.rollout.tasks import TaskSet
 from pearl_hpc.rollout.types import Trajectory
 
@@ -75,8 +76,8 @@ class RolloutResult:
     started_s: float  # run clock at the rollout's start and end
     ended_s: float
     tail_s: float  # how long the batch ran below the tail level (0: never)
-    idle_share: float  # routed worker time with nothing in flight, over the step's window
-    tail_idle_share: float  # the same over the tail
+    window: IdleTotals  # routed worker-seconds and those with nothing in flight, over the
+    tail: IdleTotals  # step's window and over its tail
 
 
 class BatchProgress:
@@ -253,7 +254,7 @@ class StepPipeline:
         )
         t_end = time.perf_counter()
         rollout_s = t_end - t0
-        idle = self._idle_shares(progress, t0, t_end)
+        idle = self._idle(progress, t0, t_end)
         iterations = []
         for client in self.executor.serving().values():
             with contextlib.suppress(Exception):
@@ -294,21 +295,17 @@ class StepPipeline:
     def _tail_level(self) -> float:
         return tail_level(self.controller.profile, len(self.router.table.workers))
 
-    def _idle_shares(
+    def _idle(
         self, progress: BatchProgress, t0: float, t_end: float
-    ) -> tuple[float, float, float]:
-        """(tail_s, idle share over the step's window, idle share over the tail): the
-        window runs from the previous rollout's end, or from this one's start if that is
-        later (a synchronous run's training is not rollout time)."""
+    ) -> tuple[float, IdleTotals, IdleTotals]:
+        """(tail_s, routed and idle worker-seconds over the step's window and over its
+        tail): the window runs from the previous rollout's end, or from this one's start
+        if that is later (a synchronous run's training is not rollout time)."""
         now = self.router.table.idle_totals()
         start = self.window_start if self.window_t > t0 else progress.at_start
         self.window_start, self.window_t = now, t_end
         tail_t = progress.tail_t if progress.tail_t is not None else t_end
-        return (
-            round(t_end - tail_t, 3),
-            round(now.share_since(start), 4),
-            round(now.share_since(progress.at_tail), 4),
-        )
+        return round(t_end - tail_t, 3), now.since(start), now.since(progress.at_tail)
 
     def _record_turn(self, step: int, traj: Trajectory) -> None:
         self.tlog.record(step, traj)
@@ -389,8 +386,10 @@ class StepPipeline:
                 rollout_started_s=round(done.started_s, 3),
                 rollout_ended_s=round(done.ended_s, 3),
                 tail_s=done.tail_s,
-                idle_share=done.idle_share,
-                tail_idle_share=done.tail_idle_share,
+                worker_s=round(done.window.worker_s, 3),
+                idle_worker_s=round(done.window.idle_s, 3),
+                tail_worker_s=round(done.tail.worker_s, 3),
+                tail_idle_worker_s=round(done.tail.idle_s, 3),
             )
         )
 

@@ -62,10 +62,13 @@ class IdleTotals:
     worker_s: float
     idle_s: float
 
-    def share_since(self, earlier: IdleTotals) -> float:
-        """The idle share of the worker time between ``earlier`` and these totals."""
-        worker_s = self.worker_s - earlier.worker_s
-        return (self.idle_s - earlier.idle_s) / worker_s if worker_s > 0 else 0.0
+    def since(self, earlier: IdleTotals) -> IdleTotals:
+        """The worker time and idle time between ``earlier`` and these totals."""
+        return IdleTotals(self.worker_s - earlier.worker_s, self.idle_s - earlier.idle_s)
+
+    @property
+    def share(self) -> float:
+        return self.idle_s / self.worker_s if self.worker_s > 0 else 0.0
 
 
 @dataclass

@@ -22,8 +22,11 @@ _STATE_COLORS = {
 def markdown_table(doc: dict[str, Any]) -> str:
     has_roll = "ratios_vs_roll" in doc
     has_rlb = "ratios_vs_rlboost+" in doc
-    head = "| system | tokens/s | aggregate tokens/s | steps | rollout tokens | trained tokens |"
-    rule = "|---|---|---|---|---|---|"
+    head = (
+        "| system | tokens/s | aggregate tokens/s | of fluid bound | idle share | steps | "
+        "rollout tokens | trained tokens |"
+    )
+    rule = "|---|---|---|---|---|---|---|---|"
     if has_roll:
         head, rule = head + " vs roll |", rule + "---|"
     if has_rlb:
@@ -45,7 +48,7 @@ def markdown_table(doc: dict[str, Any]) -> str:
     for name, r in doc["systems"].items():
         row = (
             f"| {name} | {r['throughput_tokens_per_s']:.0f} | {r['aggregate_tokens_per_s']:.0f} "
-            f"| {r['steps']} | "
+            f"| {r['share_of_fluid_bound']:.1%} | {r['idle_worker_share']:.1%} | {r['steps']} | "
             f"{r['rollout_tokens']} | {r['trained_tokens']} |"
         )
         if has_roll:
@@ -53,6 +56,14 @@ def markdown_table(doc: dict[str, Any]) -> str:
         if has_rlb:
             row += f" {100 * (doc['ratios_vs_rlboost+'][name] - 1):+.1f}% |"
         lines.append(row)
+    bound = doc["fluid_bound"]
+    lines += [
+        "",
+        f"fluid bound: {bound['tokens_per_s']:.0f} tokens/s (the same GPUs at perfect "
+        f"utilisation with free reconfiguration; limited by {bound['limited_by']}: "
+        f"{bound['rollout_worker_s_per_batch']:.0f} rollout worker-s and "
+        f"{bound['training_s_per_batch']:.0f} s of training per batch)",
+    ]
     if any(r["steps"] and name.startswith("pearl+") for name, r in doc["systems"].items()):
         lines += [
             "",

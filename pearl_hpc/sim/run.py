@@ -14,7 +14,8 @@ from pearl_hpc.core.profile import WorkloadProfile
 from pearl_hpc.core.routing import RoutingPolicy
 from pearl_hpc.sim.costmodel import CHUNK_TOKENS, CostModel, SimConfigError
 from pearl_hpc.sim.engine import Simulator
-from pearl_hpc.sim.systems import ROUTERS, make_setup
+from pearl_hpc.sim.fluid import fluid_bound
+from pearl_hpc.sim.systems import RESERVED_ROLLOUT_GPUS, ROUTERS, make_setup
 from pearl_hpc.sim.traces import AvailabilityTrace, load_segment, load_trace
 from pearl_hpc.sim.workload import WorkloadConfig
 
@@ -240,6 +241,19 @@ def simulate(
         "kv_transfer_gb_per_s": round(cost.kv_transfer_rate / 1e9, 3),
         "systems": results,
     }
+    # the same GPUs at perfect utilisation with free reconfiguration (sim/fluid.py)
+    bound = fluid_bound(
+        cost,
+        workload,
+        seed=req.seed,
+        duration_s=duration,
+        reserved_rollout_gpus=req.rollout_gpus or RESERVED_ROLLOUT_GPUS,
+        training_gpus=req.training_gpus,
+        trace=trace,
+    )
+    doc["fluid_bound"] = bound.to_dict()
+    for r in results.values():
+        r["share_of_fluid_bound"] = round(r["aggregate_tokens_per_s"] / bound.tokens_per_s, 4)
     for base in ("roll", "rlboost+", "static-coloc"):
         if base in results and results[base]["throughput_tokens_per_s"] > 0:
             ref = results[base]["throughput_tokens_per_s"]
