@@ -704,3 +704,44 @@ def test_prefill_locally_weighs_the_stalled_decodes_against_the_transfer() -> No
     assert not prefill_locally(profile, int(ratio * prompt) + 10, prompt, decoding=0)
     assert not prefill_locally(profile, int(ratio * prompt), prompt, decoding=3)
     assert prefill_locally(profile, int(ratio * prompt / 4), prompt, decoding=3)
+
+
+def test_turns_left_is_the_mean_residual_of_the_finished_trajectories() -> None:
+    from pearl_hpc.core.policies import TurnsLeft
+
+    left = TurnsLeft(prior_mean=30)
+    assert left.expected(5) == 25 and left.expected(40) == 1  # the prior, at least one
+    for turns in (10, 20, 30, 40):
+        left.observe(turns)
+    assert left.expected(0) == 25  # the mean
+    assert left.expected(15) == 15  # (20 + 30 + 40) / 3 - 15
+    assert left.expected(35) == 5  # only the 40-turn one is longer
+    assert left.expected(40) == 1  # none longer: the prior's floor
+
+
+def test_tail_dispatch_keeps_every_queue_in_batch_then_remaining_work_order() -> None:
+    """tail_dispatch on pearl+tail (two batches in flight) with 4 GPUs, where queues
+    form: each worker's queued prefills (behind the one under way) and KV admissions are
+    ordered oldest batch first, then longest predicted remaining work; the predictor
+    learns from the finished trajectories; nothing is lost (audited)."""
+
+    class Watched(AuditedSimulator):
+        checks = 0
+        reordered = 0
+
+        def _enter(self, w, phase, req, *, reserve=True):  # type: ignore[no-untyped-def]
+            if phase == "prefill" and w.prefill and req.order < w.prefill[-1].order:
+                Watched.reordered += 1
+            super()._enter(w, phase, req, reserve=reserve)
+            queued = [r.order for r in list(w.prefill)[1:]]
+            waiting = [r.order for _, r in w.waiting if r.order != (0, 0.0, 0)]
+            assert queued == sorted(queued)
+            assert waiting == sorted(waiting) or any(o[0] for o in waiting)
+            Watched.checks += 1
+
+    sim = build("pearl+tail+dispatch", segment=None, rollout_gpus=4, sim_cls=Watched).run()
+    assert Watched.checks > 1000 and Watched.reordered > 0
+    counts = sim.turns_left.counts
+    assert sum(counts.values()) == sim.trajs_finished > 0
+    mean = sum(t * n for t, n in counts.items()) / sim.trajs_finished
+    assert sim.turns_left.expected(0) == pytest.approx(mean)

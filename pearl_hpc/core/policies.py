@@ -309,6 +309,12 @@ class PolicyConfig:
         "bound (PEARL waits for the whole batch)",
         default=False,
     )
+    tail_dispatch: bool = spec_field(
+        "order each worker's queued turns (prefill and KV admission) by batch, oldest first "
+        "(its end gates training), then by predicted remaining work, longest first "
+        "(TurnsLeft x the tracker's per-turn cost), then arrival",
+        default=False,
+    )
     local_prefill: bool = spec_field(
         "disaggregated mode: prefill a turn on the decode worker that holds its prefix when "
         "that costs less than moving its KV (prefill_locally; NVIDIA Dynamo's conditional "
@@ -420,3 +426,50 @@ def prefill_locally(
     local_s = uncached_tokens * profile.prefill_s_per_token * (1 + decoding)
     transfer_s = prompt_tokens * profile.kv_bytes_per_token / profile.transfer_bytes_per_s
     return local_s <= transfer_s
+
+
+class TurnsLeft:
+    """Expected turns left of a trajectory that has run ``done`` turns: the mean of
+    ``T - done`` over the finished trajectories with ``T > done`` (the empirical mean
+    residual life); with none of them yet, ``max(1, prior_mean - done)``. Trajectories
+    still running are not counted (no censoring correction): early in a run, when only
+    short ones have finished, it underestimates what long ones have left."""
+
+    def __init__(self, prior_mean: float) -> None:
+        self.prior_mean = prior_mean
+        self.counts: dict[int, int] = {}
+        self._suffix: tuple[list[int], list[int]] | None = None  # (n, sum T) for T > done
+
+    def observe(self, turns: int) -> None:
+        self.counts[turns] = self.counts.get(turns, 0) + 1
+        self._suffix = None
+
+    def expected(self, done: int) -> float:
+        if self._suffix is None:
+            top = max(self.counts, default=0)
+            n, total = [0] * (top + 2), [0] * (top + 2)
+            for t in range(top, -1, -1):
+                n[t] = n[t + 1] + self.counts.get(t + 1, 0)
+                total[t] = total[t + 1] + (t + 1) * self.counts.get(t + 1, 0)
+            self._suffix = (n, total)
+        n, total = self._suffix
+        if done < len(n) and n[done]:
+            return total[done] / n[done] - done
+        return max(1.0, self.prior_mean - done)
+
+
+def remaining_work_s(profile: WorkloadProfile, turns_left: float) -> float:
+    """Predicted seconds of engine work a trajectory still needs: its turns left times
+    the tracker's per-turn cost (prefill of the turn's new tokens, decode of its
+    response at the fitted per-sequence rate)."""
+    per_turn = (
+        profile.new_tokens_per_turn * profile.prefill_s_per_token
+        + profile.gen_tokens_per_turn * (profile.decode_fixed_s + profile.decode_per_seq_s)
+    )
+    return turns_left * per_turn
+
+
+def tail_dispatch_key(step: int, work_left_s: float, arrival: int) -> tuple[int, float, int]:
+    """The order of queued turns under ``tail_dispatch`` (smallest first): the older
+    batch, then the longest predicted remaining work, then the earlier arrival."""
+    return (step, -work_left_s, arrival)

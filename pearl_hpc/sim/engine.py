@@ -38,7 +38,13 @@ from pearl_hpc.core.controller import (
     WorkerReleased,
 )
 from pearl_hpc.core.orchestrator import WorkerAdd
-from pearl_hpc.core.policies import prefill_locally, tail_level
+from pearl_hpc.core.policies import (
+    TurnsLeft,
+    prefill_locally,
+    remaining_work_s,
+    tail_dispatch_key,
+    tail_level,
+)
 from pearl_hpc.core.profile import WorkloadProfile
 from pearl_hpc.core.routing import route_mode
 from pearl_hpc.core.table import ElasticSource
@@ -103,6 +109,7 @@ class Simulator:
         self.prefilled_tokens = 0  # every token prefilled (cache misses and resumes included)
         self.preempted_turns = 0  # decoding requests preempted for KV and recomputed
         self.local_prefills = 0  # disaggregated turns prefilled on their decode worker
+        self.turns_left = TurnsLeft(profile.mean_turns)  # tail_dispatch's predictor
         self.idle_worker_s = 0.0  # active workers with nothing to run, worker-seconds
         self.active_worker_s = 0.0
         self._idle_at_done = self._active_at_done = self._last_done_s = 0.0
@@ -492,6 +499,9 @@ class Simulator:
         prompt, tokens = self._prefill_need(w, traj)
         w.uncache(traj.spec.trajectory_id)  # the prefix now belongs to the running request
         req = Request(traj, prefill_tokens=max(1, tokens), gen_left=turn.gen_tokens - traj.done_gen)
+        if self.setup.policy.tail_dispatch:
+            work_s = remaining_work_s(self.controller.profile, self.turns_left.expected(traj.turn))
+            req.order = tail_dispatch_key(traj.step, work_s, next(self._seq))
         traj.prefilled += req.prefill_tokens
         self.prefilled_tokens += req.prefill_tokens
         req.kv_tokens = req.prompt_tokens = prompt  # the prompt's KV, allocated at admission
@@ -505,7 +515,13 @@ class Simulator:
     def _admit(self, w: SimWorker, phase: str, req: Request) -> None:
         self._advance(w)
         if not w.fits(req.kv_tokens):
-            w.waiting.append((phase, req))
+            if self.setup.policy.tail_dispatch:
+                at = len(w.waiting)
+                while at > 0 and w.waiting[at - 1][1].order > req.order:
+                    at -= 1
+                w.waiting.insert(at, (phase, req))
+            else:
+                w.waiting.append((phase, req))
             return
         self._enter(w, phase, req)
         self._reschedule(w)
@@ -518,7 +534,11 @@ class Simulator:
         if phase == "prefill":
             if not w.prefill:
                 w.prefill_left = req.prefill_tokens
-            w.prefill.append(req)
+            at = len(w.prefill)
+            if self.setup.policy.tail_dispatch:  # behind the head, which is under way
+                while at > 1 and w.prefill[at - 1].order > req.order:
+                    at -= 1
+            w.prefill.insert(at, req)
             w.prefill_backlog += req.prefill_tokens
         else:
             req.started_vt = w.vt
@@ -734,6 +754,7 @@ class Simulator:
             for holder in self.workers.values():  # its prefix will never be used again
                 holder.uncache(traj.spec.trajectory_id)
             self.trajs_finished += 1
+            self.turns_left.observe(len(traj.spec.turns))
             self._left[traj.step] -= 1
             if self._left[traj.step] == 0:
                 self._batch_done(traj.step)

@@ -61,6 +61,7 @@ class Request:
     finish_vt: float = 0.0
     started_vt: float = 0.0
     worker: int | None = None
+    order: tuple[int, float, int] = (0, 0.0, 0)  # tail_dispatch's queue key (smallest first)
 
     @property
     def decode_ctx(self) -> float:

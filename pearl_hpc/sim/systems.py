@@ -8,18 +8,22 @@
 | pd-only     | as given                           | adaptive  | none      | gated     | sticky  |
 | pd+toggle   | as given                           | adaptive  | ungated   | gated     | sticky  |
 | pearl       | as given (4 reserved + trace)      | adaptive  | gated     | gated     | sticky  |
-| pearl+      | as pearl, + tail_start, local_prefill | adaptive | gated  | gated     | sticky  |
+| pearl+      | as pearl, + the three policies below | adaptive | gated   | gated     | sticky  |
 | pearl+tail  | as pearl, + tail_start only        | adaptive  | gated     | gated     | sticky  |
 | pearl+local | as pearl, + local_prefill only     | adaptive  | gated     | gated     | sticky  |
+| pearl+dispatch | as pearl, + tail_dispatch only  | adaptive  | gated     | gated     | sticky  |
+| pearl+tail+dispatch | as pearl, + tail_start, tail_dispatch | adaptive | gated | gated | sticky |
 | static-XPYD | fixed                              | fixed X:Y | none      | -         | sticky  |
 | static-coloc| fixed                              | colocated | none      | -         | sticky  |
 
 ``pearl+`` is PEARL with the policies of "beyond PEARL" (``PolicyConfig``), and
-``pearl+tail`` / ``pearl+local`` each of them alone (the ablation): ``tail_start``, the
+``pearl+tail`` / ``pearl+local`` / ``pearl+dispatch`` each of them alone (the ablation;
+``pearl+tail+dispatch`` the two that interact): ``tail_start``, the
 next batch's trajectories start while this batch's tail leaves the workers idle (within
 the staleness bound) instead of after its last trajectory; ``local_prefill``, in
 disaggregated mode a turn is prefilled on the decode worker holding its prefix when that
-is cheaper than the transfer (conditional disaggregation).
+is cheaper than the transfer (conditional disaggregation); ``tail_dispatch``, each
+worker's queued turns go oldest batch first, then longest predicted remaining work.
 
 Routers are :mod:`pearl_hpc.core.routing`'s (the real router's): ``sticky`` keeps a turn on
 the worker holding its prefix (colocated, or the prefill side of PD; decode goes to the
@@ -44,9 +48,11 @@ from pearl_hpc.sim.traces import AvailabilityTrace
 
 SYSTEMS = ("roll", "roll-large", "rlboost+", "pd-only", "pd+toggle", "pearl", "pearl+")
 BEYOND = {  # pearl + the policies of issue 17, together and one at a time
-    "pearl+": {"tail_start": True, "local_prefill": True},
+    "pearl+": {"tail_start": True, "local_prefill": True, "tail_dispatch": True},
     "pearl+tail": {"tail_start": True},
     "pearl+local": {"local_prefill": True},
+    "pearl+dispatch": {"tail_dispatch": True},
+    "pearl+tail+dispatch": {"tail_start": True, "tail_dispatch": True},
 }
 ROLL_LARGE_GPUS = {1: 14, 2: 10, 3: 12}
 RESERVED_ROLLOUT_GPUS = 4
@@ -134,6 +140,7 @@ def make_setup(
         policy = _policy(base, PDPolicyName.FIXED_RATIO, none, fraction=num_p / workers)
         return setup(policy, reserved, False, False)
     raise SimConfigError(
-        f"unknown system {name!r}; known: {', '.join(SYSTEMS)}, pearl+tail, pearl+local, "
+        f"unknown system {name!r}; known: {', '.join(SYSTEMS)}, "
+        f"{', '.join(n for n in BEYOND if n != 'pearl+')}, "
         "static-coloc, static-<P>P<D>D"
     )
