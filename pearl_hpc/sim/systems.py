@@ -8,7 +8,7 @@
 | pd-only     | as given                           | adaptive  | none      | gated     | sticky  |
 | pd+toggle   | as given                           | adaptive  | ungated   | gated     | sticky  |
 | pearl       | as given (4 reserved + trace)      | adaptive  | gated     | gated     | sticky  |
-| pearl+      | as pearl, + the three policies below | adaptive | gated   | gated     | sticky  |
+| pearl+      | as pearl, + tail_start, local_prefill | adaptive | gated  | gated     | sticky  |
 | pearl+tail  | as pearl, + tail_start only        | adaptive  | gated     | gated     | sticky  |
 | pearl+local | as pearl, + local_prefill only     | adaptive  | gated     | gated     | sticky  |
 | pearl+dispatch | as pearl, + tail_dispatch only  | adaptive  | gated     | gated     | sticky  |
@@ -16,7 +16,7 @@
 | static-XPYD | fixed                              | fixed X:Y | none      | -         | sticky  |
 | static-coloc| fixed                              | colocated | none      | -         | sticky  |
 
-``pearl+`` is PEARL with the policies of "beyond PEARL" (``PolicyConfig``), and
+``pearl+`` is PEARL with the policies of "beyond PEARL" that pay (``PolicyConfig``), and
 ``pearl+tail`` / ``pearl+local`` / ``pearl+dispatch`` each of them alone (the ablation;
 ``pearl+tail+dispatch`` the two that interact): ``tail_start``, the
 next batch's trajectories start while this batch's tail leaves the workers idle (within
@@ -48,7 +48,8 @@ from pearl_hpc.sim.traces import AvailabilityTrace
 
 SYSTEMS = ("roll", "roll-large", "rlboost+", "pd-only", "pd+toggle", "pearl", "pearl+")
 BEYOND = {  # pearl + the policies of issue 17, together and one at a time
-    "pearl+": {"tail_start": True, "local_prefill": True, "tail_dispatch": True},
+    # tail_dispatch is not in pearl+: it does not pay on the traces (README, beyond PEARL)
+    "pearl+": {"tail_start": True, "local_prefill": True},
     "pearl+tail": {"tail_start": True},
     "pearl+local": {"local_prefill": True},
     "pearl+dispatch": {"tail_dispatch": True},
