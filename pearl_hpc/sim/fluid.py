@@ -17,21 +17,23 @@ not train (borrowing at no cost), ``B`` batches fit when
     B = min(T / t_train, (R + W * T) / (w + W * t_train))
 
 and the bound is ``B x (generated + trained tokens per batch) / T`` -- the same tokens
-``aggregate_tokens_per_s`` counts. Batches are drawn from the workload generator with the
-run's seed. Pure: no simulation runs.
+``aggregate_tokens_per_s`` counts. The per-batch work is the mean per trajectory over
+~1024 trajectories drawn from the workload generator with the run's seed, times the
+batch size. Pure: no simulation runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-import statistics
 from dataclasses import dataclass
 
 from pearl_hpc.sim.costmodel import CostModel
 from pearl_hpc.sim.traces import AvailabilityTrace
 from pearl_hpc.sim.workload import TrajectorySpec, WorkloadConfig, WorkloadGenerator
 
-SAMPLE_BATCHES = 16  # batches averaged for the per-batch work
+SAMPLE_TRAJECTORIES = 1024  # drawn for the per-trajectory work
+SAMPLE_BATCH = 256  # trajectories per drawn batch
 
 
 @dataclass(frozen=True)
@@ -113,13 +115,14 @@ def fluid_bound(
     lend_training_gpus: bool = True,
 ) -> FluidBound:
     """The bound for a window of ``duration_s`` (see the module)."""
-    gen = WorkloadGenerator(workload, seed)
-    works = [
-        batch_work(cost, gen.batch(step), workload.prefix_reuse) for step in range(SAMPLE_BATCHES)
-    ]
-    w = statistics.fmean(x.rollout_worker_s for x in works)
-    tokens = statistics.fmean(x.generated_tokens + x.trained_tokens for x in works)
-    t_train = statistics.fmean(cost.training_step_s(x.trained_tokens, training_gpus) for x in works)
+    drawn = dataclasses.replace(workload, batch_size=min(workload.batch_size, SAMPLE_BATCH))
+    gen = WorkloadGenerator(drawn, seed)
+    batches = [gen.batch(step) for step in range(-(-SAMPLE_TRAJECTORIES // drawn.batch_size))]
+    per_traj = batch_work(cost, [t for b in batches for t in b], workload.prefix_reuse)
+    scale = workload.batch_size / sum(len(b) for b in batches)
+    w = per_traj.rollout_worker_s * scale
+    tokens = (per_traj.generated_tokens + per_traj.trained_tokens) * scale
+    t_train = cost.training_step_s(per_traj.trained_tokens * scale, training_gpus)
     rollout_s = (reserved_rollout_gpus * duration_s + elastic_gpu_s(trace, duration_s)) / cost.tp
     lent = training_gpus / cost.tp if lend_training_gpus else 0.0
     by_gpus = (rollout_s + lent * duration_s) / (w + lent * t_train)
