@@ -469,7 +469,9 @@ def remaining_work_s(profile: WorkloadProfile, turns_left: float) -> float:
     return turns_left * per_turn
 
 
-def tail_dispatch_key(step: int, work_left_s: float, arrival: int) -> tuple[int, float, int]:
+def tail_dispatch_key(
+    profile: WorkloadProfile, turns_left: TurnsLeft, step: int, turns_done: int, arrival: int
+) -> tuple[int, float, int]:
     """The order of queued turns under ``tail_dispatch`` (smallest first): the older
     batch, then the longest predicted remaining work, then the earlier arrival."""
-    return (step, -work_left_s, arrival)
+    return (step, -remaining_work_s(profile, turns_left.expected(turns_done)), arrival)

@@ -38,13 +38,7 @@ from pearl_hpc.core.controller import (
     WorkerReleased,
 )
 from pearl_hpc.core.orchestrator import WorkerAdd
-from pearl_hpc.core.policies import (
-    TurnsLeft,
-    prefill_locally,
-    remaining_work_s,
-    tail_dispatch_key,
-    tail_level,
-)
+from pearl_hpc.core.policies import TurnsLeft, prefill_locally, tail_dispatch_key, tail_level
 from pearl_hpc.core.profile import WorkloadProfile
 from pearl_hpc.core.routing import route_mode
 from pearl_hpc.core.table import ElasticSource
@@ -58,6 +52,7 @@ from pearl_hpc.sim.entities import (
     SimWorker,
     StepRecord,
     Traj,
+    insert_ordered,
 )
 from pearl_hpc.sim.workload import WorkloadConfig, WorkloadGenerator
 
@@ -500,8 +495,8 @@ class Simulator:
         w.uncache(traj.spec.trajectory_id)  # the prefix now belongs to the running request
         req = Request(traj, prefill_tokens=max(1, tokens), gen_left=turn.gen_tokens - traj.done_gen)
         if self.setup.policy.tail_dispatch:
-            work_s = remaining_work_s(self.controller.profile, self.turns_left.expected(traj.turn))
-            req.order = tail_dispatch_key(traj.step, work_s, next(self._seq))
+            profile, seq = self.controller.profile, next(self._seq)
+            req.order = tail_dispatch_key(profile, self.turns_left, traj.step, traj.turn, seq)
         traj.prefilled += req.prefill_tokens
         self.prefilled_tokens += req.prefill_tokens
         req.kv_tokens = req.prompt_tokens = prompt  # the prompt's KV, allocated at admission
@@ -516,10 +511,7 @@ class Simulator:
         self._advance(w)
         if not w.fits(req.kv_tokens):
             if self.setup.policy.tail_dispatch:
-                at = len(w.waiting)
-                while at > 0 and w.waiting[at - 1][1].order > req.order:
-                    at -= 1
-                w.waiting.insert(at, (phase, req))
+                insert_ordered(w.waiting, (phase, req), lambda e: e[1].order)
             else:
                 w.waiting.append((phase, req))
             return
@@ -534,11 +526,10 @@ class Simulator:
         if phase == "prefill":
             if not w.prefill:
                 w.prefill_left = req.prefill_tokens
-            at = len(w.prefill)
             if self.setup.policy.tail_dispatch:  # behind the head, which is under way
-                while at > 1 and w.prefill[at - 1].order > req.order:
-                    at -= 1
-            w.prefill.insert(at, req)
+                insert_ordered(w.prefill, req, lambda r: r.order, first=1)
+            else:
+                w.prefill.append(req)
             w.prefill_backlog += req.prefill_tokens
         else:
             req.started_vt = w.vt

@@ -16,7 +16,9 @@ never a running request for it; every weight update empties it.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pearl_hpc.core.policies import PolicyConfig
 from pearl_hpc.core.routing import RoutingRule
@@ -67,6 +69,15 @@ class Request:
     def decode_ctx(self) -> float:
         """Context a decode step reads for it, on average: the prompt, half the response."""
         return self.prompt_tokens + self.gen_left / 2
+
+
+def insert_ordered(queue: deque[Any], item: Any, key: Callable[[Any], Any], first: int = 0) -> None:
+    """Put ``item`` into ``queue`` behind every item from position ``first`` on whose key
+    is not above its own (smallest key first, ties in arrival order)."""
+    at = len(queue)
+    while at > first and key(queue[at - 1]) > key(item):
+        at -= 1
+    queue.insert(at, item)
 
 
 @dataclass(eq=False)
