@@ -192,7 +192,8 @@ class StepPipeline:
                 self.record(step, done, stats, train_s, return_latency)
                 await self.queue.put(TrainingFinished(step))
                 continue
-            # done at its snapshot; its weights go out once the next rollout ends
+            # done at its snapshot; its weights go out once the next rollout ends (tail_start:
+            # once it reaches its tail)
             self.record(step, done, stats, train_s, return_latency)
             await self.queue.put(TrainingFinished(step))  # training GPUs may be lent again
             await self._tail_or_end(step + 1, pending)
