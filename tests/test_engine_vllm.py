@@ -146,6 +146,32 @@ def test_disaggregated_tokens_equal_colocated_with_real_kv_transfer(fleet: Fleet
     )
 
 
+def test_local_prefill_runs_later_turns_whole_on_their_decode_worker(
+    fleet: Fleet, chat: ChatFormat
+):
+    """policy.local_prefill on real engines: a turn extending what its decode worker
+    generated goes there whole (the rule here always says so); that kv_consumer engine
+    prefills the new tokens itself, only first turns move KV over NIXL, and the tokens
+    equal colocated serving's."""
+    seeds = [4, 5]
+    colocated = _trajectories(
+        fleet, _router(fleet, {"col": Role.COLOCATED}, Mode.COLOCATED), chat, seeds
+    )
+    router = _router(fleet, {"pre": Role.PREFILL, "dec": Role.DECODE}, Mode.DISAGGREGATED)
+    router.table.local_prefill = lambda uncached, prompt, decoding: True
+    before = fleet.run(fleet.client("dec").stats())
+    local = _trajectories(fleet, router, chat, seeds)
+    after = fleet.run(fleet.client("dec").stats())
+
+    for c, d in zip(colocated, local, strict=True):
+        assert c.token_ids() == d.token_ids(), c.trajectory_id
+        assert all(t.worker_ids == ("dec",) for t in d.turns)
+    assert router.local_prefills == sum(len(t.turns) - 1 for t in local) > 0
+    first_prompts = sum(t.turns[0].context_tokens - t.turns[0].generated_tokens for t in local)
+    injected = after.kv_tokens_injected - before.kv_tokens_injected
+    assert first_prompts - len(seeds) <= injected <= first_prompts  # first turns only
+
+
 def test_role_change_inside_one_live_process(fleet: Fleet, chat: ChatFormat):
     worker = fleet.workers["pre"]
     pid = worker.proc.pid

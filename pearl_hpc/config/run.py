@@ -407,12 +407,11 @@ def load_run_config(path: str | Path, *, need_slurm: bool = True) -> RunConfig:
         raise ConfigError(f"{path}: {problem}")
     if cfg.backend not in BACKENDS:
         raise ConfigError(f"{path}: backend {cfg.backend!r}: use local or slurm")
-    for key, system in (("local_prefill", "pearl+local"), ("tail_dispatch", "pearl+dispatch")):
-        if getattr(cfg.policy, key):
-            raise ConfigError(
-                f"{path}: policy.{key} is built in the simulator only (pearl-hpc simulate "
-                f"--systems {system}), not yet in pearl-hpc run; remove it"
-            )
+    if cfg.policy.tail_dispatch:
+        raise ConfigError(
+            f"{path}: policy.tail_dispatch is built in the simulator only (pearl-hpc simulate "
+            "--systems pearl+dispatch), not yet in pearl-hpc run; remove it"
+        )
     if cfg.policy.tail_start and cfg.run.max_staleness < 1:
         raise ConfigError(
             f"{path}: policy.tail_start starts the next batch in this one's tail, which needs "

@@ -49,6 +49,7 @@ from pearl_hpc.config.run import (
     base_layout,
 )
 from pearl_hpc.core.controller import Controller, Event
+from pearl_hpc.core.policies import prefill_locally
 from pearl_hpc.core.table import IN_SERVICE
 from pearl_hpc.core.types import Mode
 from pearl_hpc.master.dashboards import Dashboards
@@ -207,6 +208,10 @@ class MasterRun:
         self.controller = controller = Controller(
             self._profile(), executor, policy=cfg.policy, clock=self.clock, check_invariants=True
         )
+        if cfg.policy.local_prefill:  # on the profile as the tracker refits it
+            self.router.table.local_prefill = lambda uncached, prompt, decoding: prefill_locally(
+                controller.profile, uncached, prompt, decoding
+            )
         executor.controller = controller
         self.members.roles = self._member_roles
         self.members.on_failed = lambda m: executor.member_failed(m.gpu_ids, "rank failed")

@@ -83,6 +83,9 @@ class StepMetrics:
     idle_worker_s: float = 0.0
     tail_worker_s: float = 0.0
     tail_idle_worker_s: float = 0.0
+    # policy.local_prefill: disaggregated turns prefilled on the decode worker holding
+    # their prefix (counted while this step's batch ran; batches overlap with tail_start)
+    local_prefills: int = 0
 
     @property
     def idle_share(self) -> float:
@@ -175,6 +178,7 @@ def format_step(m: StepMetrics) -> str:
         f"borrowed {'yes' if m.borrowed else 'no'}, moved turns {m.moved_turns}, "
         f"roles {roles}, off-policy {m.mismatch_mean:.3f}/{m.mismatch_max:.2f}, "
         f"idle {m.idle_share:.0%} (tail {m.tail_s:.1f} s, {m.tail_idle_share:.0%} idle)"
+        + (f", {m.local_prefills} turns prefilled on decode" if m.local_prefills else "")
         + (f", resumed {m.resumed} trajectories" if m.resumed else "")
         + (f", {m.env_failures} failed by the environment" if m.env_failures else "")
     )
@@ -205,7 +209,10 @@ def rollout_summary(metrics: list[StepMetrics]) -> dict[str, float]:
     overlapping batches by), and the share of routed worker time with nothing in flight,
     over the steps' windows and over their tails."""
     if not metrics:
-        return {"aggregate_tokens_per_s": 0.0, "idle_share": 0.0, "tail_idle_share": 0.0}
+        return {
+            "aggregate_tokens_per_s": 0.0, "idle_share": 0.0, "tail_idle_share": 0.0,
+            "local_prefills": 0,
+        }  # fmt: skip
     generated = sum(m.tokens_per_s * m.rollout_s for m in metrics)  # resumed ones left out
     span_s = max(m.rollout_ended_s for m in metrics) - min(m.rollout_started_s for m in metrics)
     return {
@@ -218,6 +225,7 @@ def rollout_summary(metrics: list[StepMetrics]) -> dict[str, float]:
             / max(1e-9, sum(m.tail_worker_s for m in metrics)),
             4,
         ),
+        "local_prefills": sum(m.local_prefills for m in metrics),
     }
 
 

@@ -10,6 +10,14 @@ trajectory's prefix (colocated workers, and prefill workers in PD).
 - **Disaggregated mode**: a prefill worker (sticky the same way) runs the turn's prompt
   with ``max_tokens=1`` and ``do_remote_decode``; the least-loaded decode worker then
   generates with the returned ``kv_transfer_params`` (it pulls the KV over NIXL).
+- **Conditional disaggregation** (``policy.local_prefill``): the table remembers which
+  decode worker generated each trajectory's last turn and how much of its context it
+  holds (its prefix cache keeps the pulled KV and the generated tokens). A turn whose
+  prompt extends that context goes whole to that worker, which prefills the new tokens
+  itself, when the injected rule (``core.policies.prefill_locally`` on the live profile)
+  says that costs less than the prefill worker plus the KV transfer. A weight update
+  empties every prefix cache: a holder that last served older weights than the newest
+  any worker returned is not used.
 - **Load** is requests in flight on the worker; ties go to the worker routed the fewest
   turns in total, then to the smallest worker id.
 - **Idle time**: each worker's seconds with no request in flight, summed over the workers
@@ -55,6 +63,16 @@ class _Entry:
         return self.idle_s + (now_s - self.idle_since_s if self.idle_since_s is not None else 0.0)
 
 
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """The context a decode worker holds of a trajectory after generating its last turn."""
+
+    worker_id: str
+    tokens: int  # prompt + generated
+    digest: int  # hash of those tokens: the next prompt must start with them
+    version: int  # weights that generated it (a weight update empties the cache)
+
+
 @dataclass(frozen=True)
 class IdleTotals:
     """Worker-seconds routed to and idle (nothing in flight), over every worker so far."""
@@ -80,6 +98,11 @@ class RoutingTable:
     workers: dict[str, _Entry] = field(default_factory=dict)
     last_worker: dict[str, str] = field(default_factory=dict)  # trajectory -> prefix holder
     clock: Callable[[], float] = time.monotonic
+    # local_prefill's rule: (uncached tokens, prompt tokens, sequences the decode worker
+    # has in flight) -> prefill on the decode worker (None: always the prefill worker)
+    local_prefill: Callable[[int, int, int], bool] | None = None
+    decode_holder: dict[str, _Held] = field(default_factory=dict)  # trajectory -> context
+    newest_version: int = -1  # the newest weights any worker returned a turn with
     # of the workers no longer routed to
     _gone: IdleTotals = field(default=IdleTotals(0.0, 0.0), init=False)
 
@@ -159,6 +182,30 @@ class RoutingTable:
 
     def forget(self, trajectory_id: str) -> None:
         self.last_worker.pop(trajectory_id, None)
+        self.decode_holder.pop(trajectory_id, None)
+
+    def decoded(
+        self, trajectory_id: str, worker_id: str, version: int, context: tuple[int, ...]
+    ) -> None:
+        """Decode worker ``worker_id`` generated a turn with weights ``version``: it now
+        holds ``context`` (prompt + output) in its prefix cache."""
+        if self.local_prefill is not None:
+            self.decode_holder[trajectory_id] = _Held(
+                worker_id, len(context), hash(context), version
+            )
+
+    def local_holder(self, trajectory_id: str, prompt: tuple[int, ...]) -> str | None:
+        """local_prefill: the decode worker to prefill this turn itself, or None."""
+        held = self.decode_holder.get(trajectory_id)
+        if self.local_prefill is None or held is None or held.version < self.newest_version:
+            return None
+        entry = self.workers.get(held.worker_id)
+        if entry is None or entry.role is not Role.DECODE or not entry.admitting:
+            return None
+        if len(prompt) <= held.tokens or hash(prompt[: held.tokens]) != held.digest:
+            return None  # the agent rewrote its history: nothing of it is cached there
+        uncached = len(prompt) - held.tokens
+        return held.worker_id if self.local_prefill(uncached, len(prompt), entry.in_flight) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +235,7 @@ class Router:
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self.local_prefills = 0  # disaggregated turns prefilled on their decode worker
 
     # ------------------------------------------------------------------ configuration
 
@@ -264,6 +312,12 @@ class Router:
                     self._idle.set()
 
     async def _disaggregated(self, trajectory_id: str, request: TurnRequest) -> RoutedTurn:
+        local = self.table.local_holder(trajectory_id, request.prompt_token_ids)
+        if local is not None:  # its decode worker holds the prefix: prefill there
+            result = await self._call(local, request, None)
+            self.local_prefills += 1
+            self._decoded(trajectory_id, local, request, result)
+            return RoutedTurn(result, Mode.DISAGGREGATED, prefill_worker=local)
         pid = self.table.choose(Role.PREFILL, trajectory_id)
         assert pid is not None
         prefill_request = _replace(request, prefill_only=True, logprobs=False)
@@ -277,7 +331,15 @@ class Router:
             request, kv_transfer_params=pre.kv_transfer_params, request_id=request.request_id + "-d"
         )
         result = await self._call(did, decode_request, None)
+        self._decoded(trajectory_id, did, request, result)
         return RoutedTurn(result, Mode.DISAGGREGATED, prefill_worker=pid)
+
+    def _decoded(
+        self, trajectory_id: str, wid: str, request: TurnRequest, result: TurnResult
+    ) -> None:
+        if self.table.local_prefill is not None:
+            context = request.prompt_token_ids + result.token_ids
+            self.table.decoded(trajectory_id, wid, result.weight_version, context)
 
     async def _call(self, wid: str, request: TurnRequest, trajectory_id: str | None) -> TurnResult:
         client = self.clients.get(wid)
@@ -285,7 +347,9 @@ class Router:
             raise _Retry
         self.table.started(wid, trajectory_id)
         try:
-            return await client.generate(request)
+            result = await client.generate(request)
+            self.table.newest_version = max(self.table.newest_version, result.weight_version)
+            return result
         except Draining:
             self.table.set_admitting(wid, False)
             raise _Retry from None
