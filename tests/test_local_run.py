@@ -104,9 +104,15 @@ def test_a_real_trace_replays_over_the_run_clock(tmp_path: Path):
 def test_local_run_grows_reclaims_borrows_and_loses_nothing(tmp_path: Path, monkeypatch):
     """The run as an MPI world: rank 0 the master, 2 data-parallel trainer ranks, a
     reserved and an overlap engine rank; every applied plan is followed by a Comm.Split
-    of the members into role groups."""
+    of the members into role groups. policy.local_prefill is on: every later turn in the
+    disaggregated steps asks prefill_locally on the live profile (the prior's fast link
+    keeps them on the prefill worker)."""
     monkeypatch.setenv("PEARL_HPC_CACHE", str(tmp_path / "cache"))
-    config = {**CONFIG, "workers": {"training_gpus": 2, "reserved_rollout": 1, "overlap": 1}}
+    config = {
+        **CONFIG,
+        "policy": {**CONFIG["policy"], "local_prefill": True},
+        "workers": {"training_gpus": 2, "reserved_rollout": 1, "overlap": 1},
+    }
     cfg = load_run_config(_write(tmp_path, config))
     run_dir = tmp_path / "runs" / "t"
     summary = run_to_summary(cfg, run_dir)
@@ -117,6 +123,7 @@ def test_local_run_grows_reclaims_borrows_and_loses_nothing(tmp_path: Path, monk
     batch = 4 * 4
     assert [m["trajectories"] for m in metrics] == [batch] * 3  # nothing lost
     assert [m["version"] for m in metrics] == [1, 2, 3]
+    assert summary["local_prefills"] == sum(m["local_prefills"] for m in metrics)
     c = summary["counters"]
     assert c["grows"] == 1 and c["reclaims"] == 1
     assert c["borrow_cycles"] >= 1

@@ -7,9 +7,11 @@ Runs the same run YAML twice on real engines:
 - **colocated**: colocated always, no borrowing; the same workers and elastic trace;
 - **pearl-sync**: pearl with synchronous steps (``run.max_staleness: 0``), to show what
   running step k+1's rollout during step k's training buys;
-- **pearl+**: pearl with ``policy.tail_start`` (issue 17): step k+2's rollout starts in
-  step k+1's tail, on the weights of step k, once fewer trajectories are left than the
-  serving workers can keep busy.
+- **pearl+**: pearl with ``policy.tail_start`` and ``policy.local_prefill`` (issue 17; the
+  simulator's pearl+): step k+2's rollout starts in step k+1's tail, on the weights of
+  step k, once fewer trajectories are left than the serving workers can keep busy; in
+  disaggregated mode a turn goes whole to the decode worker holding its prefix when
+  ``prefill_locally`` says that beats the KV transfer (the table counts how many did).
 
 ``--variants`` picks which (``pearl`` first), ``--steps`` overrides the YAML's steps.
 Then it prints:
@@ -120,7 +122,7 @@ def _variant(cfg: RunConfig, name: str) -> RunConfig:
     if name == "pearl-sync":
         return replace(cfg, name=cfg.name + "-sync", run=replace(cfg.run, max_staleness=0))
     if name == "pearl+":
-        policy = replace(cfg.policy, tail_start=True)
+        policy = replace(cfg.policy, tail_start=True, local_prefill=True)
         return replace(cfg, name=cfg.name + "-plus", policy=policy)
     raise PearlError(f"bench --local: unknown variant {name!r}; use {', '.join(VARIANTS)}")
 
@@ -161,9 +163,9 @@ def _median(xs: list[float]) -> str:
 def format_results(results: dict[str, Any]) -> str:
     lines = [
         "| system | rollout tokens/s | aggregate tokens/s | wall s | idle share | tail idle "
-        "share | targets | borrow cycles | mode changes |"
+        "share | targets | borrow cycles | mode changes | local prefills |"
     ]
-    lines.append("|---|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         s = r["summary"]
         c = s["counters"]
@@ -171,7 +173,8 @@ def format_results(results: dict[str, Any]) -> str:
         lines.append(
             f"| {name} | {s['tokens_per_s']:.0f} | {s['aggregate_tokens_per_s']:.0f} | "
             f"{s['wall_s']:.0f} | {s['idle_share']:.1%} | {s['tail_idle_share']:.1%} | "
-            f"{' -> '.join(targets)} | {c['borrow_cycles']} | {c['mode_changes']} |"
+            f"{' -> '.join(targets)} | {c['borrow_cycles']} | {c['mode_changes']} | "
+            f"{s.get('local_prefills', 0)} |"
         )
     if "pearl" not in results:
         return "\n".join(lines)
