@@ -253,35 +253,35 @@ def test_local_prefill_sends_a_turn_whole_to_the_decode_worker_holding_its_prefi
         first = await router.generate("t", TurnRequest("r1", (5, 6, 7), 4))
         assert first.prefill_worker == "p" and asked == []  # nothing held yet
         holder = first.result.worker_id
-        context = (5, 6, 7) + first.result.token_ids
-        second = await router.generate("t", TurnRequest("r2", context + (9, 9), 4))
+        context = (5, 6, 7, *first.result.token_ids)
+        second = await router.generate("t", TurnRequest("r2", (*context, 9, 9), 4))
         assert second.prefill_worker == holder == second.result.worker_id
         assert asked == [(2, len(context) + 2, 0)]
         assert not engines[holder].requests[-1].prefill_only
         assert engines[holder].requests[-1].kv_transfer_params is None  # prefilled there
         assert len(engines["p"].requests) == 1 and router.local_prefills == 1
-        assert second.result.token_ids == FakeEngine.continuation(context + (9, 9), 4)
+        assert second.result.token_ids == FakeEngine.continuation((*context, 9, 9), 4)
 
-        context += (9, 9) + second.result.token_ids
+        context += (9, 9, *second.result.token_ids)
         verdict[0] = False  # the rule prefers the transfer: PD as before
-        third = await router.generate("t", TurnRequest("r3", context + (8,), 4))
+        third = await router.generate("t", TurnRequest("r3", (*context, 8), 4))
         assert third.prefill_worker == "p" and len(engines["p"].requests) == 2
-        context += (8,) + third.result.token_ids
+        context += (8, *third.result.token_ids)
 
         verdict[0] = True
-        rewritten = await router.generate("t", TurnRequest("r4", (1,) + context, 4))
+        rewritten = await router.generate("t", TurnRequest("r4", (1, *context), 4))
         assert rewritten.prefill_worker == "p"  # the prompt no longer extends the context
-        context = (1,) + context + rewritten.result.token_ids
+        context = (1, *context, *rewritten.result.token_ids)
         for engine in engines.values():
             engine.version = 1  # a weight update emptied the prefix caches
         await router.generate("u", TurnRequest("r5", (4, 4), 4))  # a turn sees v1
-        stale = await router.generate("t", TurnRequest("r6", context + (7,), 4))
+        stale = await router.generate("t", TurnRequest("r6", (*context, 7), 4))
         assert stale.prefill_worker == "p"  # its holder last served v0
-        context += (7,) + stale.result.token_ids
+        context += (7, *stale.result.token_ids)
         held = router.table.decode_holder["t"].worker_id
         engines[held].admitting = False
         router.table.set_admitting(held, False)
-        drained = await router.generate("t", TurnRequest("r7", context + (7,), 4))
+        drained = await router.generate("t", TurnRequest("r7", (*context, 7), 4))
         assert drained.prefill_worker == "p" and router.local_prefills == 1
         router.table.forget("t")
         assert "t" not in router.table.decode_holder

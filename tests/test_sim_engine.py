@@ -745,3 +745,48 @@ def test_tail_dispatch_keeps_every_queue_in_batch_then_remaining_work_order() ->
     assert sum(counts.values()) == sim.trajs_finished > 0
     mean = sum(t * n for t, n in counts.items()) / sim.trajs_finished
     assert sim.turns_left.expected(0) == pytest.approx(mean)
+
+
+def test_prewarm_moves_finalisation_off_every_workers_admission() -> None:
+    """prewarm: an elastic joiner catches up to the latest weights in its own background
+    (preparation + finalisation) and is admitted without pausing anyone; PEARL's atomic
+    finalisation pauses every worker's admission instead. Same trace, same grants."""
+
+    class Counting(AuditedSimulator):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.paused_s = 0.0
+            self.ready_after: list[float] = []
+            self._started: dict[int, float] = {}
+
+        def admit(self, slot_ids: Sequence[int]) -> None:
+            before = max(self.admission_paused_until, self.now)
+            super().admit(slot_ids)
+            self.paused_s += max(0.0, self.admission_paused_until - before)
+
+        def start_workers(self, adds: Sequence[Any]) -> None:
+            self._started.update((a.slot_id, self.now) for a in adds if not a.reactivate)
+            super().start_workers(adds)
+
+        def _worker_ready(self, slot_id: int, w: SimWorker) -> None:
+            if slot_id in self._started and self.workers.get(slot_id) is w:
+                self.ready_after.append(self.now - self._started.pop(slot_id))
+            super()._worker_ready(slot_id, w)
+
+    def run(prewarm: bool) -> Counting:
+        sim = build("pearl", segment=2)
+        policy = dataclasses.replace(sim.setup.policy, prewarm=prewarm)
+        return Counting(
+            dataclasses.replace(sim.setup, policy=policy),
+            sim.cost,
+            sim.workload,
+            initial_profile(sim.cost, sim.workload),
+            seed=0,
+            duration_s=DURATION_S,
+        ).run()
+
+    pearl, warm = run(False), run(True)
+    prep, fin = pearl.cost.reconfig_s("preparation"), pearl.cost.reconfig_s("finalisation")
+    assert pearl.paused_s >= fin > 0 and warm.paused_s == 0.0
+    assert pearl.ready_after and all(t == pytest.approx(prep) for t in pearl.ready_after)
+    assert warm.ready_after and all(t == pytest.approx(prep + fin) for t in warm.ready_after)

@@ -315,6 +315,13 @@ class PolicyConfig:
         "(TurnsLeft x the tracker's per-turn cost), then arrival",
         default=False,
     )
+    prewarm: bool = spec_field(
+        "simulator: an elastic worker joins warm, as pearl-hpc run's always do: it catches up "
+        "to the latest weights point to point in its own background before admission, so "
+        "finalisation delays that worker only instead of pausing every worker's admission "
+        "(PEARL's atomic finalisation)",
+        default=False,
+    )
     local_prefill: bool = spec_field(
         "disaggregated mode: prefill a turn on the decode worker that holds its prefix when "
         "that costs less than moving its KV (prefill_locally; NVIDIA Dynamo's conditional "

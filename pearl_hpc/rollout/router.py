@@ -205,7 +205,8 @@ class RoutingTable:
         if len(prompt) <= held.tokens or hash(prompt[: held.tokens]) != held.digest:
             return None  # the agent rewrote its history: nothing of it is cached there
         uncached = len(prompt) - held.tokens
-        return held.worker_id if self.local_prefill(uncached, len(prompt), entry.in_flight) else None
+        local = self.local_prefill(uncached, len(prompt), entry.in_flight)
+        return held.worker_id if local else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -228,8 +228,11 @@ class Simulator:
             if add.reactivate:
                 delay = self.cost.reconfig_s("activation")
                 self._borrow_started[add.slot_id] = self.now
-            else:
-                delay = self.cost.reconfig_s("preparation") if self.setup.weight_pull else 1.0
+            elif not self.setup.weight_pull:
+                delay = 1.0
+            else:  # prewarm: the joiner's finalisation runs in its own background
+                warm = self.cost.reconfig_s("finalisation") if self.setup.policy.prewarm else 0
+                delay = self.cost.reconfig_s("preparation") + warm
             self.at(self.now + delay, _P_CONTROL, self._worker_ready, add.slot_id, w)
 
     def _worker_ready(self, slot_id: int, w: SimWorker) -> None:
@@ -243,9 +246,9 @@ class Simulator:
         inter_scale = any(
             w.zone is Zone.DEDICATED for w in (self.workers.get(s) for s in slot_ids) if w
         )
-        pause = (
-            self.cost.reconfig_s("finalisation") if inter_scale and self.setup.weight_pull else 0.0
-        )
+        pause = 0.0
+        if inter_scale and self.setup.weight_pull and not self.setup.policy.prewarm:
+            pause = self.cost.reconfig_s("finalisation")
         self.admission_paused_until = max(self.admission_paused_until, self.now + pause)
         self.at(self.now + pause, _P_CONTROL, self._activate, list(slot_ids))
 

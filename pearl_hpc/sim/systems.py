@@ -23,7 +23,9 @@ next batch's trajectories start while this batch's tail leaves the workers idle 
 the staleness bound) instead of after its last trajectory; ``local_prefill``, in
 disaggregated mode a turn is prefilled on the decode worker holding its prefix when that
 is cheaper than the transfer (conditional disaggregation); ``tail_dispatch``, each
-worker's queued turns go oldest batch first, then longest predicted remaining work.
+worker's queued turns go oldest batch first, then longest predicted remaining work;
+``prewarm``, an elastic joiner catches up to the latest weights in its own background
+before admission instead of pausing every worker's admission for finalisation.
 
 Routers are :mod:`pearl_hpc.core.routing`'s (the real router's): ``sticky`` keeps a turn on
 the worker holding its prefix (colocated, or the prefill side of PD; decode goes to the
@@ -48,11 +50,13 @@ from pearl_hpc.sim.traces import AvailabilityTrace
 
 SYSTEMS = ("roll", "roll-large", "rlboost+", "pd-only", "pd+toggle", "pearl", "pearl+")
 BEYOND = {  # pearl + the policies of issue 17, together and one at a time
-    # tail_dispatch is not in pearl+: it does not pay on the traces (README, beyond PEARL)
+    # tail_dispatch and prewarm are not in pearl+: on the traces they move throughput by
+    # about as much as the noise (README, beyond PEARL)
     "pearl+": {"tail_start": True, "local_prefill": True},
     "pearl+tail": {"tail_start": True},
     "pearl+local": {"local_prefill": True},
     "pearl+dispatch": {"tail_dispatch": True},
+    "pearl+prewarm": {"prewarm": True},
     "pearl+tail+dispatch": {"tail_start": True, "tail_dispatch": True},
 }
 ROLL_LARGE_GPUS = {1: 14, 2: 10, 3: 12}
