@@ -7,6 +7,8 @@ the run goes on; sbatch meeting an unreachable slurmctld is retried from the wat
 from __future__ import annotations
 
 import asyncio
+import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ from pearl_hpc.config.run import ElasticConfig, PoolConfig, SlurmSettings
 from pearl_hpc.core.types import Role
 from pearl_hpc.slurm.client import CommandResult, SlurmClient
 from pearl_hpc.slurm.parse import SQUEUE_FORMAT
+from pearl_hpc.slurm.scripts import HetComponent, JobSpec
 
 
 class _NoMembers:
@@ -59,12 +62,21 @@ class FakeSlurm:
         self.jobs: dict[str, tuple[int, str, list[str]]] = {}  # id -> components, state, parts
         self.scripts: list[str] = []
         self.cancelled: list[str] = []
+        self.start_in: dict[str, float | None] = {}  # partition -> --test-only's estimate
 
     def start(self, job_id: str) -> None:
         size, _, parts = self.jobs[job_id]
         self.jobs[job_id] = (size, "RUNNING", parts)
 
     def __call__(self, argv: Any, stdin: str | None = None) -> CommandResult:
+        if argv[0] == "sbatch" and "--test-only" in argv:  # when it would start; no job
+            (part,) = [x.split("=", 1)[1] for x in (stdin or "").split() if "--partition=" in x]
+            seconds = self.start_in.get(part, 0.0)
+            if seconds is None:
+                return CommandResult(0, "", "sbatch: Job 7 has no start estimate\n")
+            at = datetime.fromtimestamp(time.time() + seconds).strftime("%Y-%m-%dT%H:%M:%S")
+            return CommandResult(0, "", f"sbatch: Job 7 to start at {at} using 1 processors "
+                                 f"on nodes n1 in partition {part}\n")  # fmt: skip
         if argv[0] == "sbatch":
             job_id = str(100 + len(self.scripts))
             self.scripts.append(stdin or "")
@@ -128,6 +140,26 @@ def test_single_requests_follow_the_demand_and_pools_take_turns(tmp_path: Path) 
     assert "--signal=B:USR2@60" in slurm.scripts[0]
     summary = backend.summary()
     assert summary["requested"] == 3 and summary["granted"] == 1
+
+
+def test_a_single_request_goes_to_the_pool_slurm_would_start_it_in_soonest(
+    tmp_path: Path,
+) -> None:
+    """sbatch --test-only per pool (nothing submitted): the request goes where Slurm
+    estimates the earliest start; a pool without an estimate comes last; ties keep the
+    turn. The estimates are in the submitted event."""
+    pools = (PoolConfig(partition="a"), PoolConfig(partition="b"), PoolConfig(partition="c"))
+    backend, events = _backend(tmp_path, *pools)
+    slurm = FakeSlurm(backend.tag)
+    slurm.start_in = {"a": 3600.0, "b": None, "c": 120.0}
+    backend.client = SlurmClient(slurm, min_backoff_s=0.0)
+    _run(backend, 1, lambda: slurm.start_in.update(c=3600.0, a=600.0), 2, 3)
+    submitted = [f for k, f in events if k == "submitted"]
+    assert [s["pools"] for s in submitted] == [["c"], ["a"], ["a"]]
+    (a, b, c) = submitted[0]["start_estimates"]  # the turn's pool (a) first
+    assert a[:2] == [0, "a"] and b == [1, "b", None] and c[:2] == [2, "c"]
+    assert a[2] == pytest.approx(3600, abs=5) and c[2] == pytest.approx(120, abs=5)
+    assert len(slurm.scripts) == 3  # test-only submitted nothing
 
 
 def test_a_hetjob_request_is_one_job_of_every_pools_components(tmp_path: Path) -> None:
@@ -204,6 +236,56 @@ def test_a_bad_partition_is_reported_and_the_run_goes_on(
     assert len(failed) == 1 and not failed[0]["retry"]
     assert "partition" in failed[0]["error"].lower()
     assert backend.summary()["errors"] and backend.jobs == []
+
+
+@pytest.mark.slurm
+def test_on_the_cluster_a_request_goes_where_slurm_would_start_it_soonest(
+    slurm_cluster: str, tmp_path: Path
+) -> None:
+    """Other users hold n1 for 10 minutes and n2 for 2 (their time limits): sbatch
+    --test-only estimates a worker pinned to n2 to start ~8 minutes sooner, so the
+    single request goes to that pool though n1's pool has the turn."""
+    others = SlurmClient()
+    busy = [
+        others.submit(
+            JobSpec(
+                "others",
+                f"others-{tmp_path.name}",
+                (HetComponent("high", gpus_per_node=8, time_limit=limit, extra=(f"-w{node}",)),),
+                ["sleep", "600"],
+                signal=None,
+                output=str(tmp_path / "others-%j.out"),
+            )
+        )
+        for node, limit in (("n1", "10:00"), ("n2", "2:00"))
+    ]
+    pools = [
+        PoolConfig(partition="elastic", time_limit="5:00", sbatch_extra=[f"-w{node}"])
+        for node in ("n1", "n2")
+    ]
+    backend, events = _backend(tmp_path, *pools)
+    try:
+        deadline = time.monotonic() + 60
+        while {r.state for r in others.poll(f"others-{tmp_path.name}").values()} != {"RUNNING"}:
+            assert time.monotonic() < deadline, "the other users' jobs did not start"
+            time.sleep(0.3)
+
+        async def go() -> None:
+            backend.want(1)
+            await backend._request()
+            await backend.close()  # the request is withdrawn: it never starts
+
+        asyncio.run(go())
+    finally:
+        for job_id in busy:
+            others.cancel(job_id)
+    (submitted,) = [f for k, f in events if k == "submitted"]
+    assert submitted["pools"] == ["elastic"] and len(backend.jobs) == 1
+    (n1, n2) = submitted["start_estimates"]
+    assert n1[0] == 0 and n2[0] == 1 and n1[2] is not None and n2[2] is not None
+    assert 60 < n2[2] < 180 and n1[2] - n2[2] > 300, submitted
+    assert backend.pool_of[f"{backend.jobs[0]}+0"] == 1  # n2's pool
+    assert not list((tmp_path / "elastic").glob("job-*.out"))  # the request never ran
 
 
 def test_sbatch_meeting_an_unreachable_controller_is_retried(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from pearl_hpc.slurm.parse import (
     parse_sbatch_parsable,
     parse_squeue_json,
     parse_squeue_text,
+    parse_test_only,
 )
 from pearl_hpc.slurm.scripts import HetComponent, JobSpec, render_sbatch, scancel_args
 
@@ -165,6 +167,35 @@ class ScriptedRunner:
     def __call__(self, argv: Sequence[str], stdin: str | None) -> CommandResult:
         self.calls.append((list(argv), stdin))
         return self.results.pop(0)
+
+
+def test_test_only_start_estimate_is_read_and_nothing_is_submitted() -> None:
+    line = "sbatch: Job 42 to start at 2026-12-04T01:40:00 using 2 processors on nodes n1"
+    assert parse_test_only(line) == datetime(2026, 12, 4, 1, 40)
+    assert parse_test_only("sbatch: error: Batch job submission failed") is None
+    soon = (datetime.now() + timedelta(seconds=90)).strftime("%Y-%m-%dT%H:%M:%S")
+    past = "2000-01-01T00:00:00"
+
+    def estimate(stderr: str, rc: int = 0) -> float | None:
+        runner = ScriptedRunner(CommandResult(rc, "", stderr))
+        seconds = SlurmClient(runner).start_estimate(elastic_spec())
+        assert runner.calls == [(["sbatch", "--test-only"], render_sbatch(elastic_spec()))]
+        return seconds
+
+    at = "sbatch: Job 1 to start at {} using 1 processors on nodes n1 in partition elastic"
+    assert estimate(at.format(soon)) == pytest.approx(90, abs=2)
+    assert estimate(at.format(past)) == 0.0  # would start now
+    assert estimate("sbatch: no estimate") is None
+    assert estimate(at.format(soon), rc=1) is None
+
+
+def test_earliest_pool_prefers_a_known_soon_start_then_the_turn() -> None:
+    from pearl_hpc.backends.slurm import earliest_pool
+
+    assert earliest_pool({0: 600.0, 1: 30.0, 2: None}, [0, 1, 2]) == 1
+    assert earliest_pool({0: None, 1: 900.0}, [0, 1]) == 1  # no estimate: last
+    assert earliest_pool({0: 0.0, 1: 0.0, 2: 0.0}, [2, 0, 1]) == 2  # a tie keeps the turn
+    assert earliest_pool({0: None, 1: None}, [1, 0]) == 1
 
 
 def test_submit_sends_the_script_and_raises_with_stderr() -> None:

@@ -6,8 +6,9 @@ The base job is the run's MPI world (:mod:`pearl_hpc.backends.world`). Elastic c
 is asked of Slurm, not scripted: the controller's demand (:meth:`want`, the expansion
 gate at request time) says how many workers are worth having, and the backend keeps that
 many held or requested. A request (``--comment=pearl:<run tag>``) is one job per worker
-(``elastic.request: single``, pools in turn) or one heterogeneous job of every pool's
-``hetjob_workers`` components (``hetjob``, started together). It waits PENDING until
+(``elastic.request: single``, to the pool ``sbatch --test-only`` says starts it soonest)
+or one heterogeneous job of every pool's ``hetjob_workers`` components (``hetjob``,
+started together). It waits PENDING until
 Slurm finds the GPUs idle; its batch step (:mod:`pearl_hpc.backends.slurm_job`) runs one
 engine rank per component in its own ``srun --mpi=pmi2 --het-group=K`` step, which joins
 the world (Connect + Merge, see :mod:`pearl_hpc.master.members`). Reclaims are Slurm's::
@@ -38,7 +39,7 @@ import dataclasses
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,14 @@ def request_pools(elastic: ElasticConfig, turn: int) -> list[int]:
     if elastic.request == "single":
         return [turn % len(elastic.pools)]
     return [i for i, pool in enumerate(elastic.pools) for _ in range(pool.hetjob_workers)]
+
+
+def earliest_pool(starts: Mapping[int, float | None], order: Sequence[int]) -> int:
+    """``single`` requests over several pools: the pool Slurm would start a worker in
+    soonest (``starts``: seconds, from ``sbatch --test-only``); a pool without an estimate
+    comes after every pool with one; ties go to the earlier pool in ``order`` (the turn)
+    (pure)."""
+    return min(order, key=lambda i: (starts.get(i) is None, starts.get(i) or 0.0, order.index(i)))
 
 
 def elastic_job_spec(
@@ -312,8 +321,11 @@ class SlurmBackend:
             self._turn += 1
         pools = request_pools(self.elastic, self._turn)
         self._turn += 1
+        starts: dict[int, float | None] = {}
+        if self.elastic.request == "single" and len(self.elastic.pools) > 1:
+            pools, starts = await self._soonest(pools[0])
         try:
-            await self.submit(pools)
+            await self.submit(pools, starts)
             return True
         except SlurmError as exc:
             retry = any(t in str(exc) for t in TRANSIENT_SLURM_ERRORS)
@@ -325,11 +337,29 @@ class SlurmBackend:
                 self.broken_pools.update(pools)
             return False
 
-    async def submit(self, pools: list[int]) -> str:
-        job = elastic_job_spec(
+    async def _soonest(self, turn_pool: int) -> tuple[list[int], dict[int, float | None]]:
+        """A single request goes to the pool Slurm would start it in soonest (``sbatch
+        --test-only`` per pool, nothing submitted), the turn's pool on a tie: a busy
+        first pool does not hold the run's capacity back while another has idle GPUs."""
+        n = len(self.elastic.pools)
+        order = [(turn_pool + k) % n for k in range(n)]
+        order = [i for i in order if i not in self.broken_pools]
+        starts: dict[int, float | None] = {}
+        for i in order:
+            spec = self._spec([i])
+            starts[i] = await asyncio.to_thread(self.client.start_estimate, spec)
+        return [earliest_pool(starts, order)], starts
+
+    def _spec(self, pools: list[int]) -> JobSpec:
+        return elastic_job_spec(
             self.elastic, pools, self.settings, self.tag, self.dir.resolve(), self.model_dir,
             sys.executable,
         )  # fmt: skip
+
+    async def submit(
+        self, pools: list[int], starts: Mapping[int, float | None] | None = None
+    ) -> str:
+        job = self._spec(pools)
         job_id = await asyncio.to_thread(self.client.submit, job)
         gpus = [self.elastic.pools[i].gpus_per_worker for i in pools]
         self.manager.submitted(job_id, job, gpus, self.clock())
@@ -337,7 +367,13 @@ class SlurmBackend:
             self.pool_of[ElasticSource(job_id, k).tag] = pool
         self.jobs.append(job_id)
         partitions = [self.elastic.pools[i].partition for i in pools]
-        self.on_event("submitted", {"job": job_id, "components": len(pools), "pools": partitions})
+        event: dict[str, Any] = {"job": job_id, "components": len(pools), "pools": partitions}
+        if starts:  # [pool, partition, sbatch --test-only's seconds to start (None: none)]
+            event["start_estimates"] = [
+                [i, self.elastic.pools[i].partition, None if t is None else round(t, 1)]
+                for i, t in starts.items()
+            ]
+        self.on_event("submitted", event)
         return job_id
 
     def release(self, source: ElasticSource) -> None:

@@ -167,7 +167,8 @@ class ElasticConfig:
         default="single",
     )
     pools: list[PoolConfig] = spec_field(
-        "backend slurm: partitions to request workers from (single: in turn)",
+        "backend slurm: partitions to request workers from (single: the soonest start "
+        "sbatch --test-only estimates, in turn on a tie)",
         default=[PoolConfig()],
     )
     pending_timeout_s: float = spec_field(

@@ -16,7 +16,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pearl_hpc.errors import PearlError
-from pearl_hpc.slurm.parse import SQUEUE_FORMAT, JobRow, parse_sbatch_parsable, parse_squeue_text
+from pearl_hpc.slurm.parse import (
+    SQUEUE_FORMAT,
+    JobRow,
+    parse_sbatch_parsable,
+    parse_squeue_text,
+    parse_test_only,
+)
 from pearl_hpc.slurm.scripts import JobSpec, render_sbatch, scancel_args
 
 log = logging.getLogger(__name__)
@@ -93,6 +99,14 @@ class SlurmClient:
         if result.returncode != 0:
             raise SlurmError(f"sbatch failed ({result.returncode}): {result.stderr.strip()}")
         return parse_sbatch_parsable(result.stdout)
+
+    def start_estimate(self, spec: JobSpec) -> float | None:
+        """Seconds until Slurm would start ``spec`` if it were submitted now (``sbatch
+        --test-only``: nothing is submitted; 0 when it would start at once); None when
+        sbatch refused it or printed no estimate."""
+        result = self._run(["sbatch", "--test-only"], render_sbatch(spec))
+        at = parse_test_only(result.stderr + result.stdout) if result.returncode == 0 else None
+        return None if at is None else max(0.0, at.timestamp() - time.time())
 
     def cancel(
         self, job_id: str, component: int | None = None, *, signal: str | None = None

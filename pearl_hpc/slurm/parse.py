@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from pearl_hpc.errors import PearlError
@@ -43,6 +44,17 @@ def parse_sbatch_parsable(stdout: str) -> str:
     if not re.fullmatch(r"\d+", job_id):
         raise SlurmParseError(f"sbatch --parsable printed {stdout.strip()!r}, not a job id")
     return job_id
+
+
+_TEST_ONLY = re.compile(r"\bJob \d+ to start at (\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2})")
+
+
+def parse_test_only(output: str) -> datetime | None:
+    """``sbatch --test-only`` says when Slurm would start the job (``sbatch: Job 42 to
+    start at 2026-12-04T01:40:00 using 1 processors on nodes n1 in partition elastic``,
+    slurmctld's local time): that time, naive, or None when it printed no estimate."""
+    m = _TEST_ONLY.search(output)
+    return datetime.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S") if m else None
 
 
 def parse_squeue_text(stdout: str) -> list[JobRow]:
