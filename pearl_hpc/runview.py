@@ -81,17 +81,36 @@ def _status_of(run_dir: Path, state: dict[str, Any]) -> dict[str, Any]:
 
 
 def format_pools(components: list[dict[str, Any]]) -> str:
-    """``elastic: 2 running, 1 pending`` per pool, from the backend's ``describe()``
-    (states: requested, pending, running, draining; pure)."""
+    """``elastic: 2 running, 1 pending (start in ~4 min)`` per pool, from the backend's
+    ``describe()`` (states: requested, pending, running, draining; the soonest of Slurm's
+    expected starts of the pending ones; pure)."""
     pools: dict[str, dict[str, int]] = {}
+    soonest: dict[str, int] = {}
     for c in components:
-        states = pools.setdefault(str(c.get("pool", "local")), {})
+        pool = str(c.get("pool", "local"))
+        states = pools.setdefault(pool, {})
         states[c["state"]] = states.get(c["state"], 0) + 1
+        if "starts_in_s" in c:
+            soonest[pool] = min(soonest.get(pool, c["starts_in_s"]), c["starts_in_s"])
     order = ("requested", "pending", "running", "draining", "releasing")
+
+    def state(pool: str, k: str, n: int) -> str:
+        if k != "pending" or pool not in soonest:
+            return f"{n} {k}"
+        return f"{n} {k} (start in ~{_duration(soonest[pool])})"
+
     return "; ".join(
-        f"{pool}: " + ", ".join(f"{states[k]} {k}" for k in order if k in states)
+        f"{pool}: " + ", ".join(state(pool, k, states[k]) for k in order if k in states)
         for pool, states in sorted(pools.items())
     )
+
+
+def _duration(seconds: int) -> str:
+    if seconds < 90:
+        return f"{seconds} s"
+    if seconds < 90 * 60:
+        return f"{round(seconds / 60)} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def format_status(doc: dict[str, Any]) -> str:

@@ -126,3 +126,10 @@ def test_status_counts_elastic_workers_per_pool() -> None:
     ]
     assert format_pools(jobs) == "elastic: 2 running, 1 draining; spot: 1 pending"
     assert format_pools([]) == ""
+    jobs += [  # Slurm's expected starts of pending requests: the soonest per pool
+        {"component": "10+0", "state": "pending", "pool": "spot", "nodes": [], "starts_in_s": 400},
+        {"component": "11+0", "state": "pending", "pool": "spot", "nodes": [], "starts_in_s": 250},
+    ]
+    assert format_pools(jobs) == (
+        "elastic: 2 running, 1 draining; spot: 3 pending (start in ~4 min)"
+    )

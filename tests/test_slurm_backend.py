@@ -97,7 +97,9 @@ class FakeSlurm:
             for k in range(size):
                 key = f"{job_id}+{k}" if size > 1 else job_id
                 nodes = f"n{k + 1}" if state == "RUNNING" else ""
+                start = "N/A" if state == "PENDING" else "2026-12-04T01:00:00"
                 fields = [key, state, "pearl-elastic", f"pearl:{self.tag}", parts[k], nodes, "-"]
+                fields.append(start)
                 lines.append("|".join(fields))
         return CommandResult(0, "\n".join(lines) + "\n", "")
 
@@ -244,7 +246,8 @@ def test_on_the_cluster_a_request_goes_where_slurm_would_start_it_soonest(
 ) -> None:
     """Other users hold n1 for 10 minutes and n2 for 2 (their time limits): sbatch
     --test-only estimates a worker pinned to n2 to start ~8 minutes sooner, so the
-    single request goes to that pool though n1's pool has the turn."""
+    single request goes to that pool though n1's pool has the turn; once it is pending,
+    squeue's expected start of it shows in describe() (status, the live line)."""
     others = SlurmClient()
     busy = [
         others.submit(
@@ -270,12 +273,20 @@ def test_on_the_cluster_a_request_goes_where_slurm_would_start_it_soonest(
             assert time.monotonic() < deadline, "the other users' jobs did not start"
             time.sleep(0.3)
 
-        async def go() -> None:
+        async def go() -> list[dict[str, Any]]:
             backend.want(1)
             await backend._request()
+            described = []
+            for _ in range(40):  # the backfill pass estimates it within seconds
+                await backend._watch_once()
+                described = backend.describe()
+                if described and "starts_in_s" in described[0]:
+                    break
+                await asyncio.sleep(0.5)
             await backend.close()  # the request is withdrawn: it never starts
+            return described
 
-        asyncio.run(go())
+        described = asyncio.run(go())
     finally:
         for job_id in busy:
             others.cancel(job_id)
@@ -284,6 +295,8 @@ def test_on_the_cluster_a_request_goes_where_slurm_would_start_it_soonest(
     (n1, n2) = submitted["start_estimates"]
     assert n1[0] == 0 and n2[0] == 1 and n1[2] is not None and n2[2] is not None
     assert 60 < n2[2] < 180 and n1[2] - n2[2] > 300, submitted
+    (pending,) = described
+    assert pending["state"] == "pending" and abs(pending["starts_in_s"] - n2[2]) < 30, described
     assert backend.pool_of[f"{backend.jobs[0]}+0"] == 1  # n2's pool
     assert not list((tmp_path / "elastic").glob("job-*.out"))  # the request never ran
 

@@ -90,14 +90,17 @@ def test_parse_sbatch_parsable() -> None:
 
 def test_parse_squeue_text_plain_and_het() -> None:
     rows = parse_squeue_text(
-        "3+0|RUNNING|pearl-el|pearl:run1|elastic|n1|None\n"
-        "3+1|PENDING|pearl-el|pearl:run1|elastic||Resources\n"
-        "7|RUNNING|base|pearl:run1|normal|n[1-2]|None\n"
+        "3+0|RUNNING|pearl-el|pearl:run1|elastic|n1|None|2026-12-04T01:00:00\n"
+        "3+1|PENDING|pearl-el|pearl:run1|elastic||Resources|2026-12-04T02:10:00\n"
+        "7|RUNNING|base|pearl:run1|normal|n[1-2]|None|2026-12-04T00:59:30\n"
+        "8|PENDING|base|pearl:run1|normal||Priority|N/A\n"
     )
-    assert [r.key for r in rows] == ["3+0", "3+1", "7"]
+    assert [r.key for r in rows] == ["3+0", "3+1", "7", "8"]
     assert rows[1].state == "PENDING" and rows[1].reason == "Resources"
+    assert rows[1].start_s == datetime(2026, 12, 4, 2, 10).timestamp()  # expected start
     assert rows[2].component is None and rows[2].nodes == "n[1-2]"
-    with pytest.raises(SlurmParseError, match="2 fields, expected 7"):
+    assert rows[3].start_s is None  # no estimate yet
+    with pytest.raises(SlurmParseError, match="2 fields, expected 8"):
         parse_squeue_text("3|RUNNING\n")
 
 
@@ -114,6 +117,7 @@ def test_parse_squeue_json_2205_and_newer_forms() -> None:
                 "partition": "elastic",
                 "nodes": "n1",
                 "state_reason": "None",
+                "start_time": 1764810000,
             },
             {
                 "job_id": 9,
@@ -152,6 +156,7 @@ def test_parse_squeue_json_2205_and_newer_forms() -> None:
     a = parse_squeue_json(json.dumps(old))
     b = parse_squeue_json(json.dumps(new))
     assert [(r.key, r.state) for r in a] == [("3+0", "RUNNING"), ("9", "PENDING")]
+    assert [r.start_s for r in a] == [1764810000.0, None]
     assert [(r.key, r.state) for r in b] == [("3+1", "RUNNING"), ("10", "PENDING")]
     with pytest.raises(SlurmParseError):
         parse_squeue_json("not json")
@@ -214,7 +219,7 @@ def test_submit_sends_the_script_and_raises_with_stderr() -> None:
 def test_failed_poll_keeps_last_state_and_backs_off() -> None:
     now = [0.0]
     ok = CommandResult(
-        0, "5+0|RUNNING|e|pearl:r|elastic|n1|None\n8|RUNNING|x|other|normal|n2|None\n", ""
+        0, "5+0|RUNNING|e|pearl:r|elastic|n1|None|N/A\n8|RUNNING|x|other|normal|n2|None|N/A\n", ""
     )
     down = CommandResult(1, "", "slurm_load_jobs error: Unable to contact slurm controller")
     runner = ScriptedRunner(ok, down, down, ok)

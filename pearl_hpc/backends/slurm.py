@@ -247,16 +247,20 @@ class SlurmBackend:
     # ---------------------------------------------------------------- capacity
     def describe(self) -> list[dict[str, Any]]:
         """The run's live elastic components, for the journal and ``pearl-hpc status``:
-        requested (submitted, pending), running, draining (signalled or given back)."""
-        return [
-            {
+        requested (submitted, pending), running, draining (signalled or given back); a
+        pending one with Slurm's expected start has ``starts_in_s``."""
+        out = []
+        for c in self.manager.live():
+            row: dict[str, Any] = {
                 "component": c.source.tag,
                 "state": _SHOWN[c.state],
                 "pool": self.elastic.pools[self.pool_of.get(c.source.tag, 0)].partition,
                 "nodes": list(c.nodes),
             }
-            for c in self.manager.live()
-        ]
+            if c.state is ComponentState.PENDING and c.expected_start is not None:
+                row["starts_in_s"] = round(max(0.0, c.expected_start - time.time()))
+            out.append(row)
+        return out
 
     def _counted(self) -> list[Component]:
         """Workers held or asked for: not given back, not being reclaimed."""

@@ -85,6 +85,7 @@ class Component:
     ended_s: float | None = None  # reclaimed, given back or vanished
     nodes: tuple[str, ...] = ()
     adopted: bool = False  # found by a resumed master (submitted_s: when it was found)
+    expected_start: float | None = None  # pending: Slurm's estimate (epoch s), if any
 
     def held_s(self, now_s: float) -> float:
         """How long it has run for the run (0 if it never started)."""
@@ -162,6 +163,7 @@ class CapacityManager:
                 self._move(comp, ComponentState.RUNNING)
                 out.events.append(CapacityGranted(comp.source, comp.gpu_sets()))
             elif row.state == "PENDING":
+                comp.expected_start = row.start_s
                 if comp.state is ComponentState.SUBMITTED:
                     self._move(comp, ComponentState.PENDING)
                 if now_s - comp.submitted_s > self.pending_timeout_s:

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
 from pearl_hpc.errors import PearlError
 
 # `squeue -h -o SQUEUE_FORMAT`: one job (component) per line, fields split by '|'
-SQUEUE_FORMAT = "%i|%T|%j|%k|%P|%N|%r"
+SQUEUE_FORMAT = "%i|%T|%j|%k|%P|%N|%r|%S"
+_FIELDS = SQUEUE_FORMAT.count("|") + 1
 
 
 class SlurmParseError(PearlError):
@@ -30,6 +31,9 @@ class JobRow:
     partition: str
     nodes: str
     reason: str
+    # Slurm's start time (epoch seconds): a pending job's expected start, as the
+    # scheduler estimates it (None: no estimate yet)
+    start_s: float | None = None
 
     @property
     def key(self) -> str:
@@ -63,17 +67,28 @@ def parse_squeue_text(stdout: str) -> list[JobRow]:
         if not line.strip():
             continue
         parts = line.split("|")
-        if len(parts) != 7:
+        if len(parts) != _FIELDS:
             raise SlurmParseError(
-                f"squeue line {lineno}: {len(parts)} fields, expected 7 ({SQUEUE_FORMAT}): {line!r}"
+                f"squeue line {lineno}: {len(parts)} fields, expected {_FIELDS} "
+                f"({SQUEUE_FORMAT}): {line!r}"
             )
-        raw_id, state, name, comment, partition, nodes, reason = (p.strip() for p in parts)
+        raw_id, state, name, comment, partition, nodes, reason, start = (p.strip() for p in parts)
         m = re.fullmatch(r"(\d+)(?:\+(\d+))?(?:_\S+)?", raw_id)
         if not m:
             raise SlurmParseError(f"squeue line {lineno}: job id {raw_id!r}")
         component = int(m.group(2)) if m.group(2) is not None else None
-        rows.append(JobRow(m.group(1), component, state, name, comment, partition, nodes, reason))
+        row = JobRow(m.group(1), component, state, name, comment, partition, nodes, reason)
+        rows.append(replace(row, start_s=_start_s(start)))
     return rows
+
+
+def _start_s(text: str) -> float | None:
+    """squeue's ``%S``: ``2026-12-04T02:10:00`` (slurmctld's local time, taken as this
+    host's), or ``N/A`` / ``Unknown`` / ``None`` when it has no estimate."""
+    try:
+        return datetime.strptime(text, "%Y-%m-%dT%H:%M:%S").timestamp()
+    except ValueError:
+        return None
 
 
 def _state(value: Any) -> str:
@@ -113,6 +128,7 @@ def parse_squeue_json(stdout: str) -> list[JobRow]:
                 str(job.get("partition", "")),
                 str(job.get("nodes", "") or ""),
                 str(job.get("state_reason", "") or ""),
+                float(start) if (start := _number(job.get("start_time"))) else None,
             )
         )
     return rows
