@@ -23,6 +23,7 @@ Telemetry: a stat logger receives vLLM's per-iteration scheduler details
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import logging
 import os
@@ -45,6 +46,7 @@ from pearl_hpc.engine.types import EngineError, TurnRequest, TurnResult
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.02  # how often an idle engine steps (a producer frees sent KV blocks)
+START_STACKS_AFTER_S = 120.0  # an engine start this slow dumps its threads' stacks
 CACHE_RETRY_S = 1.0  # how often a prefix-cache reset refused after a weight load is retried
 # the most a prefill engine waits for its decoders to read the KV it still holds before it
 # shuts down or sleeps: a decode request follows its prefill within milliseconds, while
@@ -107,6 +109,21 @@ def _fresh_side_channel_port(fixed: int) -> None:
     port = fixed or _listen_port(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1"))
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
     envs.disable_envs_cache()  # vLLM caches its env after an engine start: read it again
+
+
+def _read_cpu_topology_once() -> None:
+    """vLLM's CPU worker runs ``lscpu`` in a forked shell at every engine start
+    (``cpu_resource_utils._get_cpu_list``). Restarting an engine in a process whose NIXL
+    engine was just released stalled twice in CI for ~300 s between the engine's config
+    and the worker's NUMA binding, which is where that fork runs. The CPU list does not
+    change while the process lives (the affinity filter is applied per call): read it
+    once, at the first start."""
+    import functools
+
+    from vllm.utils import cpu_resource_utils as cpu
+
+    if not hasattr(cpu._get_cpu_list, "cache_info"):
+        cpu._get_cpu_list = functools.cache(cpu._get_cpu_list)
 
 
 def _sum_transferred_bytes(stats: Any) -> int:
@@ -313,10 +330,17 @@ class EngineRunner:
         spec = self.spec
         if role is not Role.COLOCATED:
             _fresh_side_channel_port(spec.kv_side_channel_port)
+        if spec.device == "cpu":
+            _read_cpu_topology_once()
         args = engine_args(spec, role)
-        engine = LLMEngine.from_engine_args(
-            EngineArgs(**args), stat_loggers=[self._telemetry.factory()]
-        )
+        # a start that hangs leaves every thread's stack in this worker's log
+        faulthandler.dump_traceback_later(START_STACKS_AFTER_S, exit=False)
+        try:
+            engine = LLMEngine.from_engine_args(
+                EngineArgs(**args), stat_loggers=[self._telemetry.factory()]
+            )
+        finally:
+            faulthandler.cancel_dump_traceback_later()
         if self.weight_version and self._host_weights:
             _reload(engine, self._host_weights)
             engine.reset_prefix_cache()  # nothing has run: always succeeds
