@@ -166,7 +166,8 @@ def test_local_prefill_runs_later_turns_whole_on_their_decode_worker(
     for c, d in zip(colocated, local, strict=True):
         assert c.token_ids() == d.token_ids(), c.trajectory_id
         assert all(t.worker_ids == ("dec",) for t in d.turns)
-    assert router.local_prefills == sum(len(t.turns) - 1 for t in local) > 0
+    assert router.local_prefills == {t.trajectory_id: len(t.turns) - 1 for t in local}
+    assert all(len(t.turns) > 1 for t in local)
     first_prompts = sum(t.turns[0].context_tokens - t.turns[0].generated_tokens for t in local)
     injected = after.kv_tokens_injected - before.kv_tokens_injected
     assert first_prompts - len(seeds) <= injected <= first_prompts  # first turns only

@@ -259,7 +259,7 @@ def test_local_prefill_sends_a_turn_whole_to_the_decode_worker_holding_its_prefi
         assert asked == [(2, len(context) + 2, 0)]
         assert not engines[holder].requests[-1].prefill_only
         assert engines[holder].requests[-1].kv_transfer_params is None  # prefilled there
-        assert len(engines["p"].requests) == 1 and router.local_prefills == 1
+        assert len(engines["p"].requests) == 1 and router.local_prefills == {"t": 1}
         assert second.result.token_ids == FakeEngine.continuation((*context, 9, 9), 4)
 
         context += (9, 9, *second.result.token_ids)
@@ -282,7 +282,7 @@ def test_local_prefill_sends_a_turn_whole_to_the_decode_worker_holding_its_prefi
         engines[held].admitting = False
         router.table.set_admitting(held, False)
         drained = await router.generate("t", TurnRequest("r7", (*context, 7), 4))
-        assert drained.prefill_worker == "p" and router.local_prefills == 1
+        assert drained.prefill_worker == "p" and router.local_prefills == {"t": 1}
         router.table.forget("t")
         assert "t" not in router.table.decode_holder
 

@@ -83,8 +83,8 @@ class StepMetrics:
     idle_worker_s: float = 0.0
     tail_worker_s: float = 0.0
     tail_idle_worker_s: float = 0.0
-    # policy.local_prefill: disaggregated turns prefilled on the decode worker holding
-    # their prefix (counted while this step's batch ran; batches overlap with tail_start)
+    # policy.local_prefill: the batch's disaggregated turns prefilled on the decode
+    # worker holding their prefix
     local_prefills: int = 0
 
     @property

@@ -236,7 +236,6 @@ class StepPipeline:
         counters = self.executor.counters
         borrowed_before = len(counters.activation_s)
         moved_before = counters.moved_turns
-        local_before = self.router.local_prefills
         journaled = self.tlog.load(step)  # a resumed step (two with the rollout ahead)
         # counted now: the rollout continues these trajectories in place
         resumed_tokens = sum(t.num_generated() for t in journaled.values())
@@ -286,7 +285,7 @@ class StepPipeline:
             {k: str(v) for k, v in sorted(roles.items())},
             borrowed,
             counters.moved_turns - moved_before,
-            self.router.local_prefills - local_before,
+            sum(self.router.local_prefills.pop(t.trajectory_id, 0) for t in trajectories),
             len(journaled),
             resumed_tokens,
             predicted,

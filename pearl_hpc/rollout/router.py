@@ -236,7 +236,9 @@ class Router:
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self.local_prefills = 0  # disaggregated turns prefilled on their decode worker
+        # disaggregated turns prefilled on their decode worker, per trajectory (the step
+        # pipeline takes its batch's counts when the batch ends)
+        self.local_prefills: dict[str, int] = {}
 
     # ------------------------------------------------------------------ configuration
 
@@ -316,7 +318,7 @@ class Router:
         local = self.table.local_holder(trajectory_id, request.prompt_token_ids)
         if local is not None:  # its decode worker holds the prefix: prefill there
             result = await self._call(local, request, None)
-            self.local_prefills += 1
+            self.local_prefills[trajectory_id] = self.local_prefills.get(trajectory_id, 0) + 1
             self._decoded(trajectory_id, local, request, result)
             return RoutedTurn(result, Mode.DISAGGREGATED, prefill_worker=local)
         pid = self.table.choose(Role.PREFILL, trajectory_id)
