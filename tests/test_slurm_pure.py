@@ -176,7 +176,7 @@ class ScriptedRunner:
 
 def test_test_only_start_estimate_is_read_and_nothing_is_submitted() -> None:
     line = "sbatch: Job 42 to start at 2026-12-04T01:40:00 using 2 processors on nodes n1"
-    assert parse_test_only(line) == datetime(2026, 12, 4, 1, 40)
+    assert parse_test_only(line) == datetime(2026, 12, 4, 1, 40).timestamp()
     assert parse_test_only("sbatch: error: Batch job submission failed") is None
     soon = (datetime.now() + timedelta(seconds=90)).strftime("%Y-%m-%dT%H:%M:%S")
     past = "2000-01-01T00:00:00"

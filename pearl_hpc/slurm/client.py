@@ -106,7 +106,7 @@ class SlurmClient:
         sbatch refused it or printed no estimate."""
         result = self._run(["sbatch", "--test-only"], render_sbatch(spec))
         at = parse_test_only(result.stderr + result.stdout) if result.returncode == 0 else None
-        return None if at is None else max(0.0, at.timestamp() - time.time())
+        return None if at is None else max(0.0, at - time.time())
 
     def cancel(
         self, job_id: str, component: int | None = None, *, signal: str | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -50,15 +50,15 @@ def parse_sbatch_parsable(stdout: str) -> str:
     return job_id
 
 
-_TEST_ONLY = re.compile(r"\bJob \d+ to start at (\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2})")
+_TEST_ONLY = re.compile(r"\bJob \d+ to start at (\S+)")
 
 
-def parse_test_only(output: str) -> datetime | None:
+def parse_test_only(output: str) -> float | None:
     """``sbatch --test-only`` says when Slurm would start the job (``sbatch: Job 42 to
-    start at 2026-12-04T01:40:00 using 1 processors on nodes n1 in partition elastic``,
-    slurmctld's local time): that time, naive, or None when it printed no estimate."""
+    start at 2026-12-04T01:40:00 using 1 processors on nodes n1 in partition elastic``):
+    that time as epoch seconds (:func:`slurm_time`), or None when it printed none."""
     m = _TEST_ONLY.search(output)
-    return datetime.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S") if m else None
+    return slurm_time(m.group(1)) if m else None
 
 
 def parse_squeue_text(stdout: str) -> list[JobRow]:
@@ -77,14 +77,25 @@ def parse_squeue_text(stdout: str) -> list[JobRow]:
         if not m:
             raise SlurmParseError(f"squeue line {lineno}: job id {raw_id!r}")
         component = int(m.group(2)) if m.group(2) is not None else None
-        row = JobRow(m.group(1), component, state, name, comment, partition, nodes, reason)
-        rows.append(replace(row, start_s=_start_s(start)))
+        rows.append(
+            JobRow(
+                m.group(1),
+                component,
+                state,
+                name,
+                comment,
+                partition,
+                nodes,
+                reason,
+                start_s=slurm_time(start),
+            )
+        )
     return rows
 
 
-def _start_s(text: str) -> float | None:
-    """squeue's ``%S``: ``2026-12-04T02:10:00`` (slurmctld's local time, taken as this
-    host's), or ``N/A`` / ``Unknown`` / ``None`` when it has no estimate."""
+def slurm_time(text: str) -> float | None:
+    """A time as Slurm prints it (``2026-12-04T02:10:00``: slurmctld's local time, taken
+    as this host's) in epoch seconds; None for ``N/A`` / ``Unknown`` / ``None``."""
     try:
         return datetime.strptime(text, "%Y-%m-%dT%H:%M:%S").timestamp()
     except ValueError:
