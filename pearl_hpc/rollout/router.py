@@ -189,10 +189,7 @@ class RoutingTable:
     ) -> None:
         """Decode worker ``worker_id`` generated a turn with weights ``version``: it now
         holds ``context`` (prompt + output) in its prefix cache."""
-        if self.local_prefill is not None:
-            self.decode_holder[trajectory_id] = _Held(
-                worker_id, len(context), hash(context), version
-            )
+        self.decode_holder[trajectory_id] = _Held(worker_id, len(context), hash(context), version)
 
     def local_holder(self, trajectory_id: str, prompt: tuple[int, ...]) -> str | None:
         """local_prefill: the decode worker to prefill this turn itself, or None."""
