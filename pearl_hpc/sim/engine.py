@@ -15,7 +15,10 @@ contexts in an LRU prefix cache, so a turn that returns to the same worker prefi
 its new tokens and one that moves re-prefills its whole context; every weight update
 empties the prefix caches.
 
-Events are ordered by ``(time_s, priority, seq)``; all randomness is the workload's
+The engine inside a worker (admission, chunks, processor sharing, preemption, drain) is
+:class:`pearl_hpc.sim.physics.WorkerPhysics`; this module routes turns, runs the
+controller's plans, the batches and training. Events are ordered by
+``(time_s, priority, seq)``; all randomness is the workload's
 seeded generator, so a seed gives one result.
 """
 
@@ -46,24 +49,26 @@ from pearl_hpc.core.tracker import IterationRecord, TurnRecord
 from pearl_hpc.core.types import Mode, Role, Status, Zone
 from pearl_hpc.sim.costmodel import CostModel
 from pearl_hpc.sim.entities import (
+    P_ARRIVAL,
+    P_CAPACITY,
+    P_CONTROL,
+    P_WORK,
     Request,
     SimInvariantError,
     SimSetup,
     SimWorker,
     StepRecord,
     Traj,
-    insert_ordered,
 )
+from pearl_hpc.sim.physics import WorkerPhysics
 from pearl_hpc.sim.workload import WorkloadConfig, WorkloadGenerator
 
-# event priorities at equal times: capacity changes, then completions, then arrivals
-_P_CAPACITY, _P_CONTROL, _P_WORK, _P_ARRIVAL = 0, 1, 2, 3
 DEDICATED_RELEASE_S = 1.0  # stop a dedicated worker: abort requests, free the GPUs
 RETURN_DEADLINE_S = 120.0  # borrowed GPUs not back this long after Training Begin: a bug
 
 
 # ----------------------------------------------------------------------- simulator
-class Simulator:
+class Simulator(WorkerPhysics):
     def __init__(
         self,
         setup: SimSetup,
@@ -152,7 +157,7 @@ class Simulator:
         if self.setup.elastic is not None:
             for t, count in zip(self.setup.elastic.times_s, self.setup.elastic.counts, strict=True):
                 if t <= self.duration_s:
-                    self.at(t, _P_CAPACITY, self._on_trace, count)
+                    self.at(t, P_CAPACITY, self._on_trace, count)
         self._record_budget()
         self._start_batch()
         events = 0
@@ -233,7 +238,7 @@ class Simulator:
             else:  # prewarm: the joiner's finalisation runs in its own background
                 warm = self.cost.reconfig_s("finalisation") if self.setup.policy.prewarm else 0
                 delay = self.cost.reconfig_s("preparation") + warm
-            self.at(self.now + delay, _P_CONTROL, self._worker_ready, add.slot_id, w)
+            self.at(self.now + delay, P_CONTROL, self._worker_ready, add.slot_id, w)
 
     def _worker_ready(self, slot_id: int, w: SimWorker) -> None:
         if self.workers.get(slot_id) is not w or w.state not in ("starting", "rerole"):
@@ -250,7 +255,7 @@ class Simulator:
         if inter_scale and self.setup.weight_pull and not self.setup.policy.prewarm:
             pause = self.cost.reconfig_s("finalisation")
         self.admission_paused_until = max(self.admission_paused_until, self.now + pause)
-        self.at(self.now + pause, _P_CONTROL, self._activate, list(slot_ids))
+        self.at(self.now + pause, P_CONTROL, self._activate, list(slot_ids))
 
     def _activate(self, slot_ids: list[int]) -> None:
         for s in slot_ids:
@@ -270,7 +275,7 @@ class Simulator:
                 self._mark(w, "rerole")
                 self.at(
                     self.now + self.cost.reconfig_s("rerole"),
-                    _P_CONTROL,
+                    P_CONTROL,
                     self._rerole_done,
                     slot_id,
                     w,
@@ -300,7 +305,7 @@ class Simulator:
             done = self.now + delay
             if deadline_s is not None:
                 done = min(done, deadline_s)
-            self.at(done, _P_CONTROL, self._released, slot_id, w)
+            self.at(done, P_CONTROL, self._released, slot_id, w)
         self._dispatch()
 
     def _released(self, slot_id: int, w: SimWorker) -> None:
@@ -324,8 +329,8 @@ class Simulator:
         rec = self.steps[step]
         rec.training_return_s = wait_s
         done_s = self.now + self.cost.training_step_s(rec.trained_tokens, self.setup.training_gpus)
-        self.at(done_s - self.cost.weight_sync_s, _P_CONTROL, self._pause_for_sync, done_s)
-        self.at(done_s, _P_CONTROL, self._training_done, step)
+        self.at(done_s - self.cost.weight_sync_s, P_CONTROL, self._pause_for_sync, done_s)
+        self.at(done_s, P_CONTROL, self._training_done, step)
 
     def _pause_for_sync(self, until_s: float) -> None:
         """The weight broadcast reaches the engines: none generates until it is loaded
@@ -366,7 +371,7 @@ class Simulator:
         self._training_running = step
         self._training_begin_s = self.now
         self._training_started = False
-        self.at(self.now + RETURN_DEADLINE_S, _P_CONTROL, self._check_returned, step)
+        self.at(self.now + RETURN_DEADLINE_S, P_CONTROL, self._check_returned, step)
         self.controller.handle(TrainingBegin(step))
 
     def _check_returned(self, step: int) -> None:
@@ -452,7 +457,7 @@ class Simulator:
 
     def _dispatch(self) -> None:
         if self.now < self.admission_paused_until:
-            self.at(self.admission_paused_until, _P_ARRIVAL, self._dispatch)
+            self.at(self.admission_paused_until, P_ARRIVAL, self._dispatch)
             return
         if not self.pending:
             return
@@ -510,184 +515,7 @@ class Simulator:
         w.routed += 1
         self._admit(w, "prefill", req)
 
-    def _admit(self, w: SimWorker, phase: str, req: Request) -> None:
-        self._advance(w)
-        if not w.fits(req.kv_tokens):
-            if self.setup.policy.tail_dispatch:
-                insert_ordered(w.waiting, (phase, req), lambda e: e[1].order)
-            else:
-                w.waiting.append((phase, req))
-            return
-        self._enter(w, phase, req)
-        self._reschedule(w)
-
-    def _enter(self, w: SimWorker, phase: str, req: Request, *, reserve: bool = True) -> None:
-        if reserve:
-            w.kv_static += req.kv_tokens
-            w.evict()
-        req.worker = w.slot_id
-        if phase == "prefill":
-            if not w.prefill:
-                w.prefill_left = req.prefill_tokens
-            if self.setup.policy.tail_dispatch:  # behind the head, which is under way
-                insert_ordered(w.prefill, req, lambda r: r.order, first=1)
-            else:
-                w.prefill.append(req)
-            w.prefill_backlog += req.prefill_tokens
-        else:
-            req.started_vt = w.vt
-            req.finish_vt = w.vt + req.gen_left
-            heapq.heappush(w.decode, (req.finish_vt, next(self._seq), req))
-            w.decode_ctx += req.decode_ctx
-            w.started_sum += req.started_vt
-
-    def _leave_decode(self, w: SimWorker, req: Request) -> None:
-        """Bookkeeping of a request that stops decoding on ``w`` (popped from the heap);
-        what it grew becomes part of its allocation."""
-        w.decode_ctx -= req.decode_ctx
-        w.started_sum = w.started_sum - req.started_vt if w.decode else 0.0
-        if w.grows:
-            grown = round(w.vt - req.started_vt)
-            w.kv_static += grown
-            req.kv_tokens += grown
-
-    # ------------------------------------------------------- processor sharing
-    def _advance(self, w: SimWorker) -> None:
-        dt = self.now - w.updated_s
-        if dt > 0 and w.state == "active":
-            self.active_worker_s += dt
-            if not (w.decode or w.prefill):
-                self.idle_worker_s += dt
-        if dt > 0:
-            if w.decode:
-                w.vt += w.decode_rate * dt
-                if w.cache and w.grows:
-                    w.evict()
-            if w.prefill:
-                done = min(w.prefill_left, w.prefill_rate * dt)
-                w.prefill_left -= done
-                w.prefill_backlog = max(0.0, w.prefill_backlog - done)
-            if (w.decode or w.prefill) and w.iteration_s > 0:
-                self.busy_s += dt
-                if w.prefill:
-                    self.prefill_busy_s += dt
-                self._iters.append(
-                    IterationRecord(
-                        w.slot_id,
-                        w.role,
-                        len(w.decode),
-                        int(w.decode_ctx),
-                        int(w.chunk),
-                        w.iteration_s,
-                        count=dt / w.iteration_s,
-                    )
-                )
-        w.updated_s = self.now
-
-    def _reschedule(self, w: SimWorker) -> None:
-        if self.now < w.paused_until:  # loading new weights: nothing runs until then
-            w.iteration_s = w.decode_rate = w.prefill_rate = w.chunk = 0.0
-            w.version += 1
-            self.at(w.paused_until, _P_WORK, self._on_worker, w, w.version)
-            return
-        cost = self.cost
-        n = len(w.decode)
-        ctx = w.decode_ctx
-        if w.prefill:
-            head = w.prefill[0]
-            chunk = w.chunk = w.prefill_chunk()
-            # attention span of the head's part: its prompt up to where prefill has got to
-            span = head.prompt_tokens - w.prefill_left + min(chunk, w.prefill_left) / 2
-            if n and w.role is not Role.PREFILL:  # colocated, or a decode worker's local prefill
-                it = cost.mixed_iteration_s(n, ctx, chunk, span)
-            else:
-                it = cost.prefill_iteration_s(chunk, span)
-            w.prefill_rate = chunk / it
-            w.iteration_s = it
-            w.decode_rate = 1.0 / it if n else 0.0
-        elif n:
-            it = cost.decode_iteration_s(n, ctx)
-            w.iteration_s = it
-            w.decode_rate = 1.0 / it
-            w.prefill_rate = w.chunk = 0.0
-        else:
-            w.iteration_s = w.decode_rate = w.prefill_rate = w.chunk = 0.0
-        w.version += 1
-        nxt = float("inf")
-        if n:
-            nxt = self.now + max(0.0, w.decode[0][0] - w.vt) / w.decode_rate
-        if w.prefill:
-            nxt = min(nxt, self.now + w.prefill_left / w.prefill_rate)
-        if n > 1 and w.grows:  # colocated decoding fills the KV: preempt then
-            nxt = min(nxt, self.now + max(0.0, w.full_at_vt() - w.vt) / w.decode_rate)
-        if nxt < float("inf"):
-            self.at(nxt, _P_WORK, self._on_worker, w, w.version)
-
-    def _on_worker(self, w: SimWorker, version: int) -> None:
-        if version != w.version or self.workers.get(w.slot_id) is not w:
-            return
-        self._advance(w)
-        eps = 1e-6
-        done_decode: list[Request] = []
-        while w.decode and w.decode[0][0] - w.vt <= eps:
-            _, _, req = heapq.heappop(w.decode)
-            self._leave_decode(w, req)
-            done_decode.append(req)
-        done_prefill: Request | None = None
-        if w.prefill and w.prefill_left <= eps:
-            done_prefill = w.prefill.popleft()
-            w.prefill_left = float(w.prefill[0].prefill_tokens) if w.prefill else 0.0
-        for req in done_decode:
-            if w.role is Role.DECODE:
-                req.traj.decode_worker = w.slot_id
-            keep = w.role is Role.COLOCATED or (
-                w.role is Role.DECODE and self.setup.policy.local_prefill
-            )
-            self._release_kv(w, req, keep_cache=keep)
-            self._turn_done(req, w)
-        if done_prefill is not None:
-            self._prefill_done(w, done_prefill)
-        while len(w.decode) > 1 and w.kv_used > w.kv_capacity - 1:
-            self._preempt(w)
-        self._admit_waiting(w)
-        self._reschedule(w)
-
-    def _preempt(self, w: SimWorker) -> None:
-        """The KV is full: the newest decoding request gives its blocks back and waits at
-        the head of the queue; when readmitted it recomputes its prompt and what it had
-        generated (vLLM's recompute preemption)."""
-        newest = max(w.decode, key=lambda e: (e[2].started_vt, e[1]))
-        w.decode.remove(newest)
-        heapq.heapify(w.decode)
-        req = newest[2]
-        self._leave_decode(w, req)
-        w.kv_static -= req.kv_tokens
-        done = req.kv_tokens - req.prompt_tokens
-        req.traj.done_gen += done
-        req.gen_left -= done
-        req.prompt_tokens = req.kv_tokens
-        req.prefill_tokens = req.prompt_tokens
-        req.traj.prefilled += req.prefill_tokens
-        self.prefilled_tokens += req.prefill_tokens
-        self.preempted_turns += 1
-        w.waiting.appendleft(("prefill", req))
-
-    def _release_kv(self, w: SimWorker, req: Request, *, keep_cache: bool) -> None:
-        w.kv_static -= req.kv_tokens
-        if keep_cache:  # the prompt stays cached as a prefix (not this turn's reasoning)
-            traj = req.traj
-            w.cache_prefix(
-                traj.spec.trajectory_id, traj.context + traj.spec.turns[traj.turn].new_tokens
-            )
-
-    def _admit_waiting(self, w: SimWorker) -> None:
-        while w.waiting:
-            phase, req = w.waiting[0]
-            if not w.fits(req.kv_tokens):
-                break
-            w.waiting.popleft()
-            self._enter(w, phase, req)
-
+    # -------------------------------------- a turn: prefill, KV transfer, decode, tool
     def _prefill_done(self, w: SimWorker, req: Request) -> None:
         if w.role is not Role.PREFILL:  # decode in place, KV already reserved
             self._enter(w, "decode", req, reserve=False)
@@ -697,7 +525,7 @@ class Simulator:
         self._in_transit += 1
         self.at(
             self.now + self.cost.transfer_s(req.prompt_tokens),
-            _P_WORK,
+            P_WORK,
             self._to_decode,
             req,
         )
@@ -756,7 +584,7 @@ class Simulator:
                 self._maybe_start_next_batch()
             return
         self._in_transit += 1
-        self.at(self.now + turn.env_s, _P_ARRIVAL, self._env_done, traj)
+        self.at(self.now + turn.env_s, P_ARRIVAL, self._env_done, traj)
 
     def _env_done(self, traj: Traj) -> None:
         self._in_transit -= 1
@@ -767,33 +595,7 @@ class Simulator:
         self.pending.append(traj)
         self._dispatch()
 
-    # -------------------------------------------------------------- interrupts
-    def _drain(self, w: SimWorker) -> None:
-        """Abort everything on ``w`` keeping partial trajectories: generated tokens stay,
-        an interrupted prefill is redone elsewhere."""
-        self._advance(w)
-        victims: list[Request] = [r for _, r in w.waiting]
-        for _, _, req in w.decode:
-            req.traj.done_gen += int(w.vt - req.started_vt)
-            victims.append(req)
-        victims.extend(w.prefill)
-        w.decode.clear()
-        w.prefill.clear()
-        w.waiting.clear()
-        w.decode_ctx = 0.0
-        w.kv_static = 0
-        w.started_sum = 0.0
-        w.prefill_left = w.prefill_backlog = 0.0
-        w.clear_cache()
-        self._reschedule(w)
-        for req in victims:
-            self.interrupted_turns += 1
-            req.traj.interrupts += 1
-            turn = req.traj.spec.turns[req.traj.turn]
-            req.traj.done_gen = min(req.traj.done_gen, turn.gen_tokens - 1)
-            req.traj.worker = None
-            self.pending.append(req.traj)
-
+    # ------------------------------------------------------------------ timeline
     def _mark(self, w: SimWorker, state: str) -> None:
         w.state = state
         self.timeline.append(

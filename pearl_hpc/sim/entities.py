@@ -27,6 +27,9 @@ from pearl_hpc.sim.costmodel import CHUNK_TOKENS
 from pearl_hpc.sim.traces import AvailabilityTrace
 from pearl_hpc.sim.workload import TrajectorySpec
 
+# event priorities at equal times: capacity changes, then completions, then arrivals
+P_CAPACITY, P_CONTROL, P_WORK, P_ARRIVAL = 0, 1, 2, 3
+
 # Admission leaves this share of the KV free (vLLM's watermark): a preempted request is
 # not readmitted at once into the room its own preemption made.
 KV_WATERMARK = 0.01
