@@ -5,6 +5,7 @@ answered by a fake backend in random order."""
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -230,6 +231,43 @@ def test_the_window_is_learnt_from_grants_and_reclaims() -> None:
     fresh.restore(data)  # a resumed master continues the estimate
     assert fresh.window.estimate_s(clock()) == pytest.approx(controller.window.estimate_s(clock()))
     assert fresh.window.reclaims == 3
+
+
+def test_capacity_is_judged_up_to_the_runs_end_and_from_its_expected_start() -> None:
+    """Over a long window a worker is worth requesting; when the run's master predicts
+    its end within the worker's preparation, or Slurm expects to start the request after
+    that end, none is; a grant then is given straight back."""
+    controller, executor, clock = running_base(
+        1, expansion="gated", expected_capacity_window_s=3600.0, preparation_s=30.0
+    )
+    open_ended = controller.elastic_demand(4)
+    assert open_ended.workers > 0 and open_ended.window_s == 3600.0
+    controller.expect_end(clock() + 600.0)  # ten minutes left: still worth it
+    soon = controller.elastic_demand(4)
+    assert 0 < soon.workers <= open_ended.workers and soon.window_s == 600.0
+    late = controller.elastic_demand(4, starts_in_s=590.0)  # starts with 10 s left
+    assert late.workers == 0 and late.window_s == 10.0 and late.starts_in_s == 590.0
+    assert late.reason.startswith("reject expansion")
+    controller.expect_end(clock() + 20.0)  # ends before a new worker is prepared
+    assert controller.elastic_demand(4).workers == 0
+    assert controller.handle(CapacityGranted(JOB, (gpus(10),))) is None
+    assert executor.take() == [("release_capacity", JOB.tag)]
+    always, _, clock = running_base(1, expansion="always")  # ungated: the cap, as before
+    always.expect_end(clock() + 1.0)
+    assert always.elastic_demand(4, starts_in_s=100.0).workers == 4
+
+
+def test_the_runs_end_is_predicted_from_the_pace_of_its_last_steps() -> None:
+    from pearl_hpc.core.window import run_end_s, usable_window_s
+
+    assert run_end_s([], 5) == math.inf and run_end_s([40.0], 5) == math.inf
+    assert run_end_s([40.0, 50.0], 3) == 80.0
+    # the last PACE_STEPS periods: a slow start (the first step's 40 s) is forgotten
+    assert run_end_s([40.0, 100.0, 110.0, 120.0, 130.0, 140.0], 2) == 160.0
+    assert run_end_s([40.0, 50.0], 0) == 50.0
+    assert usable_window_s(600.0, 100.0) == 600.0
+    assert usable_window_s(600.0, 100.0, end_s=400.0) == 300.0
+    assert usable_window_s(600.0, 100.0, end_s=400.0, starts_in_s=350.0) == 0.0
 
 
 def test_capacity_reclaimed_stops_exactly_that_source_then_releases_it() -> None:

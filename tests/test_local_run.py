@@ -179,6 +179,45 @@ def test_local_run_grows_reclaims_borrows_and_loses_nothing(tmp_path: Path, monk
 
 @pytest.mark.vllm
 @pytest.mark.skipif(vllm_skip_reason() is not None, reason=str(vllm_skip_reason()))
+def test_near_the_runs_end_no_elastic_worker_is_asked_for(tmp_path: Path, monkeypatch):
+    """The gated expansion at request time over the run's predicted end: at the start
+    (no pace yet) an elastic worker is worth its 60 s preparation over the hour's
+    window and is asked for; once two steps set the pace, the one step left is shorter
+    than the preparation, the demand falls to 0, and the worker the trace offers at step
+    2 is not launched."""
+    monkeypatch.setenv("PEARL_HPC_CACHE", str(tmp_path / "cache"))
+    config = {
+        **CONFIG,
+        "profile": MEASURED,
+        "policy": {
+            **CONFIG["policy"],
+            "expansion": "gated",
+            "preparation_s": 60.0,
+            "expected_capacity_window_s": 3600,
+        },
+        "workers": {"training_gpus": 1, "reserved_rollout": 1, "overlap": 0},
+        "elastic": {"grace_s": 30, "max_workers": 1, "trace": [{"at_step": 2, "workers": 1}]},
+        "run": {**CONFIG["run"], "max_staleness": 0},
+    }
+    cfg = load_run_config(_write(tmp_path, config))
+    run_dir = tmp_path / "runs" / "t"
+    summary = run_to_summary(cfg, run_dir)
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["trajectories"] for m in metrics] == [16] * 3
+    demand = [e for e in events if e["kind"] == "demand"]
+    assert demand[0]["workers"] == 1 and demand[0]["run_end_s"] == float("inf"), demand
+    assert demand[-1]["workers"] == 0 and "reject expansion" in demand[-1]["reason"], demand
+    # judged over the step left: from the second step's end, at the pace of the first
+    period = metrics[1]["t_s"] - metrics[0]["t_s"]
+    assert demand[-1]["run_end_s"] == pytest.approx(metrics[1]["t_s"] + period, abs=0.2)
+    assert demand[-1]["t_s"] <= metrics[2]["rollout_started_s"]  # before the offer
+    assert not [e for e in events if e["kind"] == "launched"]
+    assert summary["counters"]["grows"] == 0
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(vllm_skip_reason() is not None, reason=str(vllm_skip_reason()))
 def test_two_trainer_ranks_shard_with_fsdp2_and_the_engines_get_the_gathered_weights(
     tmp_path: Path, monkeypatch
 ):

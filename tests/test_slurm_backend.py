@@ -21,6 +21,7 @@ from pearl_hpc.core.types import Role
 from pearl_hpc.slurm.client import CommandResult, SlurmClient
 from pearl_hpc.slurm.parse import SQUEUE_FORMAT
 from pearl_hpc.slurm.scripts import HetComponent, JobSpec
+from tests.test_controller import running_base
 
 
 class _NoMembers:
@@ -164,6 +165,33 @@ def test_a_single_request_goes_to_the_pool_slurm_would_start_it_in_soonest(
     assert len(slurm.scripts) == 3  # test-only submitted nothing
 
 
+def test_the_expected_start_of_a_request_made_now_is_slurms_last_estimate(
+    tmp_path: Path,
+) -> None:
+    """starts_in_s (what the expansion gate at request time takes): 0 while nothing is
+    known; after a submission the soonest --test-only estimate, counted down and kept
+    after the request is withdrawn; back to 0 once Slurm starts a request."""
+    backend, _ = _backend(tmp_path, PoolConfig(partition="a"), PoolConfig(partition="b"))
+    slurm = FakeSlurm(backend.tag)
+    slurm.start_in = {"a": 900.0, "b": 300.0}
+    backend.client = SlurmClient(slurm, min_backoff_s=0.0)
+    seen: list[float] = []
+    _run(
+        backend,
+        lambda: seen.append(backend.starts_in_s()),
+        1,
+        lambda: seen.append(backend.starts_in_s()),
+        0,  # withdrawn
+        lambda: seen.append(backend.starts_in_s()),
+        1,
+        lambda: slurm.start(backend.jobs[-1]),
+        lambda: seen.append(backend.starts_in_s()),
+    )
+    assert seen[0] == 0.0
+    assert seen[1] == pytest.approx(300, abs=5) and seen[2] == pytest.approx(300, abs=5)
+    assert seen[3] == 0.0
+
+
 def test_a_hetjob_request_is_one_job_of_every_pools_components(tmp_path: Path) -> None:
     pools = (
         PoolConfig(partition="a", gpus_per_worker=2, hetjob_workers=1, qos="low", role="prefill"),
@@ -247,7 +275,9 @@ def test_on_the_cluster_a_request_goes_where_slurm_would_start_it_soonest(
     """Other users hold n1 for 10 minutes and n2 for 2 (their time limits): sbatch
     --test-only estimates a worker pinned to n2 to start ~8 minutes sooner, so the
     single request goes to that pool though n1's pool has the turn; once it is pending,
-    squeue's expected start of it shows in describe() (status, the live line)."""
+    squeue's expected start of it shows in describe() (status, the live line). When the
+    run is predicted to end before that start, the gated demand is 0 and the request is
+    withdrawn."""
     others = SlurmClient()
     busy = [
         others.submit(
@@ -273,7 +303,7 @@ def test_on_the_cluster_a_request_goes_where_slurm_would_start_it_soonest(
             assert time.monotonic() < deadline, "the other users' jobs did not start"
             time.sleep(0.3)
 
-        async def go() -> list[dict[str, Any]]:
+        async def go() -> tuple[list[dict[str, Any]], float, int]:
             backend.want(1)
             await backend._request()
             described = []
@@ -283,10 +313,21 @@ def test_on_the_cluster_a_request_goes_where_slurm_would_start_it_soonest(
                 if described and "starts_in_s" in described[0]:
                     break
                 await asyncio.sleep(0.5)
-            await backend.close()  # the request is withdrawn: it never starts
-            return described
+            # the run ends before Slurm would start it: the expansion gate at request
+            # time wants nobody, and the standing request is withdrawn
+            starts_in = backend.starts_in_s()
+            gated, _, clock = running_base(
+                1, expansion="gated", expected_capacity_window_s=3600.0, preparation_s=10.0
+            )
+            assert gated.elastic_demand(1).workers == 1  # open-ended: worth it
+            gated.expect_end(clock() + starts_in / 2)
+            demand = gated.elastic_demand(1, starts_in_s=starts_in)
+            backend.want(demand.workers)
+            await backend._watch_once()
+            await backend.close()  # nothing left: it never started
+            return described, starts_in, demand.workers
 
-        described = asyncio.run(go())
+        described, starts_in, wanted = asyncio.run(go())
     finally:
         for job_id in busy:
             others.cancel(job_id)
@@ -298,6 +339,8 @@ def test_on_the_cluster_a_request_goes_where_slurm_would_start_it_soonest(
     (pending,) = described
     assert pending["state"] == "pending" and abs(pending["starts_in_s"] - n2[2]) < 30, described
     assert backend.pool_of[f"{backend.jobs[0]}+0"] == 1  # n2's pool
+    assert abs(starts_in - pending["starts_in_s"]) < 10 and wanted == 0
+    assert [f["job"] for k, f in events if k == "withdrawn"] == backend.jobs
     assert not list((tmp_path / "elastic").glob("job-*.out"))  # the request never ran
 
 

@@ -54,6 +54,10 @@ class CapacityBackend(Protocol):
     def live_workers(self) -> int:
         """Elastic workers available now (granted, not given back or being reclaimed)."""
 
+    def starts_in_s(self) -> float:
+        """Seconds until the scheduler would start a request made now (0: at once or not
+        known), for the expansion gate at request time."""
+
     def describe(self) -> list[dict[str, Any]]:
         """The live elastic jobs, for the journal and ``pearl-hpc status``."""
 

@@ -118,6 +118,10 @@ class LocalBackend:
     def live_workers(self) -> int:
         return len(self._counted())
 
+    def starts_in_s(self) -> float:
+        """The trace grants at once: a request starts now."""
+        return 0.0
+
     def want(self, workers: int) -> None:
         """The controller's demand: granted as far as the trace offers."""
         self.wanted = workers

@@ -185,6 +185,7 @@ class SlurmBackend:
         self.broken_pools: set[int] = set()  # refused for good (e.g. no such partition)
         self._turn = 0  # the pool the next single request goes to
         self._retry_at: float | None = None
+        self._expected_start: float | None = None  # Slurm's last start estimate (epoch s)
         self.released: set[str] = set()  # components the controller gave back
         self._held: dict[str, list[CapacityGranted]] = {}  # grants of a partly started job
         # scancel targets waiting for their component's rank to leave the world
@@ -269,6 +270,22 @@ class SlurmBackend:
     def live_workers(self) -> int:
         return sum(1 for c in self._counted() if c.state is ComponentState.RUNNING)
 
+    def starts_in_s(self) -> float:
+        """When Slurm would start a request made now, from now: the soonest expected
+        start of the run's pending requests (squeue's ``%S``), else the last estimate
+        seen (a withdrawn request's, ``sbatch --test-only``'s); 0 when none is known or
+        a request started since."""
+        pending = [
+            c.expected_start
+            for c in self.manager.live()
+            if c.state is ComponentState.PENDING and c.expected_start is not None
+        ]
+        if pending:
+            self._expected_start = min(pending)
+        if self._expected_start is None:
+            return 0.0
+        return max(0.0, self._expected_start - time.time())
+
     def summary(self) -> dict[str, Any]:
         ran = [c for c in self.manager.components.values() if c.running_s is not None]
         return {
@@ -352,6 +369,9 @@ class SlurmBackend:
         for i in order:
             spec = self._spec([i])
             starts[i] = await asyncio.to_thread(self.client.start_estimate, spec)
+        known = [t for t in starts.values() if t is not None]
+        if known:
+            self._expected_start = time.time() + min(known)
         return [earliest_pool(starts, order)], starts
 
     def _spec(self, pools: list[int]) -> JobSpec:
@@ -463,6 +483,7 @@ class SlurmBackend:
         for event in actions.events:
             if isinstance(event, CapacityGranted):
                 self._held.setdefault(event.source.job_id, []).append(event)
+                self._expected_start = None  # Slurm starts requests now
             else:
                 reclaimed = True
                 await self._put(event)

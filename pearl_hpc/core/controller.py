@@ -20,6 +20,7 @@ backend feeds it events from one queue, the simulator from its event heap.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -39,7 +40,7 @@ from pearl_hpc.core.profile import WorkloadProfile
 from pearl_hpc.core.table import IN_SERVICE, ElasticSource, RoleTable
 from pearl_hpc.core.tracker import IterationRecord, RuntimeTracker, TurnRecord
 from pearl_hpc.core.types import ROLLOUT_ROLES, PDConfig, Role, Status, Zone
-from pearl_hpc.core.window import CapacityWindow
+from pearl_hpc.core.window import CapacityWindow, usable_window_s
 from pearl_hpc.errors import SpecError
 
 
@@ -183,6 +184,7 @@ class Demand:
     workers: int
     window_s: float  # the expected stay of new capacity it was judged over
     reason: str  # the expansion gate of the last worker considered
+    starts_in_s: float = 0.0  # when the scheduler expects to start a request made now
 
 
 class Controller:
@@ -204,6 +206,7 @@ class Controller:
         self.tracker = RuntimeTracker(profile, ema_alpha=self.config.tracker_ema_alpha)
         self.toggle = ToggleCostEstimator(self.config.toggle_cost_s, self.config.toggle_ema_alpha)
         self.window = CapacityWindow(self.config.expected_capacity_window_s)
+        self.run_end_s = math.inf  # the run's predicted end (:meth:`expect_end`)
         self.executor = executor
         self.clock = clock
         self.table = table if table is not None else RoleTable()
@@ -241,18 +244,25 @@ class Controller:
     def profile(self) -> WorkloadProfile:
         return self.tracker.profile
 
-    def elastic_demand(self, max_workers: int) -> Demand:
+    def expect_end(self, end_s: float) -> None:
+        """The run's master predicts the run ends at ``end_s`` (its clock): new capacity
+        is judged over the part of its window before then (``inf``: not known)."""
+        self.run_end_s = end_s
+
+    def elastic_demand(self, max_workers: int, *, starts_in_s: float = 0.0) -> Demand:
         """How many elastic workers are worth requesting now: the expansion gate at
         request time. Worker ``k+1`` is asked for only while its predicted saving over
-        the expected window (estimated from this run's grants and reclaims) exceeds
-        preparation + finalisation, on top of the reserved workers and ``k`` elastic
-        ones; at most ``max_workers``."""
+        the expected window (estimated from this run's grants and reclaims, from when the
+        scheduler expects to start it, ``starts_in_s``, to at most the run's predicted
+        end) exceeds preparation + finalisation, on top of the reserved workers and
+        ``k`` elastic ones; at most ``max_workers``."""
         reserved = sum(
             1
             for s in self.table.rollout_slots()
             if s.zone is Zone.DEDICATED and s.source is None and s.status in IN_SERVICE
         ) + sum(1 for u in self.free_units if u.source is None)
-        window_s = self.window.estimate_s(self.clock())
+        now = self.clock()
+        window_s = usable_window_s(self.window.estimate_s(now), now, self.run_end_s, starts_in_s)
         workers, gate = 0, None
         while workers < max_workers:
             gate = gate_expansion_of(
@@ -266,7 +276,8 @@ class Controller:
             if not gate.allow:
                 break
             workers += 1
-        return Demand(workers, window_s, gate.reason if gate is not None else "no elastic workers")
+        reason = gate.reason if gate is not None else "no elastic workers"
+        return Demand(workers, window_s, reason, starts_in_s)
 
     # ------------------------------------------------------------------ events
     def handle(self, event: Event) -> Reconfiguration | None:
@@ -456,7 +467,7 @@ class Controller:
                 profile,
                 num_current=num_dedicated,
                 num_new=len(free),
-                window_s=self.window.estimate_s(now),
+                window_s=usable_window_s(self.window.estimate_s(now), now, self.run_end_s),
             )
             if not expansion_gate.allow:
                 for source in {u.source for u in free if u.source is not None}:

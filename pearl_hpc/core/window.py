@@ -11,12 +11,22 @@ prior lifetime, so a run without history uses ``expected_capacity_window_s``::
 
 A cluster whose capacity comes and goes quickly lowers the window, and with it the
 saving the expansion gate credits a new worker; capacity that stays raises it.
+
+Capacity is worth nothing after the run ends: the window is cut at the run's predicted
+end (:func:`run_end_s`, from its steps' pace), and for a request the scheduler starts
+later, at its expected start (:func:`usable_window_s`)::
+
+    usable_s = max(0, min(window_s, run_end_s - now - starts_in_s))
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+PACE_STEPS = 4  # the run's pace: the mean period of its last few steps
 
 
 @dataclass
@@ -52,3 +62,24 @@ class CapacityWindow:
         self.ended_s = float(data["ended_s"])
         self.reclaims = int(data["reclaims"])
         self.held = {str(k): float(v) for k, v in data["held"].items()}
+
+
+def run_end_s(step_ends_s: Sequence[float], steps_left: int) -> float:
+    """When the run is predicted to end: the last step's end plus the steps left at the
+    mean period of the last :data:`PACE_STEPS` steps (run clock); ``inf`` before two
+    steps have ended (the first one's period includes the start)."""
+    if steps_left <= 0:
+        return step_ends_s[-1] if step_ends_s else 0.0
+    recent = step_ends_s[-(PACE_STEPS + 1) :]
+    if len(recent) < 2:
+        return math.inf
+    period_s = (recent[-1] - recent[0]) / (len(recent) - 1)
+    return recent[-1] + steps_left * period_s
+
+
+def usable_window_s(
+    window_s: float, now_s: float, end_s: float = math.inf, starts_in_s: float = 0.0
+) -> float:
+    """The expected stay of capacity that starts ``starts_in_s`` from now, cut at the
+    run's predicted end ``end_s``."""
+    return max(0.0, min(window_s, end_s - now_s - starts_in_s))

@@ -52,6 +52,7 @@ from pearl_hpc.core.controller import Controller, Event
 from pearl_hpc.core.policies import prefill_locally
 from pearl_hpc.core.table import IN_SERVICE
 from pearl_hpc.core.types import Mode
+from pearl_hpc.core.window import run_end_s
 from pearl_hpc.master.dashboards import Dashboards
 from pearl_hpc.master.executor import WorkerExecutor
 from pearl_hpc.master.journal import (
@@ -360,6 +361,7 @@ class MasterRun:
                 self.run_dir / "metrics.jsonl", [json.dumps(asdict(m)) for m in self.metrics]
             )
             self.events("resumed", step=self.first_step, version=self.recorded_version)
+            self._expect_end()
         # counters a previous master journaled; this master's history adds to them
         self._before_changes = (counters.mode_changes, counters.ratio_changes)
         self._before_capacity = (counters.grows, counters.reclaims)
@@ -431,16 +433,26 @@ class MasterRun:
     def _request_capacity(self) -> None:
         """The backend keeps what the controller's demand says is worth requesting (the
         expansion gate at request time); logged when it changes."""
-        demand = self.controller.elastic_demand(self.cfg.elastic.max_workers)
+        demand = self.controller.elastic_demand(
+            self.cfg.elastic.max_workers, starts_in_s=self.backend.starts_in_s()
+        )
         if demand.workers != self._demand:
             self._demand = demand.workers
             self.events(
                 "demand",
                 workers=demand.workers,
                 window_s=round(demand.window_s, 1),
+                starts_in_s=round(demand.starts_in_s),
+                run_end_s=round(self.controller.run_end_s, 1),
                 reason=demand.reason[:160],
             )
             self.backend.want(demand.workers)
+
+    def _expect_end(self) -> None:
+        """The run's predicted end, from the pace of its recorded steps, for the
+        expansion gate (capacity is worth nothing after the run ends)."""
+        left = self.cfg.run.steps - self._next_step()
+        self.controller.expect_end(run_end_s([m.t_s for m in self.metrics], left))
 
     def _member_roles(self) -> dict[str, str]:
         """Each member's group after the plan: trainer ranks ``training``, an engine rank
@@ -466,6 +478,8 @@ class MasterRun:
         with (self.run_dir / "metrics.jsonl").open("a") as f:
             f.write(json.dumps(asdict(m)) + "\n")
         self.save_state(m.step + 1, "running")
+        self._expect_end()
+        self._request_capacity()
         try:
             self.dashboards.log(m)
         except Exception as e:
