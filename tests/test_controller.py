@@ -163,7 +163,7 @@ def test_components_of_a_heterogeneous_job_are_decided_on_together() -> None:
 def test_gated_expansion_gives_unprofitable_capacity_straight_back() -> None:
     controller, executor, _ = running_base(expansion="gated", expected_capacity_window_s=60.0)
     record = controller.handle(CapacityGranted(JOB, (gpus(10),)))
-    assert record is None
+    assert record is None and controller.expansions_rejected == 1
     assert executor.take() == [("release_capacity", JOB.tag)]
     assert controller.free_units == []
     assert len(controller.table) == 4

@@ -479,6 +479,33 @@ def test_disaggregated_elastic_borrowing_stress(
     assert all(0.0 <= s.training_return_s <= STALL_S for s in steps)
 
 
+def test_grants_not_worth_their_preparation_are_counted_and_given_back() -> None:
+    """PEARL's gate over a 30 s expected window (the 56 s preparation never pays): every
+    grant of segment 1 is rejected, counted in ``expansions_rejected``, and no elastic
+    worker ever starts; with the configured window none is rejected."""
+
+    class Counted(Simulator):
+        elastic_starts = 0
+
+        def start_workers(self, adds: Sequence[Any]) -> None:
+            self.elastic_starts += sum(1 for a in adds if a.source is not None)
+            super().start_workers(adds)
+
+    base = build("pearl", segment=1)
+    counts = {}
+    for window_s in (30.0, base.setup.policy.expected_capacity_window_s):
+        policy = dataclasses.replace(base.setup.policy, expected_capacity_window_s=window_s)
+        setup = dataclasses.replace(base.setup, policy=policy)
+        sim = Counted(
+            setup, base.cost, base.workload, initial_profile(base.cost, base.workload),
+            seed=1, duration_s=1800.0,
+        ).run()  # fmt: skip
+        counts[window_s] = (run_module._summary(sim)["expansions_rejected"], sim.elastic_starts)
+    (rejected, started), (rejected_default, started_default) = counts.values()
+    assert rejected > 0 and started == 0
+    assert rejected_default == 0 and started_default > 0
+
+
 # --------------------------------------------------------------------------- (f)
 def test_throughput_is_mean_of_steps_and_ratios() -> None:
     doc = simulate(
@@ -601,7 +628,7 @@ def test_colocated_kv_runs_out_and_the_newest_request_is_preempted_and_recompute
     )
     roll = simulate(req, keep=keep)["systems"]["roll"]
     sim = keep["roll"]
-    assert roll["preempted_turns"] > 0
+    assert roll["preempted_turns"] > 0 and roll["kv_waits"] > 0  # readmissions waited
     assert roll["steps"] >= 1 and sim.trajs_finished >= 128
     assert sim.interrupted_turns == 0  # preemption is not a drain: the turn stays here
 

@@ -207,6 +207,7 @@ class Controller:
         self.toggle = ToggleCostEstimator(self.config.toggle_cost_s, self.config.toggle_ema_alpha)
         self.window = CapacityWindow(self.config.expected_capacity_window_s)
         self.run_end_s = math.inf  # the run's predicted end (:meth:`expect_end`)
+        self.expansions_rejected = 0  # grants the expansion gate gave straight back
         self.executor = executor
         self.clock = clock
         self.table = table if table is not None else RoleTable()
@@ -470,6 +471,7 @@ class Controller:
                 window_s=usable_window_s(self.window.estimate_s(now), now, self.run_end_s),
             )
             if not expansion_gate.allow:
+                self.expansions_rejected += 1
                 for source in {u.source for u in free if u.source is not None}:
                     self.free_units = [u for u in self.free_units if u.source != source]
                     self._release_if_empty(source)

@@ -108,6 +108,7 @@ class Simulator(WorkerPhysics):
         self.interrupted_turns = 0
         self.prefilled_tokens = 0  # every token prefilled (cache misses and resumes included)
         self.preempted_turns = 0  # decoding requests preempted for KV and recomputed
+        self.kv_waits = 0  # requests whose admission waited for KV on their worker
         self.local_prefills = 0  # disaggregated turns prefilled on their decode worker
         self.turns_left = TurnsLeft(profile.mean_turns)  # tail_dispatch's predictor
         self.idle_worker_s = 0.0  # active workers with nothing to run, worker-seconds

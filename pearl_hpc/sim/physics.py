@@ -38,6 +38,7 @@ class WorkerPhysics:
     prefill_busy_s: float
     prefilled_tokens: int
     preempted_turns: int
+    kv_waits: int
     interrupted_turns: int
     workers: dict[int, SimWorker]
 
@@ -53,6 +54,7 @@ class WorkerPhysics:
     def _admit(self, w: SimWorker, phase: str, req: Request) -> None:
         self._advance(w)
         if not w.fits(req.kv_tokens):
+            self.kv_waits += 1
             if self.setup.policy.tail_dispatch:
                 insert_ordered(w.waiting, (phase, req), lambda e: e[1].order)
             else:

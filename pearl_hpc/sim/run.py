@@ -153,6 +153,9 @@ def _summary(sim: Simulator) -> dict[str, Any]:
         "trained_tokens": sum(s.trained_tokens for s in steps),
         "steps": len(steps),
         "preempted_turns": sim.preempted_turns,
+        "kv_waits": sim.kv_waits,  # admissions that waited for KV room on their worker
+        # grants the expansion gate found not worth their preparation (given back)
+        "expansions_rejected": sim.controller.expansions_rejected,
         "local_prefills": sim.local_prefills,
         # rollout workers serving nothing (the batch tail, environment waits)
         "idle_worker_share": round(
