@@ -3,6 +3,7 @@ expansion gate, fixed PD policies and their configuration."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -150,6 +151,16 @@ def test_gated_expansion_tie_rejects():
     assert g.benefit_s == 60.0 and g.cost_s == 60.0
     assert g.allow is False
     assert g.reason.startswith("reject")
+
+
+def test_a_warm_join_is_admitted_when_the_capacity_outlasts_its_preparation():
+    # the tie above, warm: the serving workers pay nothing, a 60 s saving admits
+    warm = dataclasses.replace(expand(), warm=True)
+    g = GatedExpansion().allow(warm)
+    assert g.allow is True and g.cost_s == 0.0 and "warm join" in g.reason
+    # ... but preparation still shortens the window it serves in: none left, no saving
+    g = GatedExpansion().allow(dataclasses.replace(warm, expected_window_s=20.0))
+    assert g.benefit_s == 0.0 and g.allow is False
 
 
 def test_gated_expansion_short_window_rejects():

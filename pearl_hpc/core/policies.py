@@ -206,6 +206,9 @@ class ExpansionInputs:
     expected_window_s: float  # how long the new capacity is expected to stay
     preparation_s: float  # background start-up (inter-scale preparation)
     finalisation_s: float  # admission pause (inter-scale finalisation)
+    # the joiner prepares and catches up in its own background (policy.prewarm): the
+    # serving workers pay nothing, so preparation only shortens the window it serves in
+    warm: bool = False
 
 
 class ExpansionPolicy(Protocol):
@@ -227,18 +230,21 @@ class AlwaysExpand:
 class GatedExpansion:
     """Admit only when the predicted saving over the window usable after preparation,
     ``max(0, window - preparation) * (1 - T_new/T_cur)``, exceeds preparation +
-    finalisation; ties reject."""
+    finalisation (PEARL); ties reject. A warm joiner (``inputs.warm``) costs the serving
+    workers nothing: it is admitted when it saves anything, i.e. when the capacity is
+    expected to outlast its preparation."""
 
     name = "gated"
 
     def allow(self, inputs: ExpansionInputs) -> GateDecision:
         saving = _expansion_saving_s(inputs)
-        cost = inputs.preparation_s + inputs.finalisation_s
+        cost = 0.0 if inputs.warm else inputs.preparation_s + inputs.finalisation_s
         ok = saving > cost
+        what = "a warm join" if inputs.warm else "preparation + finalisation"
         reason = (
             f"{'admit' if ok else 'reject'} expansion: saving {saving:.1f} s over a "
             f"{inputs.expected_window_s:.0f} s window {'>' if ok else '<='} "
-            f"preparation + finalisation {cost:.1f} s"
+            f"{what} {cost:.1f} s"
         )
         return GateDecision(ok, saving, cost, reason)
 
@@ -316,10 +322,12 @@ class PolicyConfig:
         default=False,
     )
     prewarm: bool = spec_field(
-        "simulator: an elastic worker joins warm, as pearl-hpc run's always do: it catches up "
-        "to the latest weights point to point in its own background before admission, so "
-        "finalisation delays that worker only instead of pausing every worker's admission "
-        "(PEARL's atomic finalisation)",
+        "an elastic worker joins warm: it catches up to the latest weights point to point in "
+        "its own background before admission, so finalisation delays that worker only "
+        "instead of pausing every worker's admission (PEARL's atomic finalisation, which the "
+        "simulator otherwise models; pearl-hpc run's joins are always warm); the expansion "
+        "gate then charges its preparation as window it does not serve, not as a cost to "
+        "the serving workers",
         default=False,
     )
     local_prefill: bool = spec_field(
@@ -408,6 +416,7 @@ def gate_expansion_of(
         window_s,
         config.preparation_s,
         config.finalisation_s,
+        warm=config.prewarm,
     )
     return policies.expansion.allow(inputs)
 
