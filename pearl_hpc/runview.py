@@ -16,6 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from pearl_hpc.core.window import run_end_s
 from pearl_hpc.errors import PearlError
 from pearl_hpc.master.journal import JournalError, lock_held, read_run_state
 from pearl_hpc.master.records import StepMetrics, read_jsonl, read_metrics, read_tables
@@ -59,6 +60,10 @@ def _status_of(run_dir: Path, state: dict[str, Any]) -> dict[str, Any]:
     slots = state["controller"]["table"]["slots"]
     rollout = [s for s in slots if s["role"] != "training"]
     metrics = read_metrics(run_dir)
+    left_s = None  # the steps left at the pace of the last ones (the expansion gate's too)
+    if status == "running" and metrics:
+        end_s = run_end_s([m.t_s for m in metrics], state["steps"] - state["next_step"])
+        left_s = round(end_s - metrics[-1].t_s) if math.isfinite(end_s) else None
     return {
         "run_dir": str(run_dir),
         "status": status,
@@ -67,6 +72,7 @@ def _status_of(run_dir: Path, state: dict[str, Any]) -> dict[str, Any]:
         "steps": state["steps"],
         "version": state["version"],
         "t_s": state["t_s"],
+        "left_s": left_s,
         "elastic_workers": state["elastic_workers"],
         "elastic_jobs": state.get("elastic_jobs", []),
         "borrowed": [
@@ -118,11 +124,12 @@ def format_status(doc: dict[str, Any]) -> str:
     from rich.table import Table
 
     hint = ""
+    left = "" if doc.get("left_s") is None else f" (~{_duration(doc['left_s'])} left)"
     if doc["status"] in ("dead", "failed"):
         hint = f"  (continue it: pearl-hpc run --resume {doc['run_dir']})"
     lines = [
         f"{doc['run_dir']}: {doc['status']}{hint}",
-        f"step {doc['step']}/{doc['steps']}, weights v{doc['version']}, "
+        f"step {doc['step']}/{doc['steps']}{left}, weights v{doc['version']}, "
         f"{doc['t_s']:.0f} s; elastic workers {doc['elastic_workers']}, "
         f"borrowed slots {doc['borrowed'] or 'none'}",
         "counters: " + ", ".join(f"{k} {v}" for k, v in doc["counters"].items()),

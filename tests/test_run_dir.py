@@ -133,3 +133,51 @@ def test_status_counts_elastic_workers_per_pool() -> None:
     assert format_pools(jobs) == (
         "elastic: 2 running, 1 draining; spot: 3 pending (start in ~4 min)"
     )
+
+
+def test_status_of_a_running_run_says_how_long_its_steps_left_take(tmp_path: Path) -> None:
+    """3 of 10 steps recorded, ended at 45, 60 and 80 s: 17.5 s a step, ~122 s for the 7
+    left (the pace the expansion gate judges capacity over); none once it finished."""
+    from dataclasses import asdict
+
+    from pearl_hpc.master.records import StepMetrics
+    from pearl_hpc.runview import format_status, run_status
+
+    run_dir = new_run_dir(tmp_path / "runs", "t", LOCAL)
+    lock = lock_run_dir(run_dir)  # this process is the live master
+    try:
+        rows = [
+            StepMetrics(
+                step,
+                t_s,
+                10.0,
+                1.0,
+                0.1,
+                0.0,
+                100,
+                10.0,
+                0.5,
+                step + 1,
+                {},
+                0,
+                False,
+                0,
+                16,
+                0,
+                10.0,
+                "1C",
+            )
+            for step, t_s in enumerate((45.0, 60.0, 80.0))
+        ]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(asdict(m)) + "\n" for m in rows))
+        journal = _journal(next_step=3, steps=10, controller={"table": {"slots": []}})
+        (run_dir / "journal.json").write_bytes(journal)
+        doc = run_status(run_dir)
+        assert doc["status"] == "running" and doc["left_s"] == round(7 * 17.5)
+        assert "step 3/10 (~2 min left)" in format_status(doc)
+    finally:
+        lock.close()
+    (run_dir / "journal.json").write_bytes(
+        _journal(status="finished", next_step=10, steps=10, controller={"table": {"slots": []}})
+    )
+    assert run_status(run_dir)["left_s"] is None
