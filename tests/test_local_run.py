@@ -206,7 +206,7 @@ def test_near_the_runs_end_no_elastic_worker_is_asked_for(tmp_path: Path, monkey
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["trajectories"] for m in metrics] == [16] * 3
     demand = [e for e in events if e["kind"] == "demand"]
-    assert demand[0]["workers"] == 1 and demand[0]["run_end_s"] == float("inf"), demand
+    assert demand[0]["workers"] == 1 and demand[0]["run_end_s"] is None, demand
     assert demand[-1]["workers"] == 0 and "reject expansion" in demand[-1]["reason"], demand
     # judged over the step left: from the second step's end, at the pace of the first
     period = metrics[1]["t_s"] - metrics[0]["t_s"]

@@ -29,6 +29,7 @@ import contextlib
 import functools
 import itertools
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -134,6 +135,11 @@ def make_backend(
         cfg.elastic.grace_s,
         lambda kind, fields: events(kind, **fields),
     )
+
+
+def _finite(x: float) -> float | None:
+    """A time for a JSON record: None when not known (inf)."""
+    return round(x, 1) if math.isfinite(x) else None
 
 
 async def _unless_failed(work: Any, guard: asyncio.Task[None]) -> None:
@@ -443,7 +449,7 @@ class MasterRun:
                 workers=demand.workers,
                 window_s=round(demand.window_s, 1),
                 starts_in_s=round(demand.starts_in_s),
-                run_end_s=round(self.controller.run_end_s, 1),
+                run_end_s=_finite(self.controller.run_end_s),
                 reason=demand.reason[:160],
             )
             self.backend.want(demand.workers)
