@@ -353,6 +353,11 @@ def test_release_and_restore_return_memory_and_keep_weights_version(fleet: Fleet
         f"RSS serving {rss_serving / 2**30:.2f} GiB -> released {released.rss_bytes / 2**30:.2f}"
     )
     assert os.getpid() != fleet.workers["dec"].proc.pid
+    # the restart did not redo the process's NUMA memory binding (it stalled CI for
+    # minutes: vllm_engine._cpu_setup_once)
+    log = (fleet.run_dir / "dec.log").read_text()
+    assert log.count("Initializing a V1 LLM engine") >= 2
+    assert log.count("NUMA binding: Using") == 1
 
 
 def test_borrowed_worker_hand_off_loses_no_trajectory(fleet: Fleet, chat: ChatFormat):

@@ -111,19 +111,39 @@ def _fresh_side_channel_port(fixed: int) -> None:
     envs.disable_envs_cache()  # vLLM caches its env after an engine start: read it again
 
 
-def _read_cpu_topology_once() -> None:
-    """vLLM's CPU worker runs ``lscpu`` in a forked shell at every engine start
-    (``cpu_resource_utils._get_cpu_list``). Restarting an engine in a process whose NIXL
-    engine was just released stalled twice in CI for ~300 s between the engine's config
-    and the worker's NUMA binding, which is where that fork runs. The CPU list does not
-    change while the process lives (the affinity filter is applied per call): read it
-    once, at the first start."""
+def _cpu_setup_once() -> None:
+    """vLLM's CPU worker redoes two process-wide set-ups at every engine start: it reads
+    the CPU list with ``lscpu`` in a forked shell (``cpu_resource_utils._get_cpu_list``),
+    and it binds memory to the NUMA node (``init_cpu_memory_env``: ``migrate_pages`` over
+    the whole process, then ``set_mempolicy`` for the calling thread). Restarting an
+    engine in a process that had one (a release, a role change) stalled in CI for 4-5 min
+    in each: first in the fork, then -- with the fork cached -- inside
+    ``init_cpu_memory_env`` (the worker's stacks, dumped after
+    :data:`START_STACKS_AFTER_S`). Neither result changes while the process lives: the CPU
+    list is read once, and the binding is made once per thread (the policy is the
+    thread's and stays; every start of this worker runs on its engine thread)."""
     import functools
 
+    import torch
+    from vllm.platforms import current_platform
     from vllm.utils import cpu_resource_utils as cpu
 
     if not hasattr(cpu._get_cpu_list, "cache_info"):
         cpu._get_cpu_list = functools.cache(cpu._get_cpu_list)
+    current_platform.import_kernels()
+    ops = torch.ops._C
+    if getattr(ops.init_cpu_memory_env, "pearl_once", False):
+        return
+    bind = ops.init_cpu_memory_env
+    bound: dict[int, list[int]] = {}
+
+    def bind_once(node_ids: list[int]) -> None:
+        if bound.get(threading.get_ident()) != list(node_ids):
+            bind(node_ids)
+            bound[threading.get_ident()] = list(node_ids)
+
+    bind_once.pearl_once = True  # type: ignore[attr-defined]
+    ops.init_cpu_memory_env = bind_once
 
 
 def _sum_transferred_bytes(stats: Any) -> int:
@@ -331,7 +351,7 @@ class EngineRunner:
         if role is not Role.COLOCATED:
             _fresh_side_channel_port(spec.kv_side_channel_port)
         if spec.device == "cpu":
-            _read_cpu_topology_once()
+            _cpu_setup_once()
         args = engine_args(spec, role)
         # a start that hangs leaves every thread's stack in this worker's log
         faulthandler.dump_traceback_later(START_STACKS_AFTER_S, exit=False)
