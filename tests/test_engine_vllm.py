@@ -174,23 +174,50 @@ def test_local_prefill_runs_later_turns_whole_on_their_decode_worker(
 
 
 def test_role_change_inside_one_live_process(fleet: Fleet, chat: ChatFormat):
+    """NIXL engines run kv_both: an engine started for prefill or decode serves every role
+    in place (no restart), and PD with the roles swapped gives the colocated tokens."""
     worker = fleet.workers["pre"]
     pid = worker.proc.pid
+    starts = _engine_starts(fleet, "pre")
     prompt = tuple(chat.prompt("compute the product please"))
     for role in (Role.PREFILL, Role.DECODE, Role.COLOCATED):
         timing = fleet.run(worker.client.set_role(role))
         stats = fleet.run(worker.client.stats())
         assert stats.role is role and stats.admitting and worker.proc.pid == pid
-        assert timing.detail["new"] == str(role)
+        assert timing.detail["new"] == str(role) and timing.detail["in_place"]
         request = TurnRequest(f"rc-{role}", prompt, 8, prefill_only=role is Role.PREFILL)
         result = fleet.run(worker.client.generate(request))
         if role is Role.PREFILL:
             assert result.kv_transfer_params and result.kv_transfer_params["remote_block_ids"]
+            decoded = TurnRequest("rc-d", prompt, 8, kv_transfer_params=result.kv_transfer_params)
+            assert fleet.run(fleet.client("dec").generate(decoded)).token_ids  # KV read
         else:
             assert len(result.token_ids) > 0
-    # back to prefill for the PD test order independence
+
+    seeds = [4, 5]
+    colocated = _trajectories(
+        fleet, _router(fleet, {"col": Role.COLOCATED}, Mode.COLOCATED), chat, seeds
+    )
+    swap = fleet.run(fleet.client("dec").set_role(Role.PREFILL))
+    fleet.run(worker.client.set_role(Role.DECODE))
+    swapped = _trajectories(
+        fleet,
+        _router(fleet, {"dec": Role.PREFILL, "pre": Role.DECODE}, Mode.DISAGGREGATED),
+        chat,
+        seeds,
+    )
+    assert [t.token_ids() for t in swapped] == [t.token_ids() for t in colocated]
+    assert all(turn.worker_ids == ("pre",) for t in swapped for turn in t.turns)
+    assert _engine_starts(fleet, "pre") == starts  # no engine was rebuilt
+    print(f"\nrole changes in place: {timing.wall_s * 1e3:.1f} ms, swap {swap.wall_s * 1e3:.1f} ms")
+    # back to the fixture's roles, for the other tests
+    fleet.run(fleet.client("dec").set_role(Role.DECODE))
     fleet.run(worker.client.set_role(Role.PREFILL))
     assert worker.proc.pid == pid
+
+
+def _engine_starts(fleet: Fleet, worker: str) -> int:
+    return (fleet.run_dir / f"{worker}.log").read_text().count("Initializing a V1 LLM engine")
 
 
 def _wait_generating(fleet: Fleet, worker: str, at_least: int) -> None:
@@ -356,7 +383,7 @@ def test_release_and_restore_return_memory_and_keep_weights_version(fleet: Fleet
     # the restart did not redo the process's NUMA memory binding (it stalled CI for
     # minutes: vllm_engine._cpu_setup_once)
     log = (fleet.run_dir / "dec.log").read_text()
-    assert log.count("Initializing a V1 LLM engine") >= 2
+    assert _engine_starts(fleet, "dec") >= 2
     assert log.count("NUMA binding: Using") == 1
 
 

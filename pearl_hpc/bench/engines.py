@@ -84,7 +84,10 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 role_a = await a.client.set_role(Role.PREFILL)
                 role_b = await b.client.set_role(Role.DECODE)
-                out.setdefault("role_change_s", []).extend([role_a.wall_s, role_b.wall_s])
+                for timing in (role_a, role_b):  # restarts the first time (as kv_both),
+                    # in place afterwards
+                    kind = "role_in_place_s" if timing.detail.get("in_place") else "role_restart_s"
+                    out.setdefault(kind, []).append(timing.wall_s)
                 disagg = Router()
                 disagg.set_workers(
                     {"a": a.client, "b": b.client},
@@ -141,7 +144,14 @@ def format_table(out: dict[str, Any]) -> str:
     kv = _median([r["kv_bytes"] for r in tp["disaggregated"]])
     rows = [
         ("engine start (in-process vLLM, 2 at once)", f"{_median(out['engine_start_s']):.2f} s"),
-        ("role change (drain + stop + start)", f"{_median(out['role_change_s']):.2f} s"),
+        (
+            "role change, colocated -> PD the first time (drain + stop + start)",
+            f"{_median(out.get('role_restart_s', [])):.2f} s",
+        ),
+        (
+            "role change in place (NIXL kv_both engine)",
+            f"{_median(out.get('role_in_place_s', [])) * 1000:.1f} ms",
+        ),
         (
             "weight load (reload_weights + prefix reset)",
             f"{_median(out['weight_load_s']) * 1000:.0f} ms"

@@ -13,7 +13,9 @@ Lifecycle (the process stays alive across all of it)::
 - ``drain``: stop admitting, abort running requests and RETURN their partial outputs
   (each aborted ``generate`` call also returns its partial with ``finish_reason="abort"``);
   new ``generate`` calls fail with :class:`Draining` so the router sends them elsewhere.
-- ``set_role``: drain, shut the engine down, start it with the other KV transfer config.
+- ``set_role``: drain, then serve the new role -- in place where the engine runs a
+  two-way KV connector (NIXL ``kv_both``: an engine started for prefill or decode serves
+  every role), else by shutting the engine down and starting it with the other config.
 - ``release`` / ``restore``: give the device back while borrowed GPUs are needed for
   training. GPU: vLLM ``sleep(level=1)`` / ``wake_up()``; CPU has no sleep mode, so the
   engine is shut down and rebuilt inside this process (memory returns to the OS).
@@ -128,6 +130,10 @@ class EngineWorker:
             t0 = time.perf_counter()
             old = self.runner.role
             await self.drain()
+            if self.runner.takes_in_place(role) and not self.runner.asleep:
+                await self._wait(self.runner.rerole(role))
+                self.admitting = True
+                return self._timed("role", t0, old=str(old), new=str(role), in_place=True)
             stop_s = await self._wait(self.runner.stop())
             self._sleeping_role = None  # a sleeping engine was shut down with the rest
             start_s = await self._wait(self.runner.start(role))
@@ -162,9 +168,10 @@ class EngineWorker:
 
     async def _restore(self, role: Role) -> Timing:
         t0 = time.perf_counter()
-        if self._sleeping_role is not None and self._sleeping_role is role:
+        if self._sleeping_role is not None and self.runner.takes_in_place(role):
             await self._wait(self.runner.wake())
             self._sleeping_role = None
+            await self._wait(self.runner.rerole(role))
         else:
             if self.runner.role is not None or self._sleeping_role is not None:
                 await self._wait(self.runner.stop())

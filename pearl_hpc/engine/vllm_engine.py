@@ -121,7 +121,14 @@ def _cpu_setup_once() -> None:
     ``init_cpu_memory_env`` (the worker's stacks, dumped after
     :data:`START_STACKS_AFTER_S`). Neither result changes while the process lives: the CPU
     list is read once, and the binding is made once per thread (the policy is the
-    thread's and stays; every start of this worker runs on its engine thread)."""
+    thread's and stays; every start of this worker runs on its engine thread).
+
+    NIXL's UCX progress thread is also off on CPU: it polls without pause, one core per
+    engine with a KV connector even while idle -- half of this 2-core machine, which made
+    disaggregated serving look 0.64x of colocated (``bench --engines``; 1.5-2.4x without
+    it). Transfers progress in the engine's own calls instead (every step, and every
+    :data:`IDLE_POLL_S` while idle). On cuda vLLM's default stays (one core of many, and
+    RDMA reads need no progress from the producer)."""
     import functools
 
     import torch
@@ -130,6 +137,12 @@ def _cpu_setup_once() -> None:
 
     if not hasattr(cpu._get_cpu_list, "cache_info"):
         cpu._get_cpu_list = functools.cache(cpu._get_cpu_list)
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as nixl
+
+    if nixl.nixl_agent_config is not None and not isinstance(
+        nixl.nixl_agent_config, functools.partial
+    ):
+        nixl.nixl_agent_config = functools.partial(nixl.nixl_agent_config, enable_prog_thread=False)
     current_platform.import_kernels()
     ops = torch.ops._C
     if getattr(ops.init_cpu_memory_env, "pearl_once", False):
@@ -227,6 +240,7 @@ class EngineRunner:
         self._host_weights: dict[str, Any] = {}
         self._cache_stale_at: float | None = None  # a refused prefix-cache reset, when
         self.asleep = False  # cuda: vLLM sleep level 1 (weights in host memory, KV freed)
+        self._kv_both = False  # the engine serves any role (started with kv_both)
         self._load_on_wake = False  # weights arrived while asleep: applied at wake
         self._telemetry = _Telemetry()
         self._engine: Any = None
@@ -265,6 +279,21 @@ class EngineRunner:
 
     def start(self, role: Role) -> Future[float]:
         return self.call(lambda _e: self._start(role))
+
+    def takes_in_place(self, role: Role) -> bool:
+        """Whether the engine (serving or asleep) can serve ``role`` without a restart."""
+        return self._engine is not None and (role is self.role or self._kv_both)
+
+    def rerole(self, role: Role) -> Future[None]:
+        """Serve ``role`` from now on, in place (:meth:`takes_in_place`): the prefix cache,
+        the weights and the KV a prefill still holds for its decoders all stay."""
+
+        def switch(_engine: Any) -> None:
+            if not self.takes_in_place(role):
+                raise EngineError(f"{self.worker_id}: a {self.role} engine cannot serve {role}")
+            self.role = role
+
+        return self.call(switch)
 
     def stop(self) -> Future[float]:
         return self.call(lambda _e: self._shutdown())
@@ -366,6 +395,7 @@ class EngineRunner:
             engine.reset_prefix_cache()  # nothing has run: always succeeds
         self._engine = engine
         self.role = role
+        self._kv_both = (args["kv_transfer_config"] or {}).get("kv_role") == "kv_both"
         self.failed = None
         return time.perf_counter() - t0
 
@@ -377,7 +407,7 @@ class EngineRunner:
         self._drain_kv()  # a decoder reading from this engine gets its KV first
         engine, self._engine = self._engine, None
         self.role = None
-        self.asleep = self._load_on_wake = False
+        self.asleep = self._load_on_wake = self._kv_both = False
         engine.engine_core.shutdown()
         del engine
         gc.collect()
@@ -410,8 +440,8 @@ class EngineRunner:
         return max(0, len(scheduler.requests) - running - waiting)
 
     def _drain_kv(self) -> int:
-        if self._engine is None or self.asleep or self.role is not Role.PREFILL:
-            return 0
+        if self._engine is None or self.asleep:  # (a colocated or decode engine that
+            return 0  # was a prefill in place may still hold some: not by role)
         deadline = time.monotonic() + KV_DRAIN_S
         while (pending := self._pending_sends()) and time.monotonic() < deadline:
             self._step()  # receives the decoders' "read" notifications, frees blocks
