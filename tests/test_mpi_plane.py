@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from pearl_hpc.backends.world import mpiexec_path
+from pearl_hpc.comm.mpi import base_member_id
 
 REPO = Path(__file__).resolve().parents[1]
 SLOW_S = 3.0
@@ -30,6 +31,8 @@ def test_members_split_without_the_master_and_an_elastic_member_joins_and_leaves
     # member 2 entered each split SLOW_S late: member 1 waited for it inside the
     # collective, the master's loop turned on (each turn 10 ms apart when idle)
     assert splits[0]["s"] >= SLOW_S * 0.9 and splits[0]["wait_s"] >= SLOW_S * 0.9
+    assert splits[0]["last"] == base_member_id(2)  # the event names the one waited for:
+    # the least time inside (it entered last)
     assert result["loop_gap_s"] < 0.5, result["loop_gap_s"]
     assert [s["epoch"] for s in splits] == [1, 2, 3]
     assert splits[0]["groups"] == {"decode": [2], "prefill": [1]}

@@ -64,7 +64,8 @@ class _Split:
     groups: dict[str, list[int]]  # role -> ranks
     waiting: set[str]
     sent_s: float
-    seconds: list[float]  # each member's time inside it
+    seconds: dict[str, float]  # each member's time inside it (the least: the member
+    # that entered last, the one the others waited for)
 
 
 class Members:
@@ -326,7 +327,7 @@ class Members:
         for member_id, role in roles.items():
             groups.setdefault(role, []).append(self.rank(member_id))
         self._expected[epoch] = {m: len(groups[r]) for m, r in roles.items()}
-        self._splitting = _Split(epoch, groups, set(asked), time.monotonic(), [])
+        self._splitting = _Split(epoch, groups, set(asked), time.monotonic(), {})
         self._split_done()  # no member at all: done at once
 
     def _split_acked(self, member_id: str, seconds: float | None) -> None:
@@ -334,7 +335,7 @@ class Members:
         if self._splitting is not None:
             self._splitting.waiting.discard(member_id)
             if seconds is not None:
-                self._splitting.seconds.append(seconds)
+                self._splitting.seconds[member_id] = seconds
             self._split_done()
 
     def _split_done(self) -> None:
@@ -346,8 +347,9 @@ class Members:
             "split",
             epoch=split.epoch,
             groups={r: sorted(ranks) for r, ranks in sorted(split.groups.items())},
-            s=round(max(split.seconds, default=0.0), 4),
+            s=round(max(split.seconds.values(), default=0.0), 4),
             wait_s=round(time.monotonic() - split.sent_s, 4),
+            last=min(split.seconds, key=split.seconds.__getitem__, default=""),
         )
 
     def _shrink(self) -> None:
