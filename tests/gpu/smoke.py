@@ -8,7 +8,8 @@ Checks, in order (each timed; a later one is "not run" once the deadline passed)
 1. ``engine``: a cuda engine worker starts (start time) and answers a greedy turn.
 2. ``pd``: a second worker as decode, the first as prefill (NIXL, KV buffer on the GPU,
    both on one GPU): the disaggregated turn's tokens equal the colocated ones; the role
-   change restart times (colocated -> prefill -> colocated).
+   change times (colocated -> prefill restarts the engine with NIXL kv_both; prefill ->
+   colocated is in place, no restart).
 3. ``sleep``: release (sleep level 1) frees the engine's memory (the device's free bytes
    before and after) and wake gives the same greedy tokens.
 4. ``weights``: a trainer on this process's GPU publishes changed weights to the engine on
@@ -153,7 +154,8 @@ class Smoke:
         await self.workers.pop("g1").stop()
         assert dec.token_ids == self.greedy, f"PD {dec.token_ids} != colocated {self.greedy}"
         assert stats.kv_bytes_received > 0, "the decode worker received no KV bytes"
-        return {"to_prefill_s": round(to_prefill.wall_s, 1), "back_s": round(back.wall_s, 1),
+        assert back.detail.get("in_place"), f"prefill -> colocated restarted: {back}"
+        return {"to_prefill_s": round(to_prefill.wall_s, 1), "back_s": round(back.wall_s, 3),
                 "kv_bytes": stats.kv_bytes_received}  # fmt: skip
 
     async def sleep(self) -> dict[str, Any]:
