@@ -817,3 +817,40 @@ def test_prewarm_moves_finalisation_off_every_workers_admission() -> None:
     assert pearl.paused_s >= fin > 0 and warm.paused_s == 0.0
     assert pearl.ready_after and all(t == pytest.approx(prep) for t in pearl.ready_after)
     assert warm.ready_after and all(t == pytest.approx(prep + fin) for t in warm.ready_after)
+
+
+def test_role_changes_in_place_take_no_restart() -> None:
+    """pearl+inplace: a role change is a drain and a new label (the real engines' NIXL
+    kv_both), where pearl pays PEARL's measured restart; the same decisions otherwise."""
+
+    class Timed(AuditedSimulator):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.rerole_s: list[float] = []
+            self._since: dict[int, float] = {}
+
+        def change_roles(self, changes: Sequence[tuple[int, Any]]) -> None:
+            for slot_id, _role in changes:
+                if self.workers[slot_id].state not in ("starting", "rerole"):
+                    self._since[slot_id] = self.now
+            super().change_roles(changes)
+
+        def _rerole_done(self, slot_id: int, w: SimWorker) -> None:
+            if slot_id in self._since and self.workers.get(slot_id) is w:
+                self.rerole_s.append(self.now - self._since.pop(slot_id))
+            super()._rerole_done(slot_id, w)
+
+    def run(name: str) -> Timed:
+        sim = build(name, segment=2)
+        return Timed(
+            sim.setup,
+            sim.cost,
+            sim.workload,
+            initial_profile(sim.cost, sim.workload),
+            seed=0,
+            duration_s=DURATION_S,
+        ).run()
+
+    pearl, in_place = run("pearl"), run("pearl+inplace")
+    assert pearl.rerole_s and all(t == pytest.approx(20.0) for t in pearl.rerole_s)
+    assert in_place.rerole_s and all(t == 0.0 for t in in_place.rerole_s)

@@ -274,8 +274,9 @@ class Simulator(WorkerPhysics):
             if w.state != "rerole":
                 self._drain(w)
                 self._mark(w, "rerole")
+                rerole_s = 0.0 if self.setup.rerole_in_place else self.cost.reconfig_s("rerole")
                 self.at(
-                    self.now + self.cost.reconfig_s("rerole"),
+                    self.now + rerole_s,
                     P_CONTROL,
                     self._rerole_done,
                     slot_id,

@@ -213,3 +213,6 @@ class SimSetup:
     grace_s: float = 30.0  # reclaim deadline after the trace drops
     weight_pull: bool = True  # joining workers pull the latest weights (preparation)
     routing: RoutingRule = RoutingRule()  # the system's router (core.routing)
+    # a role change is a drain and a new label (pearl_hpc's engines: NIXL kv_both), not
+    # PEARL's measured restart ("tens of seconds")
+    rerole_in_place: bool = False

@@ -13,6 +13,7 @@
 | pearl+local | as pearl, + local_prefill only     | adaptive  | gated     | gated     | sticky  |
 | pearl+dispatch | as pearl, + tail_dispatch only  | adaptive  | gated     | gated     | sticky  |
 | pearl+tail+dispatch | as pearl, + tail_start, tail_dispatch | adaptive | gated | gated | sticky |
+| pearl+inplace | as pearl, role changes in place (no restart) | adaptive | gated | gated | sticky |
 | static-XPYD | fixed                              | fixed X:Y | none      | -         | sticky  |
 | static-coloc| fixed                              | colocated | none      | -         | sticky  |
 
@@ -26,6 +27,8 @@ is cheaper than the transfer (conditional disaggregation); ``tail_dispatch``, ea
 worker's queued turns go oldest batch first, then longest predicted remaining work;
 ``prewarm``, an elastic joiner catches up to the latest weights in its own background
 before admission instead of pausing every worker's admission for finalisation.
+``pearl+inplace`` changes roles the way pearl_hpc's engines do (NIXL ``kv_both``: a drain
+and a new label) instead of PEARL's measured restart.
 
 Routers are :mod:`pearl_hpc.core.routing`'s (the real router's): ``sticky`` keeps a turn on
 the worker holding its prefix (colocated, or the prefill side of PD; decode goes to the
@@ -134,6 +137,10 @@ def make_setup(
         return setup(_policy(base, adaptive, gated), reserved, True, True)
     if name in BEYOND:
         return setup(replace(_policy(base, adaptive, gated), **BEYOND[name]), reserved, True, True)
+    if name == "pearl+inplace":
+        return replace(
+            setup(_policy(base, adaptive, gated), reserved, True, True), rerole_in_place=True
+        )
     if name == "static-coloc":
         return setup(_policy(base, coloc, none), reserved, False, False)
     if name.startswith("static-") and name.endswith("D") and "P" in name:
@@ -146,6 +153,6 @@ def make_setup(
         return setup(policy, reserved, False, False)
     raise SimConfigError(
         f"unknown system {name!r}; known: {', '.join(SYSTEMS)}, "
-        f"{', '.join(n for n in BEYOND if n != 'pearl+')}, "
+        f"{', '.join(n for n in BEYOND if n != 'pearl+')}, pearl+inplace, "
         "static-coloc, static-<P>P<D>D"
     )
