@@ -21,7 +21,7 @@ from pearl_hpc.sim import run as run_module
 from pearl_hpc.sim.costmodel import CHUNK_TOKENS, CostModel, SimConfigError
 from pearl_hpc.sim.engine import Simulator
 from pearl_hpc.sim.entities import Request, SimInvariantError, SimWorker, Traj
-from pearl_hpc.sim.run import SimRequest, initial_profile, simulate
+from pearl_hpc.sim.run import DEFAULT_WORKLOAD, SimRequest, initial_profile, simulate
 from pearl_hpc.sim.systems import make_setup
 from pearl_hpc.sim.workload import WorkloadConfig
 
@@ -41,10 +41,12 @@ def build(
     batch_size: int | None = None,
     sim_cls: type[Simulator] = Simulator,
     model: str = "qwen3-8b",
+    workload_path: Path = DEFAULT_WORKLOAD,
 ) -> Simulator:
     """A Simulator built the way :func:`pearl_hpc.sim.run.simulate` builds it."""
     req = SimRequest(
         model=model,
+        workload_path=workload_path,
         systems=(system,),
         segment=segment,
         duration_s=duration_s,
@@ -841,7 +843,11 @@ def test_role_changes_in_place_take_no_restart() -> None:
             super()._rerole_done(slot_id, w)
 
     def run(name: str) -> Timed:
-        sim = build(name, segment=2)
+        # PEARL's mix: the one workload whose pearl runs re-role workers on the traces
+        # (the default stays colocated: README, beyond PEARL)
+        sim = build(
+            name, segment=1, workload_path=DEFAULT_WORKLOAD.with_name("swe-bench-pearl-mix.yaml")
+        )
         return Timed(
             sim.setup,
             sim.cost,

@@ -574,14 +574,19 @@ class GRPOTrainer:
             return {k: _host_copy(v, dtype) for k, v in full.items() if isinstance(v, torch.Tensor)}
         return {name: _host_copy(tensor, dtype) for name, tensor in self.model.state_dict().items()}
 
-    def save_snapshot(self, directory: Path | str) -> Path:
+    def save_snapshot(
+        self, directory: Path | str, state: dict[str, torch.Tensor] | None = None
+    ) -> Path:
         """Write ``directory/v{version:06d}/`` (``model.safetensors``, ``optimizer.pt``,
         ``meta.json``) into a temporary directory and rename it into place, so a reader
         never sees half a snapshot. Snapshots are immutable: an existing one is an error.
-        With FSDP every rank calls this; rank 0 writes the weights (no optimizer state)."""
+        With FSDP every rank calls this; rank 0 writes the weights (no optimizer state).
+        ``state``: this version's :meth:`state_dict` (fp32) when the caller has it already
+        (under FSDP, one gather a step serves the snapshot and the engines' copy)."""
         root = Path(directory)
         final = root / f"v{self.version:06d}"
-        state = self.state_dict()  # collective under FSDP: before any early return
+        if state is None:
+            state = self.state_dict()  # collective under FSDP: before any early return
         if self.sharded and dist.get_rank() != 0:
             return final
         if final.exists():

@@ -140,10 +140,11 @@ class TrainerRank:
             handover.update(onload.as_dict())
         stats = self.trainer.train_step(trajectories)
         if self.trainer.sharded or self.index == 0:  # trainer 0 writes (FSDP: a gather)
-            self.trainer.save_snapshot(self.snapshots)
+            full = self.trainer.state_dict()  # one gather: the snapshot and the engines'
+            self.trainer.save_snapshot(self.snapshots, full)
+            self._copy_weights(full)
         if self.index == 0:
             prune_snapshots(self.snapshots, keep=2)
-        self._copy_weights()
         return {
             **handover,
             "step": int(args["step"]),
@@ -156,13 +157,19 @@ class TrainerRank:
             **{k: getattr(stats, k) for k in OFF_POLICY_FIGURES},
         }
 
-    def _copy_weights(self) -> None:
+    def _copy_weights(self, full: dict[str, Any] | None = None) -> None:
         """Trainer 0's copy of the weights the engines get next, in their dtype, taken
         before the step's ack (the next step may change the model while they travel);
-        under FSDP every rank takes part in the gather, to trainer 0's host memory."""
-        if self.trainer.sharded or self.index == 0:
-            state = self.trainer.state_dict(self.wire_dtype)
-            self.latest = state if self.index == 0 else {}
+        under FSDP every rank takes part in the gather, to trainer 0's host memory.
+        ``full``: this version's fp32 host copy, already gathered (cast, not gathered)."""
+        if full is None:
+            if not (self.trainer.sharded or self.index == 0):
+                return
+            full = self.trainer.state_dict(self.wire_dtype)
+        wire = self.wire_dtype
+        self.latest = {}
+        if self.index == 0:
+            self.latest = {k: v.to(wire) if v.is_floating_point() else v for k, v in full.items()}
 
     def _lend(self) -> dict[str, Any]:
         """The master lends this rank's GPU to an overlap engine: the trainer's tensors
