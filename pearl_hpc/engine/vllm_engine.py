@@ -112,38 +112,38 @@ def _fresh_side_channel_port(fixed: int) -> None:
 
 
 def _cpu_setup_once() -> None:
-    """vLLM's CPU worker redoes two process-wide set-ups at every engine start: it reads
-    the CPU list with ``lscpu`` in a forked shell (``cpu_resource_utils._get_cpu_list``),
-    and it binds memory to the NUMA node (``init_cpu_memory_env``: ``migrate_pages`` over
-    the whole process, then ``set_mempolicy`` for the calling thread). Restarting an
-    engine in a process that had one (a release, a role change) stalled in CI for 4-5 min
-    in each: first in the fork, then -- with the fork cached -- inside
-    ``init_cpu_memory_env`` (the worker's stacks, dumped after
-    :data:`START_STACKS_AFTER_S`). Neither result changes while the process lives: the CPU
-    list is read once, and the binding is made once per thread (the policy is the
-    thread's and stays; every start of this worker runs on its engine thread).
+    """What vLLM's CPU worker redoes at every engine start that a restart in this process
+    must not (each at most once per process or thread; idempotent)."""
+    from vllm.platforms import current_platform
 
-    NIXL's UCX progress thread is also off on CPU: it polls without pause, one core per
-    engine with a KV connector even while idle -- half of this 2-core machine, which made
-    disaggregated serving look 0.64x of colocated (``bench --engines``; 1.5-2.4x without
-    it). Transfers progress in the engine's own calls instead (every step, and every
-    :data:`IDLE_POLL_S` while idle). On cuda vLLM's default stays (one core of many, and
-    RDMA reads need no progress from the producer)."""
+    current_platform.import_kernels()
+    _read_cpu_list_once()
+    _bind_memory_once()
+    _nixl_without_progress_thread()
+
+
+def _read_cpu_list_once() -> None:
+    """vLLM reads the CPU list with ``lscpu`` in a forked shell at every engine start
+    (``cpu_resource_utils._get_cpu_list``); the list does not change while the process
+    lives (the affinity filter is applied per call): read it once."""
     import functools
 
-    import torch
-    from vllm.platforms import current_platform
     from vllm.utils import cpu_resource_utils as cpu
 
     if not hasattr(cpu._get_cpu_list, "cache_info"):
         cpu._get_cpu_list = functools.cache(cpu._get_cpu_list)
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as nixl
 
-    if nixl.nixl_agent_config is not None and not isinstance(
-        nixl.nixl_agent_config, functools.partial
-    ):
-        nixl.nixl_agent_config = functools.partial(nixl.nixl_agent_config, enable_prog_thread=False)
-    current_platform.import_kernels()
+
+def _bind_memory_once() -> None:
+    """vLLM binds memory to the NUMA node at every engine start (``init_cpu_memory_env``:
+    ``migrate_pages`` over the whole process, then ``set_mempolicy`` for the calling
+    thread). Restarting an engine in a process that had one (a release, a role change)
+    stalled in CI for 4-5 min inside it (the stacks dumped after
+    :data:`START_STACKS_AFTER_S`; before, in the ``lscpu`` fork above). The policy is the
+    thread's and stays, and every start of this worker runs on its engine thread: the
+    binding is made once per thread and node list."""
+    import torch
+
     ops = torch.ops._C
     if getattr(ops.init_cpu_memory_env, "pearl_once", False):
         return
@@ -157,6 +157,23 @@ def _cpu_setup_once() -> None:
 
     bind_once.pearl_once = True  # type: ignore[attr-defined]
     setattr(ops, "init_cpu_memory_env", bind_once)  # noqa: B010 (a torch op namespace)
+
+
+def _nixl_without_progress_thread() -> None:
+    """NIXL's UCX progress thread polls without pause: one core per engine with a KV
+    connector, idle or not -- half of a 2-core machine (disaggregated serving measured
+    0.64x of colocated with it, 1.6-2.4x without: ``bench --engines``). On CPU it is off
+    and transfers progress in the engine's own calls (every step; every
+    :data:`IDLE_POLL_S` while idle). On cuda vLLM's default stays (one core of many, and
+    RDMA reads need no progress from the producer)."""
+    import functools
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as nixl
+
+    if nixl.nixl_agent_config is not None and not isinstance(
+        nixl.nixl_agent_config, functools.partial
+    ):
+        nixl.nixl_agent_config = functools.partial(nixl.nixl_agent_config, enable_prog_thread=False)
 
 
 def _sum_transferred_bytes(stats: Any) -> int:
