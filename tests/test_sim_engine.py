@@ -842,21 +842,12 @@ def test_role_changes_in_place_take_no_restart() -> None:
                 self.rerole_s.append(self.now - self._since.pop(slot_id))
             super()._rerole_done(slot_id, w)
 
-    def run(name: str) -> Timed:
-        # PEARL's mix: the one workload whose pearl runs re-role workers on the traces
-        # (the default stays colocated: README, beyond PEARL)
-        sim = build(
-            name, segment=1, workload_path=DEFAULT_WORKLOAD.with_name("swe-bench-pearl-mix.yaml")
-        )
-        return Timed(
-            sim.setup,
-            sim.cost,
-            sim.workload,
-            initial_profile(sim.cost, sim.workload),
-            seed=0,
-            duration_s=DURATION_S,
-        ).run()
-
-    pearl, in_place = run("pearl"), run("pearl+inplace")
+    # PEARL's mix: the workload on which pearl re-roles workers on the traces (on the
+    # default it stays colocated: README, beyond PEARL)
+    mix = DEFAULT_WORKLOAD.with_name("swe-bench-pearl-mix.yaml")
+    pearl, in_place = (
+        build(name, segment=1, workload_path=mix, sim_cls=Timed).run()
+        for name in ("pearl", "pearl+inplace")
+    )
     assert pearl.rerole_s and all(t == pytest.approx(20.0) for t in pearl.rerole_s)
     assert in_place.rerole_s and all(t == 0.0 for t in in_place.rerole_s)
