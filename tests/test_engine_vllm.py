@@ -381,7 +381,7 @@ def test_release_and_restore_return_memory_and_keep_weights_version(fleet: Fleet
     )
     assert os.getpid() != fleet.workers["dec"].proc.pid
     # the restart did not redo the process's NUMA memory binding (it stalled CI for
-    # minutes: vllm_engine._cpu_setup_once)
+    # minutes: vllm_engine._bind_memory_once)
     log = (fleet.run_dir / "dec.log").read_text()
     assert _engine_starts(fleet, "dec") >= 2
     assert log.count("NUMA binding: Using") == 1
