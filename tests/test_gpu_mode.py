@@ -200,7 +200,6 @@ def test_a_worker_process_given_a_bad_spec_exits_2_with_one_line(tmp_path: Path)
             {"train": {"weight_sync": "nccl"}},
             "an overlap engine shares trainer 0's GPU and NCCL forbids two ranks on one GPU",
         ),
-        ({"train": {"fsdp": True}}, "train.fsdp with workers.overlap 1: lending a trainer's"),
         ({"train": {"fsdp": "yes"}}, "train.fsdp"),
     ],
 )

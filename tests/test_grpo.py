@@ -427,3 +427,63 @@ def test_fsdp2_on_gloo_gathers_full_weights_and_averages_gradients(
     assert same0 and same1 and version0 == 1  # the snapshot resumes into the shards
     # two ranks averaging their token means = one process over the union batch
     assert norm0 == pytest.approx(norm1) == pytest.approx(single.grad_norm, rel=1e-4)
+
+
+def _fsdp_lender(store_file: str, model_dir: str, out: Any) -> None:
+    """An FSDP2 rank that lends its device between two steps (its shards, their
+    gradients and AdamW state to host memory and back: CPU to CPU here, the copies a
+    CUDA trainer makes to pinned memory), beside one that keeps it."""
+    import traceback
+
+    try:
+        import torch.distributed as dist
+
+        from pearl_hpc.train.offload import IN_HOST, ON_DEVICE, Residency
+
+        dist.init_process_group("gloo", store=dist.FileStore(store_file, 1), rank=0, world_size=1)
+        config = GRPOConfig(lr=1e-2, fsdp=True, minibatch_size=2)
+        lender, keeper = GRPOTrainer(model_dir, config), GRPOTrainer(model_dir, config)
+        for trainer in (lender, keeper):
+            trainer.train_step(_id_batch(0))
+
+        def tensors() -> list[torch.Tensor]:
+            shards = [p.to_local() for p in lender.model.parameters()]
+            grads = [p.grad.to_local() for p in lender.model.parameters() if p.grad is not None]
+            adam = [v.to_local() for s in lender.optimizer.state.values() for v in s.values()
+                    if v.dim()]  # fmt: skip
+            return shards + grads + adam
+
+        before = tensors()  # held: their storage cannot be reused by the copies
+        lent = Residency([lender.model], lender.optimizer, lender.device)
+        lent._move(IN_HOST)
+        after = tensors()
+        ptrs = {t.untyped_storage().data_ptr() for t in before}
+        moved = len(after) == len(before) and not ptrs & {
+            t.untyped_storage().data_ptr() for t in after
+        }
+        del before, after
+        lent._move(ON_DEVICE)
+        a, b = lender.train_step(_id_batch(0)), keeper.train_step(_id_batch(0))
+        same = all(torch.equal(x, y) for x, y in zip(
+            lender.state_dict().values(), keeper.state_dict().values(), strict=True))  # fmt: skip
+        dist.destroy_process_group()
+        out.put((0, (moved, same, a.loss == b.loss, a.grad_norm == b.grad_norm)))
+    except BaseException:
+        out.put((0, traceback.format_exc()))
+
+
+def test_an_fsdp2_trainer_lends_its_device_and_trains_on_as_if_it_had_kept_it(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Lending a sharded trainer's GPU moves every shard, gradient and AdamW moment to new
+    storage and back; the next step is bit for bit the step of a trainer that kept it."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(
+        target=_fsdp_lender, args=(str(tmp_path / "store"), str(tiny_model_dir), out), daemon=True
+    )
+    moved, same, loss_same, norm_same = run_reporting([proc], out, {0}, timeout_s=240)[0]
+    assert moved, "some shard, gradient or AdamW state stayed in its old storage"
+    assert same and loss_same and norm_same

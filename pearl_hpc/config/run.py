@@ -300,7 +300,8 @@ class TrainSettings:
     )
     fsdp: bool = spec_field(
         "shard the trainer ranks' weights, gradients and AdamW state with FSDP2 (bf16 "
-        "compute on cuda; a snapshot then holds the weights only); not with overlap engines",
+        "compute on cuda; a snapshot then holds the weights only; lending a trainer's GPU "
+        "moves only its shards)",
         default=False,
     )
     weight_sync: str = spec_field(
@@ -545,12 +546,6 @@ def train_problem(train: TrainSettings, workers: WorkersConfig = WorkersConfig()
             f"train.weight_sync nccl with workers.overlap {workers.overlap}: an overlap "
             "engine shares trainer 0's GPU and NCCL forbids two ranks on one GPU; use gloo, "
             "or workers.overlap 0"
-        )
-    if train.fsdp and workers.overlap:
-        return (
-            f"train.fsdp with workers.overlap {workers.overlap}: lending a trainer's GPU "
-            "moves whole tensors to host memory, which sharded (FSDP2) weights do not "
-            "support yet; set train.fsdp false or workers.overlap 0"
         )
     for key, choices in (
         ("correction", CORRECTIONS),

@@ -9,18 +9,23 @@ cached blocks to the driver, so the overlap engine's ``wake_up`` finds the memor
 ``onload`` brings them back before the next step. Each reports its wall time and the
 device's free memory before and after (``torch.cuda.mem_get_info``: what the engine will
 find). On a CPU trainer there is nothing to hand over and both are no-ops.
+
+Modules move through ``nn.Module._apply`` (what ``.to()`` runs) with this module's copy:
+it keeps each parameter object (the optimizer's keys) and, for FSDP2, re-registers every
+shard (``FSDPModule._apply`` resets its sharded parameters), so a sharded trainer moves
+only its shards: a DTensor is copied as its local tensor, under the same mesh and
+placements.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from pearl_hpc.errors import PearlError
+from torch.distributed.tensor import DTensor
 
 ON_DEVICE, IN_HOST = "device", "host"
 
@@ -77,8 +82,13 @@ class Residency:
         free_before = _free_bytes(self.device)
         t0 = time.perf_counter()
         target = self.device if to == ON_DEVICE else torch.device("cpu")
-        for tensor, put in self._tensors():
-            put(_copy(tensor, target))
+        with torch.no_grad():
+            for module in self.modules:  # parameters, their gradients, buffers
+                module._apply(lambda t: _copy(t, target))
+            for state in self.optimizer.state.values():
+                for key, value in list(state.items()):
+                    if isinstance(value, torch.Tensor) and value.dim() > 0:
+                        state[key] = _copy(value, target)
         if self.moves:
             torch.cuda.synchronize(self.device)
             if to == IN_HOST:
@@ -88,31 +98,28 @@ class Residency:
         op = "offload" if to == IN_HOST else "onload"
         return Handover(op, wall_s, free_before, _free_bytes(self.device))
 
-    def _tensors(self) -> Iterator[tuple[torch.Tensor, Any]]:
-        """Every tensor to move, with the assignment that puts its copy in place."""
-        for module in self.modules:
-            for param in module.parameters():
-                if type(param.data) is not torch.Tensor:  # a DTensor shard (FSDP2)
-                    raise PearlError("trainer offload: FSDP2-sharded parameters not supported")
-                yield param.data, lambda t, p=param: setattr(p, "data", t)
-                if param.grad is not None:
-                    yield param.grad, lambda t, p=param: setattr(p, "grad", t)
-            for name, buf in module.named_buffers():
-                owner = module.get_submodule(name.rpartition(".")[0])
-                key = name.rpartition(".")[2]
-                yield buf, lambda t, o=owner, k=key: setattr(o, k, t)
-        for state in self.optimizer.state.values():
-            for key, value in list(state.items()):
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    yield value, lambda t, s=state, k=key: s.__setitem__(k, t)
-
 
 def _copy(tensor: torch.Tensor, target: torch.device) -> torch.Tensor:
-    """A copy of ``tensor`` on ``target`` (host copies of GPU tensors pinned: the copy
-    back is asynchronous DMA)."""
+    """A copy of ``tensor`` on ``target``: a DTensor (an FSDP2 shard, or its AdamW state)
+    as a copy of its local tensor under the same mesh and placements; a host copy of a
+    GPU tensor pinned."""
+    if isinstance(tensor, DTensor):
+        local = _copy_local(tensor.to_local(), target, dtensor=True)
+        return DTensor.from_local(
+            local, tensor.device_mesh, tensor.placements,
+            run_check=False, shape=tensor.shape, stride=tensor.stride(),
+        )  # fmt: skip
+    return _copy_local(tensor, target)
+
+
+def _copy_local(tensor: torch.Tensor, target: torch.device, dtensor: bool = False) -> torch.Tensor:
+    """Copies to the GPU are asynchronous (from pinned memory, ordered on the stream
+    before any use); a shard's copy to the host is not, since FSDP2 may re-pad it on the
+    CPU at once (a plain tensor's is: the move synchronises before it returns)."""
     pin = target.type == "cpu" and tensor.is_cuda
     out = torch.empty(tensor.shape, dtype=tensor.dtype, device=target, pin_memory=pin)
-    return out.copy_(tensor, non_blocking=tensor.is_cuda or target.type == "cuda")
+    to_gpu = target.type == "cuda"
+    return out.copy_(tensor, non_blocking=to_gpu or (tensor.is_cuda and not dtensor))
 
 
 def _free_bytes(device: torch.device) -> int:

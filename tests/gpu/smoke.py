@@ -20,12 +20,12 @@ Checks, in order (each timed; a later one is "not run" once the deadline passed)
 5. ``offload``: the trainer's hand-off frees its GPU memory and brings back the same
    weights; a forward pass after it matches the one before.
 6. ``fsdp``: the trainer sharded with FSDP2 on one rank (NCCL, bf16 compute) gathers
-   exactly the unsharded trainer's weights, and its logits agree to bf16 precision.
+   exactly the unsharded trainer's weights, and its logits agree to bf16 precision; lent
+   (its shards to host memory: free memory rises) and reloaded, its logits are unchanged.
 7. ``nccl-tests``: ``all_reduce_perf`` (``$NCCL_TESTS_BIN`` or PATH) over every GPU in one
    process, parsed by ``pearl-hpc calibrate``'s parser (needs 2 GPUs).
 
-Not built yet, so not checked (README, "GPU mode"): lending an FSDP2 trainer's GPU, CUDA
-IPC to a same-GPU engine.
+Not built yet, so not checked (README, "GPU mode"): CUDA IPC to a same-GPU engine.
 
 Without a GPU it says why and exits 0; a failed check exits 1. ``--out DIR`` writes
 ``smoke.json`` (every check's status, seconds and figures) there.
@@ -53,10 +53,7 @@ from pearl_hpc.engine.types import TurnRequest
 
 PROMPT = (5, 6, 7, 8, 9, 10, 11, 12)  # token ids of the tiny model's 1K vocabulary
 TOKENS = 24
-NOT_BUILT = (
-    "lending the GPU of an FSDP2 trainer (train.fsdp is refused with overlap engines)",
-    "CUDA IPC weight transfer to an engine on the trainer's GPU",
-)
+NOT_BUILT = ("CUDA IPC weight transfer to an engine on the trainer's GPU",)
 
 
 @dataclass
@@ -226,6 +223,7 @@ class Smoke:
         import torch.distributed as dist
 
         from pearl_hpc.train.grpo import GRPOConfig, GRPOTrainer
+        from pearl_hpc.train.offload import Residency
 
         plain = GRPOTrainer(self.model_dir, GRPOConfig(device="cuda", seed=0))
         store = dist.HashStore()
@@ -238,13 +236,21 @@ class Smoke:
             with torch.no_grad():
                 a = plain.model(ids).logits.float()
                 b = sharded.model(ids).logits.float()
+            lent = Residency([sharded.model], sharded.optimizer, sharded.device)
+            off, on = lent.offload(), lent.onload()  # the shards leave the GPU and return
+            with torch.no_grad():
+                c = sharded.model(ids).logits.float()
         finally:
             dist.destroy_process_group()
         assert full.keys() == reference.keys(), "the gathered names differ"
         assert all(torch.equal(full[k], reference[k]) for k in full), "gathered weights differ"
         gap = float((a - b).abs().max())
         assert torch.allclose(a, b, atol=5e-2, rtol=5e-2), f"logits differ by {gap}"
-        return {"tensors": len(full), "max_logit_gap_bf16": round(gap, 4)}
+        assert off is not None and on is not None
+        assert off.free_after > off.free_before, "lending the FSDP2 trainer freed nothing"
+        assert torch.equal(b, c), "the shards changed across the hand-off"
+        return {"tensors": len(full), "max_logit_gap_bf16": round(gap, 4),
+                "lent_freed_mib": (off.free_after - off.free_before) >> 20}  # fmt: skip
 
     async def nccl_tests(self) -> dict[str, Any]:
         import torch
