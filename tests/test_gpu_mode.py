@@ -197,9 +197,10 @@ def test_a_worker_process_given_a_bad_spec_exits_2_with_one_line(tmp_path: Path)
         ({"train": {"device": "mps"}}, "train.device 'mps': use auto, cpu or cuda"),
         ({"train": {"weight_sync": "mpi"}}, "train.weight_sync 'mpi': use gloo or nccl"),
         (
-            {"train": {"weight_sync": "nccl"}},
+            {"train": {"weight_sync": "nccl", "shared_memory": False}},
             "an overlap engine shares trainer 0's GPU and NCCL forbids two ranks on one GPU",
         ),
+        ({"train": {"shared_memory": "yes"}}, "train.shared_memory"),
         ({"train": {"fsdp": "yes"}}, "train.fsdp"),
     ],
 )

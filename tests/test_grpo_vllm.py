@@ -75,9 +75,7 @@ def test_trained_weights_reach_engines_and_match_the_trainer(setup, chat, tiny_m
     router.set_workers({"w0": w0}, {"w0": Role.COLOCATED}, Mode.COLOCATED)
     rollout = RolloutConfig(num_groups=2, group_size=4, max_tokens_per_turn=16, seed=3)
     records = fleet.run(
-        grpo_steps(
-            router, chat, lambda: make_env("calc"), trainer, rollout, steps=1, publish=sync.publish
-        )
+        grpo_steps(router, chat, lambda: make_env("calc"), trainer, rollout, steps=1, sync=sync)
     )
     assert records[0].version == trainer.version == 1
 
@@ -105,7 +103,7 @@ def test_trained_weights_reach_engines_and_match_the_trainer(setup, chat, tiny_m
     assert restarted.weight_version == 1 and restarted.token_ids == after.token_ids
     # the next epoch's broadcast group includes it
     fleet.run(sync.form({"w0": w0, "late": late}))
-    fleet.run(sync.publish(trainer.state_dict(), 1))
+    fleet.run(sync.publish(sync.stage(trainer.state_dict(), 1)))
     fleet.run(late.release())  # at most one serving engine for the next test
     fleet.run(sync.form({"w0": w0}))
 
@@ -132,7 +130,7 @@ def test_grpo_on_the_calculator_environment_reports_a_reward_curve(setup, chat, 
             trainer,
             rollout,
             steps=6,
-            publish=sync.publish,
+            sync=sync,
             on_step=lambda r: curve.append(r.mean_reward),
         ),
         timeout_s=900,
@@ -171,7 +169,7 @@ def test_grpo_on_a_plugin_environment_by_import_path(
     records = fleet.run(
         grpo_steps(
             router, chat, lambda: make_env(IMPORT_PATH, max_turns=2), trainer, rollout,
-            steps=1, publish=sync.publish,
+            steps=1, sync=sync,
         )
     )  # fmt: skip
     assert [r.version for r in records] == [1] and 0.0 <= records[0].mean_reward <= 1.0
@@ -247,7 +245,7 @@ def test_weights_loaded_mid_turn_empty_the_cache_and_recompute_the_running_turn(
         turn = asyncio.create_task(w0.generate(TurnRequest("long", prompt, 768)))
         while (await w0.stats()).num_running < 1:
             await asyncio.sleep(0.05)
-        await sync.publish(state, 1)
+        await sync.publish(sync.stage(state, 1))
         return await turn, await w0.stats()
 
     result, stats = fleet.run(load_during_a_turn())
@@ -255,3 +253,39 @@ def test_weights_loaded_mid_turn_empty_the_cache_and_recompute_the_running_turn(
     assert load.detail["version"] == 1
     assert load.detail["cache"] == "reset, 1 running turns recomputed", load.detail
     assert result.finish_reason in {"length", "stop"} and len(result.token_ids) > 0
+
+
+def test_an_engine_on_the_trainers_node_maps_the_weights_the_network_would_send(
+    setup, chat, tiny_model_dir
+):
+    """With a shared-memory store the engine (a process of this node) reads the store's
+    probe, so it maps each version from the trainer's file: no weight group is formed,
+    and its tokens are those the gloo broadcast of the same weights gives."""
+    from safetensors.torch import load_file
+
+    from pearl_hpc.train.loop import WeightSync
+    from pearl_hpc.train.shm import SharedStore
+
+    fleet, sync = setup
+    w0 = fleet.client("w0")
+    state = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
+    changed = {k: v * 1.5 if v.is_floating_point() else v for k, v in state.items()}
+    prompt = tuple(chat.prompt("What is 37 * 4 + 12? use python then answer"))
+    shared = WeightSync(shared=SharedStore.create("test-engine"))
+    try:
+        fleet.run(shared.form({"w0": w0}))
+        assert shared.nearby == {"w0"} and shared._group is None  # nothing over the network
+        fleet.run(shared.publish(shared.stage(changed, 7)))
+        stats = fleet.run(w0.stats())
+        mapped = fleet.run(w0.generate(TurnRequest("mapped", prompt, 16)))
+        sync.versions = type(sync.versions)(max_staleness=1)
+        fleet.run(sync.publish(sync.stage(changed, 8)))  # the same weights, over gloo
+        sent = fleet.run(w0.generate(TurnRequest("sent", prompt, 16)))
+    finally:
+        shared.close()
+        fleet.run(w0.load_weights(0, path=str(Path(tiny_model_dir) / "model.safetensors")))
+    load = [t for t in stats.timings if t.op == "weights"][-1]
+    assert load.detail["source"] == "shm" and load.detail["version"] == 7
+    assert mapped.weight_version == 7 and sent.weight_version == 8
+    assert mapped.token_ids == sent.token_ids
+    assert shared.shared is not None and not shared.shared.directory.exists()  # closed

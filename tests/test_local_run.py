@@ -139,6 +139,9 @@ def test_local_run_grows_reclaims_borrows_and_loses_nothing(tmp_path: Path, monk
     ]
     assert "release_capacity" in kinds and kinds.count("train") == 3
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    # every engine runs on trainer 0's node: each version is mapped from shared memory
+    publishes = [e for e in events if e["kind"] == "publish"]
+    assert publishes and all(e["mapped"] == e["members"] > 0 for e in publishes), publishes
     # the elastic worker (slot 3: after the overlap and reserved slots) started (whether
     # it serves before its reclaim depends on the machine's speed); no worker failed
     assert "worker_failed" not in kinds
@@ -231,7 +234,7 @@ def test_two_trainer_ranks_shard_with_fsdp2_and_the_engines_get_the_gathered_wei
         "workers": {"training_gpus": 2, "reserved_rollout": 1, "overlap": 0},
         "elastic": {"grace_s": 30, "trace": [{"at_step": 0, "workers": 0}]},
         "run": {**CONFIG["run"], "steps": 2},
-        "train": {"fsdp": True},
+        "train": {"fsdp": True, "shared_memory": False},
     }
     cfg = load_run_config(_write(tmp_path, config))
     run_dir = tmp_path / "runs" / "t"
@@ -240,7 +243,9 @@ def test_two_trainer_ranks_shard_with_fsdp2_and_the_engines_get_the_gathered_wei
     assert summary["steps"] == 2 and [m["version"] for m in metrics] == [1, 2]
     assert [m["trajectories"] for m in metrics] == [16, 16]
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    assert [e["version"] for e in events if e["kind"] == "publish"] == [1, 2]
+    publishes = [e for e in events if e["kind"] == "publish"]
+    assert [e["version"] for e in publishes] == [1, 2]
+    assert all(e["mapped"] == 0 for e in publishes)  # shared_memory off: over gloo
     meta = json.loads((run_dir / "snapshots" / "v000002" / "meta.json").read_text())
     assert meta["has_optimizer"] is False and meta["config"]["fsdp"] is True
     logs = "".join(p.read_text() for p in run_dir.glob("rank*-trainer.log"))

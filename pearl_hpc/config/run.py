@@ -305,10 +305,15 @@ class TrainSettings:
         default=False,
     )
     weight_sync: str = spec_field(
-        "how new weights reach the engines: gloo (staged through host memory: any device, "
-        "any placement) | nccl (GPU to GPU; not with overlap engines: one would share "
-        "trainer 0's GPU, which NCCL forbids)",
+        "how new weights reach engines on other nodes: gloo (staged through host memory: "
+        "any device, any placement) | nccl (GPU to GPU)",
         default="gloo",
+    )
+    shared_memory: bool = spec_field(
+        "engines on trainer 0's node map each version from the file it is staged in "
+        "(/dev/shm) instead of receiving it over the weight group (false: every engine "
+        "over the network; then nccl refuses an overlap engine on trainer 0's GPU)",
+        default=True,
     )
 
     correction: str = spec_field(
@@ -541,11 +546,12 @@ def train_problem(train: TrainSettings, workers: WorkersConfig = WorkersConfig()
         return f"train.device {train.device!r}: use auto, cpu or cuda"
     if train.weight_sync not in WEIGHT_SYNCS:
         return f"train.weight_sync {train.weight_sync!r}: use gloo or nccl"
-    if train.weight_sync == "nccl" and workers.overlap:
+    if train.weight_sync == "nccl" and workers.overlap and not train.shared_memory:
         return (
-            f"train.weight_sync nccl with workers.overlap {workers.overlap}: an overlap "
-            "engine shares trainer 0's GPU and NCCL forbids two ranks on one GPU; use gloo, "
-            "or workers.overlap 0"
+            f"train.weight_sync nccl with workers.overlap {workers.overlap} and "
+            "train.shared_memory false: an overlap engine shares trainer 0's GPU and NCCL "
+            "forbids two ranks on one GPU; set train.shared_memory true, use gloo, or "
+            "workers.overlap 0"
         )
     for key, choices in (
         ("correction", CORRECTIONS),

@@ -110,6 +110,13 @@ class EngineClient:
         timing: Timing = await self._rpc.call("receive_weights", Timing, group=group, p2p=p2p)
         return timing
 
+    async def shares_memory(self, probe_path: str, token: str) -> bool:
+        return bool(await self._rpc.call("shares_memory", bool, path=probe_path, token=token))
+
+    async def map_weights(self, path: str, header: dict[str, Any]) -> Timing:
+        timing: Timing = await self._rpc.call("map_weights", Timing, path=path, header=header)
+        return timing
+
     async def stats(self) -> WorkerStats:
         stats: WorkerStats = await self._rpc.call("stats", WorkerStats)
         return stats

@@ -22,7 +22,9 @@ Lifecycle (the process stays alive across all of it)::
 - ``activate`` / ``deactivate``: the borrowing hand-off of an overlap worker
   (restore + latest weights + admit; drain + release), each timed.
 - ``load_weights``: version-tagged weights without a restart (safetensors bytes or file,
-  or a torch.distributed broadcast from the trainer); they survive later restarts.
+  a torch.distributed broadcast from the trainer: ``receive_weights``, or on the
+  trainer's node the file it staged in shared memory: ``map_weights``); they survive
+  later restarts.
 """
 
 from __future__ import annotations
@@ -284,6 +286,32 @@ class EngineWorker:
             source="p2p" if p2p else "broadcast",
         )
 
+    async def shares_memory(self, path: str, token: str) -> bool:
+        """Whether the trainer's probe file is here with its token (this engine then maps
+        each version from the trainer's shared memory: :mod:`pearl_hpc.train.shm`)."""
+        from pearl_hpc.train.shm import shares_memory
+
+        return shares_memory(path, token)
+
+    async def map_weights(self, path: str, header: dict[str, Any]) -> Timing:
+        """Load the version the trainer staged in the shared file at ``path``: views of a
+        private mapping of it become the host copy (nothing is copied into this process)."""
+        from pearl_hpc.train.shm import map_version
+
+        t0 = time.perf_counter()
+        version, named = await asyncio.to_thread(map_version, path, header)
+        map_s = time.perf_counter() - t0
+        load = await self._wait(self.runner.load_weights(named, version, map_s))
+        return self._timed(
+            "weights",
+            t0,
+            version=load.version,
+            recv_s=load.recv_s,
+            reload_s=load.wall_s - load.recv_s,
+            cache=load.cache,
+            source="shm",
+        )
+
     # ------------------------------------------------------------------ observability
 
     async def stats(self) -> WorkerStats:
@@ -323,6 +351,8 @@ class EngineWorker:
             "join_weights_group",
             "leave_weights_group",
             "receive_weights",
+            "shares_memory",
+            "map_weights",
             "stats",
             "telemetry",
         ]

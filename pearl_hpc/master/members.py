@@ -450,6 +450,7 @@ class RemoteTrainer:
             "publish",
             version=version,
             members=len(members),
+            mapped=int(ack.get("mapped", 0)),  # of them, on trainer 0's node: shared memory
             s=round(float(ack["seconds"]), 4),
             form_s=round(float(ack["form_s"]), 4),
             unreachable=ack.get("unreachable", []),

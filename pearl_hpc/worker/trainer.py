@@ -52,6 +52,7 @@ class TrainerRank:
         from pearl_hpc.train.grpo import GRPOTrainer, latest_snapshot
         from pearl_hpc.train.loop import WeightSync
         from pearl_hpc.train.offload import Residency
+        from pearl_hpc.train.shm import SharedStore, Staged
         from pearl_hpc.train.wgroup import WeightGroup
 
         self.plane, self.me, self.key = plane, me, key
@@ -62,11 +63,13 @@ class TrainerRank:
             import torch
 
             torch.cuda.set_device(0)  # the one GPU the placement left visible
-        self.sync = (
-            WeightSync(host, cfg.train.weight_sync, cfg.run.max_staleness)
-            if self.index == 0
-            else None
-        )
+        self.sync = None
+        if self.index == 0:  # engines on this node map each version from shared memory
+            shared = (
+                SharedStore.create(_file_name(run_dir.name)) if cfg.train.shared_memory else None
+            )
+            t = cfg.train
+            self.sync = WeightSync(host, t.weight_sync, cfg.run.max_staleness, shared=shared)
         addr = comm.bcast(
             (self.sync.store.host, self.sync.store.port) if self.sync is not None else None, 0
         )
@@ -94,11 +97,11 @@ class TrainerRank:
             self.trainer.device,
         )
         self.wire_dtype = _wire_dtype(cfg, model_dir, device)
-        self.latest: dict[str, Any] = {}  # trainer 0: the weights the engines get next
+        self.latest: Staged | None = None  # trainer 0: the weights the engines get next
         if snapshot is not None:
             self._copy_weights()
-            if self.sync is not None:
-                self.sync.seed(self.latest, self.trainer.version)  # engines catch up
+            if self.sync is not None and self.latest is not None:
+                self.sync.seed(self.latest)  # engines catch up
         self.clients: dict[str, Any] = {}  # engine name -> EngineClient (trainer 0)
         self.pending: list[tuple[Command, concurrent.futures.Future[dict[str, Any]]]] = []
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="train")
@@ -128,6 +131,8 @@ class TrainerRank:
                 self.pool.shutdown(wait=True)
                 asyncio.run_coroutine_threadsafe(self._close_clients(), self.loop).result(10)
                 self.loop.call_soon_threadsafe(self.loop.stop)
+                if self.sync is not None:
+                    self.sync.close()  # its files in shared memory too
                 return 0
             else:
                 plane.report(Kind.ERROR, cmd.seq, message=f"trainer: unexpected {cmd.op}")
@@ -158,18 +163,17 @@ class TrainerRank:
         }
 
     def _copy_weights(self, full: dict[str, Any] | None = None) -> None:
-        """Trainer 0's copy of the weights the engines get next, in their dtype, taken
-        before the step's ack (the next step may change the model while they travel);
-        under FSDP every rank takes part in the gather, to trainer 0's host memory.
-        ``full``: this version's fp32 host copy, already gathered (cast, not gathered)."""
+        """Trainer 0's copy of the weights the engines get next, in their dtype (in
+        shared memory, for the engines on this node), taken before the step's ack (the
+        next step may change the model while they travel); under FSDP every rank takes
+        part in the gather, to trainer 0's host memory. ``full``: this version's fp32 host
+        copy, already gathered (cast, not gathered)."""
         if full is None:
             if not (self.trainer.sharded or self.index == 0):
                 return
             full = self.trainer.state_dict(self.wire_dtype)
-        wire = self.wire_dtype
-        self.latest = {}
-        if self.index == 0:
-            self.latest = {k: v.to(wire) if v.is_floating_point() else v for k, v in full.items()}
+        if self.sync is not None:
+            self.latest = self.sync.stage(full, self.trainer.version, self.wire_dtype)
 
     def _lend(self) -> dict[str, Any]:
         """The master lends this rank's GPU to an overlap engine: the trainer's tensors
@@ -216,13 +220,17 @@ class TrainerRank:
 
     async def _broadcast(self, members: dict[str, Any], version: int) -> dict[str, Any]:
         assert self.sync is not None
+        if self.latest is None or self.latest.version < version:  # newer: it goes instead
+            have = None if self.latest is None else self.latest.version
+            raise RuntimeError(f"publish v{version}: trainer 0 holds v{have}")
         form_s = 0.0
         if set(members) != set(self.sync.members):  # a new epoch of the broadcast group
             t0 = time.perf_counter()
             await self.sync.form(members)
             form_s = time.perf_counter() - t0
-        seconds = await self.sync.publish(self.latest, version)
-        return {"seconds": seconds, "form_s": form_s, "members": len(members)}
+        seconds = await self.sync.publish(self.latest)
+        return {"seconds": seconds, "form_s": form_s, "members": len(members),
+                "mapped": len(self.sync.nearby), "version": self.latest.version}  # fmt: skip
 
     async def _catch_up(self, args: dict[str, Any]) -> dict[str, Any]:
         assert self.sync is not None
@@ -302,3 +310,8 @@ def _wire_dtype(cfg: RunConfig, model_dir: str, device: str) -> Any:
 
     engines = device if cfg.engine.device == "auto" else cfg.engine.device
     return getattr(torch, weights_dtype(engine_spec(cfg, model_dir, device=engines)))
+
+
+def _file_name(name: str) -> str:
+    """``name`` with only the characters a file name may safely carry."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "run"

@@ -12,10 +12,11 @@ Checks, in order (each timed; a later one is "not run" once the deadline passed)
    colocated is in place, no restart).
 3. ``sleep``: release (sleep level 1) frees the engine's memory (the device's free bytes
    before and after) and wake gives the same greedy tokens.
-4. ``weights``: a trainer on this process's GPU publishes changed weights to the engine on
-   the same GPU (host-staged gloo: NCCL refuses two ranks on one GPU) in several buckets;
-   the engine's tokens change, survive a sleep/wake, and a point-to-point catch-up gives a
-   second engine the same tokens. (HF's greedy tokens on the same weights are reported,
+4. ``weights``: a trainer on this process's GPU publishes changed weights (bf16) to the
+   engine on the same GPU, which maps them from shared memory (no communicator: NCCL
+   refuses two ranks on one GPU); the engine's tokens change, survive a sleep/wake, and a
+   point-to-point catch-up over gloo (host-staged, several buckets) gives a second engine
+   the same tokens. (HF's greedy tokens on the same weights are reported,
    not required: GPU kernels differ between HF and vLLM.)
 5. ``offload``: the trainer's hand-off frees its GPU memory and brings back the same
    weights; a forward pass after it matches the one before.
@@ -24,8 +25,6 @@ Checks, in order (each timed; a later one is "not run" once the deadline passed)
    (its shards to host memory: free memory rises) and reloaded, its logits are unchanged.
 7. ``nccl-tests``: ``all_reduce_perf`` (``$NCCL_TESTS_BIN`` or PATH) over every GPU in one
    process, parsed by ``pearl-hpc calibrate``'s parser (needs 2 GPUs).
-
-Not built yet, so not checked (README, "GPU mode"): CUDA IPC to a same-GPU engine.
 
 Without a GPU it says why and exits 0; a failed check exits 1. ``--out DIR`` writes
 ``smoke.json`` (every check's status, seconds and figures) there.
@@ -53,7 +52,10 @@ from pearl_hpc.engine.types import TurnRequest
 
 PROMPT = (5, 6, 7, 8, 9, 10, 11, 12)  # token ids of the tiny model's 1K vocabulary
 TOKENS = 24
-NOT_BUILT = ("CUDA IPC weight transfer to an engine on the trainer's GPU",)
+NOT_BUILT = (  # README, "GPU mode"
+    "sizing an overlap engine to the memory the trainer's offload frees",
+    "TP>1 weight loading without pickling through collective_rpc",
+)
 
 
 @dataclass
@@ -172,28 +174,37 @@ class Smoke:
 
         from pearl_hpc.train.grpo import GRPOConfig, GRPOTrainer
         from pearl_hpc.train.loop import WeightSync
+        from pearl_hpc.train.shm import SharedStore
 
         g0 = self.workers["g0"].client
         self.trainer = GRPOTrainer(self.model_dir, GRPOConfig(device="cuda", seed=0))
         with torch.no_grad():  # a stand-in for a step: every weight moves
             for p in self.trainer.model.parameters():
                 p.mul_(1.5)
-        sync = WeightSync(bucket_bytes=1 << 20)  # gloo: host-staged to the same GPU
-        await sync.form({"g0": g0})
-        publish_s = await sync.publish(self.trainer.state_dict(), 1)
-        changed = await self.turn(g0, "w")
-        await g0.release()
-        await g0.activate(Role.COLOCATED)
-        survived = await self.turn(g0, "w2")
-        g1 = await self.spawn("late", Role.COLOCATED)
-        catch_up_s = await sync.catch_up("late", g1)
-        late = await self.turn(g1, "w3")
-        await self.workers.pop("late").stop()
+        sync = WeightSync(shared=SharedStore.create("smoke"))  # mapped from /dev/shm
+        try:
+            await sync.form({"g0": g0})
+            staged = sync.stage(self.trainer.state_dict(), 1, torch.bfloat16)
+            publish_s = await sync.publish(staged)
+            mapped = sorted(sync.nearby)
+            changed = await self.turn(g0, "w")
+            await g0.release()
+            await g0.activate(Role.COLOCATED)
+            survived = await self.turn(g0, "w2")
+            g1 = await self.spawn("late", Role.COLOCATED)
+            network = WeightSync(bucket_bytes=1 << 20)  # gloo: host-staged, several buckets
+            network.seed(staged)
+            catch_up_s = await network.catch_up("late", g1)
+            late = await self.turn(g1, "w3")
+            await self.workers.pop("late").stop()
+        finally:
+            sync.close()
         hf = _hf_greedy(self.trainer.model, len(changed.token_ids))
+        assert mapped == ["g0"], f"the engine on the trainer's GPU did not map it: {mapped}"
         assert changed.weight_version == 1 and changed.token_ids != self.greedy
         assert survived.token_ids == changed.token_ids, "weights did not survive sleep"
         assert late.token_ids == changed.token_ids, "the caught-up engine differs"
-        return {"publish_s": round(publish_s, 3), "catch_up_s": round(catch_up_s, 3),
+        return {"publish_shm_s": round(publish_s, 3), "catch_up_gloo_s": round(catch_up_s, 3),
                 "hf_greedy_equal": hf == changed.token_ids}  # fmt: skip
 
     async def offload(self) -> dict[str, Any]:
