@@ -24,6 +24,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         extra = ["--model", args.model] if args.model else []
         return engines.main(extra + (["--json"] if args.json else []))
+    if args.weights:
+        from pearl_hpc.bench import weights
+
+        return weights.main(["--gib", str(args.gib)] + (["--json"] if args.json else []))
     if args.local:
         from pearl_hpc.bench import local_run
 
@@ -62,6 +66,14 @@ def add_parsers(sub: Any) -> None:
         action="store_true",
         help="real vLLM engines: start, role change, weight load, (de)activation, memory, "
         "tokens/s colocated vs disaggregated",
+    )
+    bench.add_argument(
+        "--weights",
+        action="store_true",
+        help="weight sync to an engine on trainer 0's node: gloo group vs shared memory",
+    )
+    bench.add_argument(
+        "--gib", type=float, default=1.0, help="with --weights: bf16 size of the model"
     )
     bench.add_argument(
         "--local",

@@ -1,0 +1,144 @@
+"""Weight sync to an engine on trainer 0's node: the gloo weight group (host-staged
+buckets, what engines on other nodes get) against the shared-memory file the engine maps,
+side by side, on a synthetic bf16 model of a chosen size.
+
+    pearl-hpc bench --weights [--gib 1] [--repeats 3] [--json]
+
+Per repeat and path, this process plays trainer 0 and a second process the engine:
+- **stage**: the trainer casts its fp32 host copy to bf16, into private memory (gloo) or
+  into the version's file in ``/dev/shm`` (shared memory);
+- **deliver**: from the trainer's first byte sent to the engine holding the version in
+  host memory (gloo: every bucket received and copied out, over a group formed once
+  beforehand, as for a membership epoch; shared memory: the file mapped);
+- **load**: the engine copies every tensor into its own parameters (what vLLM's loader
+  does), reading the pages it was given.
+Transport only: no vLLM engine (``bench --engines`` times the engine's own load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from pearl_hpc.train.shm import SharedStore, stage_private
+from pearl_hpc.train.wgroup import WeightGroup, WeightStore, send_weights
+
+SIDE = 2048  # every tensor is SIDE x SIDE: 8 MiB in bf16
+PER_LAYER = 4
+
+
+def synthetic_state(gib: float) -> dict[str, torch.Tensor]:
+    """fp32 tensors whose bf16 copy is about ``gib`` GiB, in transformer blocks."""
+    layers = max(1, round(gib * 2**30 / (PER_LAYER * SIDE * SIDE * 2)))
+    g = torch.Generator().manual_seed(0)
+    return {
+        f"model.layers.{i}.w{j}.weight": torch.randn(SIDE, SIDE, generator=g)
+        for i in range(layers)
+        for j in range(PER_LAYER)
+    }
+
+
+def _engine(conn: Any) -> None:
+    """The engine's side: receive or map each version, then load it into parameters."""
+    from pearl_hpc.train.shm import map_version
+    from pearl_hpc.train.wgroup import receive_weights
+
+    params: dict[str, torch.Tensor] = {}
+    group = WeightGroup(*conn.recv(), rank=1, size=2)  # formed once, as for an epoch
+    while (cmd := conn.recv()) is not None:
+        how, args = cmd
+        if how == "gloo":
+            _version, named, _ = receive_weights(group)
+        else:
+            _version, named = map_version(*args)
+        delivered = time.time()
+        for name, tensor in named:
+            params.setdefault(name, torch.empty_like(tensor)).copy_(tensor)
+        conn.send((delivered, time.time()))
+        del named
+
+
+def _measure(gib: float, repeats: int) -> dict[str, Any]:
+    state = synthetic_state(gib)
+    store = WeightStore()
+    shared = SharedStore.create("bench")
+    if shared is None:
+        raise SystemExit("bench --weights: no /dev/shm on this machine")
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    engine = ctx.Process(target=_engine, args=(child,), daemon=True)
+    engine.start()
+    rows: dict[str, list[dict[str, float]]] = {"gloo": [], "shm": []}
+    try:
+        conn.send((store.host, store.port, "bench/"))
+        group = WeightGroup(store.host, store.port, "bench/", 0, 2, store=store.store)
+        for v in range(1, repeats + 1):
+            t0 = time.time()
+            staged = stage_private(state, v, torch.bfloat16)
+            t1 = time.time()
+            conn.send(("gloo", None))
+            send_weights(group, staged.state, v)
+            delivered, loaded = conn.recv()
+            rows["gloo"].append(_row(t0, t1, delivered, loaded))
+            del staged
+
+            t0 = time.time()
+            mapped = shared.stage(state, v, torch.bfloat16)
+            t1 = time.time()
+            conn.send(("shm", (mapped.path, mapped.header)))
+            delivered, loaded = conn.recv()
+            rows["shm"].append(_row(t0, t1, delivered, loaded))
+            shared.unlink_before(v + 1)
+    finally:
+        conn.send(None)
+        engine.join(timeout=30)
+        shared.close()
+    nbytes = sum(t.numel() * 2 for t in state.values())
+    return {"bytes": nbytes, "tensors": len(state), "repeats": repeats, "runs": rows}
+
+
+def _row(t0: float, staged: float, delivered: float, loaded: float) -> dict[str, float]:
+    return {
+        "stage_s": staged - t0,
+        "deliver_s": delivered - staged,
+        "load_s": loaded - delivered,
+        "total_s": loaded - t0,
+    }
+
+
+def format_table(out: dict[str, Any]) -> str:
+    med = {
+        path: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        for path, runs in out["runs"].items()
+    }
+    lines = [
+        f"{out['bytes'] / 2**30:.2f} GiB of bf16 weights in {out['tensors']} tensors, "
+        f"median of {out['repeats']}",
+        f"{'':<10} {'gloo group':>12} {'shared memory':>14} {'shm / gloo':>11}",
+    ]
+    for key in ("stage_s", "deliver_s", "load_s", "total_s"):
+        g, s = med["gloo"][key], med["shm"][key]
+        lines.append(f"{key:<10} {g:>11.3f}s {s:>13.3f}s {s / g if g else float('nan'):>10.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pearl-hpc bench --weights", description=__doc__)
+    parser.add_argument("--gib", type=float, default=1.0, help="bf16 size of the model")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    out = _measure(args.gib, args.repeats)
+    print(json.dumps(out, indent=1) if args.json else format_table(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
