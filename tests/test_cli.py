@@ -158,6 +158,18 @@ def test_bench_prints_every_size() -> None:
     assert all(r["median_ms"] > 0 for r in rows)
 
 
+def test_bench_weights_times_both_paths_and_the_engine_gets_the_weights() -> None:
+    """A 32 MiB model through the gloo group and through shared memory to a second
+    process (the figures are printed, not judged here)."""
+    result = cli("bench", "--weights", "--gib", "0.03", "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["same_weights"] is True and out["bytes"] == 32 << 20
+    for path in ("gloo", "shm"):
+        assert len(out["runs"][path]) == out["repeats"] == 3
+        assert all(r["total_s"] > 0 and r["deliver_s"] >= 0 for r in out["runs"][path])
+
+
 @pytest.mark.parametrize(
     "args",
     [

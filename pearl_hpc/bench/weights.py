@@ -45,6 +45,11 @@ def synthetic_state(gib: float) -> dict[str, torch.Tensor]:
     }
 
 
+def digest(state: dict[str, torch.Tensor]) -> float:
+    """A cheap fingerprint of the weights (the first row of every tensor, summed)."""
+    return float(sum(t[0].float().sum() for t in state.values()))
+
+
 def _engine(conn: Any) -> None:
     """The engine's side: receive or map each version, then load it into parameters."""
     from pearl_hpc.train.shm import map_version
@@ -61,7 +66,7 @@ def _engine(conn: Any) -> None:
         delivered = time.time()
         for name, tensor in named:
             params.setdefault(name, torch.empty_like(tensor)).copy_(tensor)
-        conn.send((delivered, time.time()))
+        conn.send((delivered, time.time(), digest(params)))
         del named
 
 
@@ -76,6 +81,7 @@ def _measure(gib: float, repeats: int) -> dict[str, Any]:
     engine = ctx.Process(target=_engine, args=(child,), daemon=True)
     engine.start()
     rows: dict[str, list[dict[str, float]]] = {"gloo": [], "shm": []}
+    same = True  # every delivery left the engine with the trainer's bf16 weights
     try:
         conn.send((store.host, store.port, "bench/"))
         group = WeightGroup(store.host, store.port, "bench/", 0, 2, store=store.store)
@@ -85,23 +91,26 @@ def _measure(gib: float, repeats: int) -> dict[str, Any]:
             t1 = time.time()
             conn.send(("gloo", None))
             send_weights(group, staged.state, v)
-            delivered, loaded = conn.recv()
+            delivered, loaded, got = conn.recv()
             rows["gloo"].append(_row(t0, t1, delivered, loaded))
+            same = same and got == digest(staged.state)
             del staged
 
             t0 = time.time()
             mapped = shared.stage(state, v, torch.bfloat16)
             t1 = time.time()
             conn.send(("shm", (mapped.path, mapped.header)))
-            delivered, loaded = conn.recv()
+            delivered, loaded, got = conn.recv()
             rows["shm"].append(_row(t0, t1, delivered, loaded))
+            same = same and got == digest(mapped.state)
             shared.unlink_before(v + 1)
     finally:
         conn.send(None)
         engine.join(timeout=30)
         shared.close()
     nbytes = sum(t.numel() * 2 for t in state.values())
-    return {"bytes": nbytes, "tensors": len(state), "repeats": repeats, "runs": rows}
+    return {"bytes": nbytes, "tensors": len(state), "repeats": repeats, "runs": rows,
+            "same_weights": same}  # fmt: skip
 
 
 def _row(t0: float, staged: float, delivered: float, loaded: float) -> dict[str, float]:
@@ -120,7 +129,7 @@ def format_table(out: dict[str, Any]) -> str:
     }
     lines = [
         f"{out['bytes'] / 2**30:.2f} GiB of bf16 weights in {out['tensors']} tensors, "
-        f"median of {out['repeats']}",
+        f"median of {out['repeats']}; the engine's weights the trainer's: {out['same_weights']}",
         f"{'':<10} {'gloo group':>12} {'shared memory':>14} {'shm / gloo':>11}",
     ]
     for key in ("stage_s", "deliver_s", "load_s", "total_s"):
