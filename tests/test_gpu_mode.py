@@ -163,8 +163,8 @@ def test_the_spec_travels_whole_to_a_worker_process() -> None:
     assert EngineSpec.from_json(spec.to_json()) == spec
     with pytest.raises(ConfigError, match="not an EngineSpec as JSON"):
         EngineSpec.from_json('{"model_dir": "m", "no_such_field": 1}')
-    with pytest.raises(ConfigError, match="tensor_parallel_size 2 on cpu"):
-        EngineSpec("m", tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="tensor_parallel_size 0: use 1 or more"):
+        EngineSpec("m", tensor_parallel_size=0)
 
 
 def test_a_worker_process_given_a_bad_spec_exits_2_with_one_line(tmp_path: Path) -> None:

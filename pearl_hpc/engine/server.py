@@ -229,8 +229,9 @@ class EngineWorker:
         named = list(load_safetensors(blob).items())
         load = await self._wait(self.runner.load_weights(named, version))
         return self._timed(
-            "weights", t0, version=version, reload_s=load.wall_s, cache=load.cache, source="bytes"
-        )
+            "weights", t0, version=version, reload_s=load.wall_s, cache=load.cache,
+            source="bytes", via=load.via,
+        )  # fmt: skip
 
     async def join_weights_group(
         self,
@@ -284,6 +285,7 @@ class EngineWorker:
             reload_s=load.wall_s - load.recv_s,
             cache=load.cache,
             source="p2p" if p2p else "broadcast",
+            via=load.via,
         )
 
     async def shares_memory(self, path: str, token: str) -> bool:
@@ -301,7 +303,7 @@ class EngineWorker:
         t0 = time.perf_counter()
         version, named = await asyncio.to_thread(map_version, path, header)
         map_s = time.perf_counter() - t0
-        load = await self._wait(self.runner.load_weights(named, version, map_s))
+        load = await self._wait(self.runner.load_weights(named, version, map_s, (path, header)))
         return self._timed(
             "weights",
             t0,
@@ -310,6 +312,7 @@ class EngineWorker:
             reload_s=load.wall_s - load.recv_s,
             cache=load.cache,
             source="shm",
+            via=load.via,
         )
 
     # ------------------------------------------------------------------ observability

@@ -45,6 +45,7 @@ OWNED_ARGS = {
     "tensor_parallel_size": "layout.gpus_per_worker (elastic: the pool's gpus_per_worker)",
     "kv_transfer_config": "the engine's role (engine.kv_buffer_device for its buffer)",
     "distributed_executor_backend": "the tensor-parallel size (uni for 1 GPU, mp above)",
+    "worker_extension_cls": "pearl_hpc (TP workers load each version from a file)",
     "enable_sleep_mode": "the device (on for cuda: borrowing frees the GPU)",
     "enable_logging_iteration_details": "pearl_hpc (the tracker's per-iteration telemetry)",
     "logprobs_mode": "pearl_hpc (the trainer's behaviour log-probs)",
@@ -60,7 +61,9 @@ class EngineSpec:
     max_model_len: int = 1024
     kv_cache_gb: int = 1  # CPU: VLLM_CPU_KVCACHE_SPACE (whole GiB)
     gpu_memory_utilization: float = 0.85  # CUDA only
-    tensor_parallel_size: int = 1  # CUDA: GPUs of one engine (vLLM's mp executor above 1)
+    # workers of one engine: its GPUs on cuda (a run's CPU engines keep 1; vLLM's CPU
+    # TP needs VLLM_CPU_OMP_THREADS_BIND on a machine with fewer NUMA nodes than workers)
+    tensor_parallel_size: int = 1
     kv_connector: str = "NixlConnector"  # PD transfer; any vLLM v1 connector name
     kv_buffer_device: str = "cpu"  # "cpu" on CPU; "cuda" on GPU with NIXL over UCX/RDMA
     kv_side_channel_host: str = "127.0.0.1"  # the address NIXL advertises to decoders
@@ -74,10 +77,9 @@ class EngineSpec:
             raise ConfigError(f"engine device {self.device!r}: use cpu or cuda")
         if self.kv_buffer_device not in DEVICES:
             raise ConfigError(f"engine kv_buffer_device {self.kv_buffer_device!r}: use cpu or cuda")
-        if self.device == "cpu" and self.tensor_parallel_size != 1:
+        if self.tensor_parallel_size < 1:
             raise ConfigError(
-                f"engine tensor_parallel_size {self.tensor_parallel_size} on cpu: CPU engines "
-                "run one worker (tensor parallelism is for cuda)"
+                f"engine tensor_parallel_size {self.tensor_parallel_size}: use 1 or more"
             )
         owned = sorted(set(self.vllm_args) & set(OWNED_ARGS))
         if owned:
@@ -124,8 +126,10 @@ def engine_args(spec: EngineSpec, role: Role) -> dict[str, Any]:
         "dtype": "float32" if spec.device == "cpu" else "auto",
         "enforce_eager": spec.device == "cpu",
         # one worker in this process (tensors reach reload_weights unpickled); TP > 1 runs
-        # its workers as child processes (weights reach them through collective_rpc)
+        # its workers as child processes, which map each version from a file
+        # (engine/weightfile.py: collective_rpc carries its path, never the tensors)
         "distributed_executor_backend": "uni" if spec.tensor_parallel_size == 1 else "mp",
+        "worker_extension_cls": "pearl_hpc.engine.weightfile.WeightFileLoader",
         "tensor_parallel_size": spec.tensor_parallel_size,
         "max_model_len": spec.max_model_len,
         "max_num_seqs": spec.max_num_seqs,

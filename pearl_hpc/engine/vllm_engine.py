@@ -36,12 +36,15 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pearl_hpc.core.tracker import IterationRecord
 from pearl_hpc.core.types import Role
 from pearl_hpc.engine.spec import EngineSpec, engine_args
 from pearl_hpc.engine.types import EngineError, TurnRequest, TurnResult
+
+if TYPE_CHECKING:
+    from pearl_hpc.engine.weightfile import WeightFile
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,7 @@ class WeightLoad:
     cache: str  # the prefix cache afterwards: "reset", "reset, N running turns
     # recomputed", "pending" (blocks held for a KV transfer; retried), "no engine", or
     # "asleep: applied at wake"
+    via: str = "tensors"  # how the workers got it: "tensors" (in process) | "file" (TP)
 
 
 def configure_process_env(spec: EngineSpec) -> None:
@@ -255,6 +259,7 @@ class EngineRunner:
         # the latest weights on the host, in their wire dtype: a restarted engine (role
         # change, release on CPU) starts from the model directory and re-applies them
         self._host_weights: dict[str, Any] = {}
+        self._host_file: WeightFile | None = None  # the same, as a file (TP > 1 only)
         self._cache_stale_at: float | None = None  # a refused prefix-cache reset, when
         self.asleep = False  # cuda: vLLM sleep level 1 (weights in host memory, KV freed)
         self._kv_both = False  # the engine serves any role (started with kv_both)
@@ -316,11 +321,16 @@ class EngineRunner:
         return self.call(lambda _e: self._shutdown())
 
     def load_weights(
-        self, named: list[tuple[str, Any]], version: int, recv_s: float = 0.0
+        self,
+        named: list[tuple[str, Any]],
+        version: int,
+        recv_s: float = 0.0,
+        mapped: tuple[str, dict[str, Any]] | None = None,
     ) -> Future[WeightLoad]:
         """Load ``named`` (host tensors this runner may keep: its copy for restarts) as
-        ``version``; ``recv_s``: how long they took to arrive, for the record."""
-        return self.call(lambda _e: self._timed_load(named, version, recv_s))
+        ``version``; ``recv_s``: how long they took to arrive, for the record; ``mapped``:
+        the shared file (path, header) they are views of, if they are."""
+        return self.call(lambda _e: self._timed_load(named, version, recv_s, mapped))
 
     def sleep(self) -> Future[None]:
         """cuda: vLLM sleep level 1 (the device's memory given back; no steps until
@@ -408,7 +418,7 @@ class EngineRunner:
         finally:
             faulthandler.cancel_dump_traceback_later()
         if self.weight_version and self._host_weights:
-            _reload(engine, self._host_weights)
+            _reload(engine, self._host_weights, self._host_file)
             engine.reset_prefix_cache()  # nothing has run: always succeeds
         self._engine = engine
         self.role = role
@@ -443,7 +453,7 @@ class EngineRunner:
         self.asleep = False
         if self._load_on_wake:  # the version that arrived while it slept
             self._load_on_wake = False
-            _reload(self._engine, self._host_weights)
+            _reload(self._engine, self._host_weights, self._host_file)
             self._reset_cache()
 
     def _pending_sends(self) -> int:
@@ -472,26 +482,52 @@ class EngineRunner:
             )
         return pending
 
-    def _timed_load(self, named: list[tuple[str, Any]], version: int, recv_s: float) -> WeightLoad:
+    def _timed_load(
+        self,
+        named: list[tuple[str, Any]],
+        version: int,
+        recv_s: float,
+        mapped: tuple[str, dict[str, Any]] | None,
+    ) -> WeightLoad:
         t0 = time.perf_counter()
-        cache = self._load(named, version)
-        return WeightLoad(version, recv_s + time.perf_counter() - t0, recv_s, cache)
+        cache = self._load(named, version, mapped)
+        via = "file" if self._host_file is not None else "tensors"
+        return WeightLoad(version, recv_s + time.perf_counter() - t0, recv_s, cache, via)
 
-    def _load(self, named: list[tuple[str, Any]], version: int) -> str:
+    def _load(
+        self,
+        named: list[tuple[str, Any]],
+        version: int,
+        mapped: tuple[str, dict[str, Any]] | None = None,
+    ) -> str:
         """Load ``named`` as ``version`` (they become the host copy a restart re-applies)
-        and empty the prefix cache."""
+        and empty the prefix cache. A TP engine's workers are other processes: they get
+        the version as a file (the shared one it is mapped from, else a copy in memory)."""
+        from pearl_hpc.engine.weightfile import WeightFile
+
         host = {name: tensor.to("cpu") for name, tensor in named}  # no copy if there
+        file = None
+        if self.spec.tensor_parallel_size > 1:
+            if mapped is not None:
+                file = WeightFile.of_mapping(*mapped)
+            else:
+                file, views = WeightFile.of_tensors(list(host.items()), version)
+                host = dict(views)
         engine = None if self.asleep else self._engine  # asleep: its memory is unmapped
         try:
             if engine is None:  # released or asleep: the next start or wake applies it
                 self._load_on_wake = self.asleep
             else:
-                _reload(engine, host)
+                _reload(engine, host, file)
         except Exception:
+            if file is not None:
+                file.close()
             if engine is not None:
                 self._restore_weights(engine)  # half-loaded is neither version
             raise
-        self._host_weights = host
+        if self._host_file is not None:
+            self._host_file.close()
+        self._host_weights, self._host_file = host, file
         self.weight_version = version
         if engine is None:
             return "no engine" if self._engine is None else "asleep: applied at wake"
@@ -500,7 +536,7 @@ class EngineRunner:
     def _restore_weights(self, engine: Any) -> None:
         """Back to the weights held before a load that failed midway."""
         try:
-            _reload(engine, self._host_weights)
+            _reload(engine, self._host_weights, self._host_file)
         except Exception as exc:
             log.exception("restoring weights failed on %s", self.worker_id)
             self.failed = f"a weight load failed midway and the old weights did not reload: {exc}"
@@ -654,9 +690,15 @@ def _sampled_logprobs(completion: Any, known: tuple[float, ...]) -> tuple[float,
     return known + tuple(float(entry[token].logprob) for token, entry in fresh)
 
 
-def _reload(engine: Any, weights: dict[str, Any]) -> None:
-    """vLLM's in-place weight reload from ``weights`` (the mp executor of a TP engine
-    pickles the list to its workers); none: the model directory's (version 0)."""
+def _reload(engine: Any, weights: dict[str, Any], file: WeightFile | None = None) -> None:
+    """vLLM's in-place weight reload: the workers of a TP engine map ``file`` (its path
+    and header travel, never the tensors), a worker in this process takes ``weights``;
+    none: the model directory's (version 0)."""
+    if file is not None:
+        from pearl_hpc.engine.weightfile import LOAD_METHOD
+
+        engine.collective_rpc(LOAD_METHOD, args=(file.path, file.header))
+        return
     kwargs = {"weights_iterator": list(weights.items())} if weights else {}
     engine.collective_rpc("reload_weights", kwargs=kwargs)
 

@@ -54,7 +54,6 @@ PROMPT = (5, 6, 7, 8, 9, 10, 11, 12)  # token ids of the tiny model's 1K vocabul
 TOKENS = 24
 NOT_BUILT = (  # README, "GPU mode"
     "sizing an overlap engine to the memory the trainer's offload frees",
-    "TP>1 weight loading without pickling through collective_rpc",
 )
 
 

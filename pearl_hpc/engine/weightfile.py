@@ -1,0 +1,88 @@
+"""A tensor-parallel engine's weights as a file its worker processes map, so that a
+version reaches them as a path and a header instead of pickled tensors.
+
+    engine process (EngineRunner)                      each TP worker (vLLM mp executor)
+    ─────────────────────────────                      ─────────────────────────────────
+    a version arrives: mapped from the trainer's
+      shared file (held open), or received over the
+      network (copied into an anonymous memfd)
+    collective_rpc("pearl_load_weights",
+        (/proc/<pid>/fd/<fd>, header))  ──path──▶     map the file (read on demand);
+                                                       reload_weights from the views: each
+                                                       rank's loader reads only its shard
+
+With one worker (the ``uni`` executor, in the engine's own process) the tensors go to
+``reload_weights`` directly and no file is made. The file stays open for as long as the
+version is the engine's host copy: a restarted engine (role change, wake) re-applies it
+from the same path, even after the trainer removed its name.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from pearl_hpc.train.shm import ONE_BUCKET, map_version
+from pearl_hpc.train.weights import describe, unpack
+
+LOAD_METHOD = "pearl_load_weights"  # the worker extension's method (collective_rpc)
+
+
+class WeightFile:
+    """One version in a file this process holds open (its name may be gone)."""
+
+    def __init__(self, fd: int, header: dict[str, Any]) -> None:
+        self.fd, self.header = fd, header
+
+    @classmethod
+    def of_mapping(cls, path: str, header: Mapping[str, Any]) -> WeightFile:
+        """The trainer's shared file of a version (it may unlink it: the fd keeps it)."""
+        return cls(os.open(path, os.O_RDONLY | os.O_CLOEXEC), dict(header))
+
+    @classmethod
+    def of_tensors(
+        cls, named: Sequence[tuple[str, torch.Tensor]], version: int
+    ) -> tuple[WeightFile, list[tuple[str, torch.Tensor]]]:
+        """``named`` copied into an anonymous in-memory file; returns it and views of the
+        copy (they replace ``named`` as the host copy: one copy in memory, not two)."""
+        state = dict(named)
+        layout = describe(state, version, bucket_bytes=ONE_BUCKET)
+        fd = os.memfd_create(f"pearl-weights-v{version}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, layout.num_bytes)
+            flat = torch.from_file(
+                _fd_path(fd), shared=True, size=layout.num_bytes, dtype=torch.uint8
+            )
+            views = unpack(layout, 0, flat)
+            for name, view in views:
+                view.copy_(state[name])
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(fd, layout.to_dict()), views
+
+    @property
+    def path(self) -> str:
+        """The file, as another process of this user opens it."""
+        return _fd_path(self.fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class WeightFileLoader:
+    """vLLM worker extension (``worker_extension_cls``): a TP worker loads a version from
+    a :class:`WeightFile`'s path."""
+
+    def pearl_load_weights(self, path: str, header: dict[str, Any]) -> None:
+        _version, named = map_version(path, header)
+        self.reload_weights(weights_iterator=named)  # type: ignore[attr-defined]
+
+
+def _fd_path(fd: int) -> str:
+    return f"/proc/{os.getpid()}/fd/{fd}"
