@@ -430,3 +430,17 @@ def test_weights_reaching_a_sleeping_engine_wait_for_its_wake() -> None:
         assert runner.weight_version == 1 and not runner.asleep
     finally:
         runner.close()
+
+
+def test_an_engine_takes_what_is_free_of_its_gpu_up_to_its_setting() -> None:
+    """vLLM refuses to start below its share of free memory: an overlap engine beside a
+    trainer's CUDA context and communicators is sized to what the offload left free."""
+    from pearl_hpc.engine.types import EngineError
+    from pearl_hpc.engine.vllm_engine import fitted_utilization
+
+    gib = 1 << 30
+    assert fitted_utilization(0.85, 140 * gib, 141 * gib) == 0.85  # a GPU of its own
+    beside = fitted_utilization(0.85, 111 * gib, 141 * gib)  # 30 GiB still held
+    assert beside == round(110 / 141, 4) and beside * 141 * gib <= 110 * gib
+    with pytest.raises(EngineError, match=r"only 9\.0 of 141\.0 GiB free on the GPU"):
+        fitted_utilization(0.85, 9 * gib, 141 * gib)

@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.02  # how often an idle engine steps (a producer frees sent KV blocks)
 START_STACKS_AFTER_S = 120.0  # an engine start this slow dumps its threads' stacks
 CACHE_RETRY_S = 1.0  # how often a prefix-cache reset refused after a weight load is retried
+MEMORY_HEADROOM_BYTES = 1 << 30  # cuda: left free beside an engine sized to what is free
+MIN_UTILIZATION = 0.1  # cuda: an engine given less of its GPU than this refuses to start
 # the most a prefill engine waits for its decoders to read the KV it still holds before it
 # shuts down or sleeps: a decode request follows its prefill within milliseconds, while
 # one aborted (drained) never reads and vLLM frees its blocks only after 480 s
@@ -409,6 +411,18 @@ class EngineRunner:
         if spec.device == "cpu":
             _cpu_setup_once()
         args = engine_args(spec, role)
+        memory = device_memory(spec.device)
+        if memory is not None:  # an overlap engine gets what the trainer's offload freed
+            args["gpu_memory_utilization"] = fitted_utilization(
+                spec.gpu_memory_utilization, *memory
+            )
+            if args["gpu_memory_utilization"] < spec.gpu_memory_utilization:
+                log.warning(
+                    "%s: %.1f of %.1f GiB free on the GPU: the engine takes %.3f of it, not "
+                    "engine.gpu_memory_utilization %.3f",
+                    self.worker_id, memory[0] / 2**30, memory[1] / 2**30,
+                    args["gpu_memory_utilization"], spec.gpu_memory_utilization,
+                )  # fmt: skip
         # a start that hangs leaves every thread's stack in this worker's log
         faulthandler.dump_traceback_later(START_STACKS_AFTER_S, exit=False)
         try:
@@ -701,6 +715,23 @@ def _reload(engine: Any, weights: dict[str, Any], file: WeightFile | None = None
         return
     kwargs = {"weights_iterator": list(weights.items())} if weights else {}
     engine.collective_rpc("reload_weights", kwargs=kwargs)
+
+
+def fitted_utilization(
+    configured: float, free: int, total: int, headroom: int = MEMORY_HEADROOM_BYTES
+) -> float:
+    """The share of the GPU an engine starting now takes: ``configured``, or less where
+    other processes hold memory (a trainer's CUDA context and communicators beside an
+    overlap engine), leaving ``headroom`` bytes free: vLLM refuses to start when the free
+    memory is below its share of the total (pure). Too little left is one clear error."""
+    fitted = min(configured, (free - headroom) / total)
+    if fitted < MIN_UTILIZATION:
+        raise EngineError(
+            f"only {free / 2**30:.1f} of {total / 2**30:.1f} GiB free on the GPU (other "
+            "processes hold the rest: a trainer that did not hand its GPU over?); an engine "
+            f"needs at least {MIN_UTILIZATION:.0%} of it"
+        )
+    return round(fitted, 4)
 
 
 def device_memory(device: str) -> tuple[int, int] | None:
