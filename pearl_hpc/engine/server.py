@@ -277,16 +277,7 @@ class EngineWorker:
         # this thread until the group's timeout, never the engine or the next sync
         version, named, recv_s = await asyncio.to_thread(receive_weights, wg, 0, p2p=p2p)
         load = await self._wait(self.runner.load_weights(named, version, recv_s))
-        return self._timed(
-            "weights",
-            t0,
-            version=load.version,
-            recv_s=load.recv_s,
-            reload_s=load.wall_s - load.recv_s,
-            cache=load.cache,
-            source="p2p" if p2p else "broadcast",
-            via=load.via,
-        )
+        return self._load_timing(t0, load, "p2p" if p2p else "broadcast")
 
     async def shares_memory(self, path: str, token: str) -> bool:
         """Whether the trainer's probe file is here with its token (this engine then maps
@@ -304,16 +295,14 @@ class EngineWorker:
         version, named = await asyncio.to_thread(map_version, path, header)
         map_s = time.perf_counter() - t0
         load = await self._wait(self.runner.load_weights(named, version, map_s, (path, header)))
+        return self._load_timing(t0, load, "shm")
+
+    def _load_timing(self, t0: float, load: Any, source: str) -> Timing:
+        """A version that arrived from ``source`` and was loaded (``load``: a WeightLoad)."""
         return self._timed(
-            "weights",
-            t0,
-            version=load.version,
-            recv_s=load.recv_s,
-            reload_s=load.wall_s - load.recv_s,
-            cache=load.cache,
-            source="shm",
-            via=load.via,
-        )
+            "weights", t0, version=load.version, recv_s=load.recv_s,
+            reload_s=load.wall_s - load.recv_s, cache=load.cache, source=source, via=load.via,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ observability
 
