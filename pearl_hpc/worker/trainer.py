@@ -220,17 +220,18 @@ class TrainerRank:
 
     async def _broadcast(self, members: dict[str, Any], version: int) -> dict[str, Any]:
         assert self.sync is not None
-        if self.latest is None or self.latest.version < version:  # newer: it goes instead
-            have = None if self.latest is None else self.latest.version
+        latest = self.latest  # once: the training thread may stage the next meanwhile
+        if latest is None or latest.version < version:  # a newer one goes instead
+            have = None if latest is None else latest.version
             raise RuntimeError(f"publish v{version}: trainer 0 holds v{have}")
         form_s = 0.0
         if set(members) != set(self.sync.members):  # a new epoch of the broadcast group
             t0 = time.perf_counter()
             await self.sync.form(members)
             form_s = time.perf_counter() - t0
-        seconds = await self.sync.publish(self.latest)
+        seconds = await self.sync.publish(latest)
         return {"seconds": seconds, "form_s": form_s, "members": len(members),
-                "mapped": len(self.sync.nearby), "version": self.latest.version}  # fmt: skip
+                "mapped": len(self.sync.nearby), "version": latest.version}  # fmt: skip
 
     async def _catch_up(self, args: dict[str, Any]) -> dict[str, Any]:
         assert self.sync is not None
