@@ -129,7 +129,7 @@ COMMANDS = [
     ["plan", "--profile", "tiny-cpu", "--rollout-workers", "4", "--current"],
     ["plan", "--profile", "tiny-cpu", "--rollout-workers", "4", "--toggle-cost-s"],
     ["plan", "--profile"],
-    ["simulate", "--no-progress", "--duration-s", "60", "--batch-size"],
+    ["simulate", "--no-progress", "--systems", "pearl", "--duration-s", "5", "--batch-size"],
 ]
 
 
