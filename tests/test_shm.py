@@ -136,13 +136,14 @@ def test_a_dead_trainers_leftovers_are_swept_and_a_live_ones_kept(tmp_path: Path
     left = tmp_path / f"pearl-run-{int(dead.stdout)}"
     live = tmp_path / f"pearl-run-{os.getppid()}"
     other = tmp_path / f"pearl-other-{int(dead.stdout)}"
-    for d in (left, live, other):
+    reused = tmp_path / f"pearl-run-{os.getpid()}"  # a dead trainer had this pid
+    for d in (left, live, other, reused):
         d.mkdir()
         (d / "v000001").write_bytes(b"x")
     made = SharedStore.create("run", root=tmp_path)
     assert made is not None
     assert not left.exists() and live.exists() and other.exists()
-    assert made.directory == tmp_path / f"pearl-run-{os.getpid()}"
+    assert made.directory == reused and not (reused / "v000001").exists()
     made.close()
     assert not made.directory.exists()
     assert SharedStore.create("run", root=tmp_path / "absent") is None

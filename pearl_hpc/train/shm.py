@@ -82,8 +82,8 @@ class SharedStore:
             log.info("weights: no %s here; engines get every version over the network", root)
             return None
         for old in root.glob(f"pearl-{name}-*"):
-            pid = old.name.rpartition("-")[2]
-            if pid.isdigit() and not _alive(int(pid)):
+            pid = old.name.rpartition("-")[2]  # a dead trainer's, or a reused pid's (ours)
+            if pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
                 shutil.rmtree(old, ignore_errors=True)
         return cls(root / f"pearl-{name}-{os.getpid()}")
 
