@@ -1,8 +1,9 @@
 """A tensor-parallel engine (TP 2: vLLM's mp executor, two worker processes) takes each
 weight version as a file its workers map (pearl_hpc/engine/weightfile.py), never as
-tensors pickled through collective_rpc: the trainer's shared file, or an in-memory copy
-of what arrived another way; a restart re-applies the version from the file it holds
-open after the trainer removed its name. Real vLLM on CPU (its TP runs here too)."""
+tensors pickled through collective_rpc: the trainer's shared file, a gloo broadcast
+received straight into an in-memory file, or a copy of bytes; a restart re-applies the
+version from the file it holds open after the trainer removed its name. Real vLLM on
+CPU (its TP runs here too)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def test_a_tp2_engine_loads_every_version_from_a_file(tiny_model_dir: str, tmp_p
     from pearl_hpc.engine.client import spawn_worker
     from pearl_hpc.engine.rpc import new_key
     from pearl_hpc.engine.spec import EngineSpec
+    from pearl_hpc.train.loop import WeightSync
     from pearl_hpc.train.shm import SharedStore
 
     state = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
@@ -62,6 +64,14 @@ def test_a_tp2_engine_loads_every_version_from_a_file(tiny_model_dir: str, tmp_p
             out["from_bytes"] = await greedy("from_bytes")
             await c.load_weights(4, data=save(state))
             out["back"] = await greedy("back")
+            network = WeightSync(bucket_bytes=1 << 16)  # another node's trainer: gloo
+            try:
+                await network.form({"tp2": c})
+                await network.publish(network.stage(changed, 5))  # into a memfd, bucket by bucket
+            finally:
+                network.close()
+            out["sent"] = [t for t in (await c.stats()).timings if t.op == "weights"][-1]
+            out["from_network"] = await greedy("from_network")
         finally:
             await worker.stop()
         return out
@@ -79,3 +89,6 @@ def test_a_tp2_engine_loads_every_version_from_a_file(tiny_model_dir: str, tmp_p
     assert out["restarted"] == out["changed"]  # re-applied from the open file
     assert out["from_bytes"] == out["changed"]  # the same weights another way
     assert out["back"] == out["before"]
+    sent = out["sent"].detail
+    assert (sent["source"], sent["via"], sent["version"]) == ("broadcast", "file", 5)
+    assert out["from_network"] == out["changed"]

@@ -91,6 +91,11 @@ class EngineWorker:
         self._ops = asyncio.Lock()  # one lifecycle operation at a time
         self._weight_groups: dict[str, Any] = {}  # name -> WeightGroup
 
+    @property
+    def _tp(self) -> int:
+        """The engine's workers (more than one: they load each version from a file)."""
+        return self.runner.spec.tensor_parallel_size
+
     async def _wait(self, fut: Any) -> Any:
         return await asyncio.wrap_future(fut)
 
@@ -225,9 +230,12 @@ class EngineWorker:
     async def _load_bytes(self, blob: bytes, version: int) -> Timing:
         from safetensors.torch import load as load_safetensors
 
+        from pearl_hpc.engine.weightfile import file_for
+
         t0 = time.perf_counter()
         named = list(load_safetensors(blob).items())
-        load = await self._wait(self.runner.load_weights(named, version))
+        file, named = await asyncio.to_thread(file_for, self._tp, named, version)
+        load = await self._wait(self.runner.load_weights(named, version, file=file))
         return self._timed(
             "weights", t0, version=version, reload_s=load.wall_s, cache=load.cache,
             source="bytes", via=load.via,
@@ -264,6 +272,7 @@ class EngineWorker:
         copy, for a worker that missed broadcasts) into host memory, one bucket on the
         device at a time while the engine keeps generating; then load it between two
         engine steps."""
+        from pearl_hpc.engine.weightfile import receive_into_file
         from pearl_hpc.train.wgroup import receive_weights
 
         wg = self._weight_groups.get(group)
@@ -275,8 +284,14 @@ class EngineWorker:
         t0 = time.perf_counter()
         # off the engine thread: a broadcast whose source gave up (a member died) blocks
         # this thread until the group's timeout, never the engine or the next sync
-        version, named, recv_s = await asyncio.to_thread(receive_weights, wg, 0, p2p=p2p)
-        load = await self._wait(self.runner.load_weights(named, version, recv_s))
+        if self._tp > 1:  # its workers load from a file: received straight into one
+            version, named, recv_s, file = await asyncio.to_thread(
+                receive_into_file, wg, 0, p2p=p2p
+            )
+        else:
+            version, named, recv_s = await asyncio.to_thread(receive_weights, wg, 0, p2p=p2p)
+            file = None
+        load = await self._wait(self.runner.load_weights(named, version, recv_s, file))
         return self._load_timing(t0, load, "p2p" if p2p else "broadcast")
 
     async def shares_memory(self, path: str, token: str) -> bool:
@@ -289,12 +304,14 @@ class EngineWorker:
     async def map_weights(self, path: str, header: dict[str, Any]) -> Timing:
         """Load the version the trainer staged in the shared file at ``path``: views of a
         private mapping of it become the host copy (nothing is copied into this process)."""
+        from pearl_hpc.engine.weightfile import file_for
         from pearl_hpc.train.shm import map_version
 
         t0 = time.perf_counter()
         version, named = await asyncio.to_thread(map_version, path, header)
+        file, named = await asyncio.to_thread(file_for, self._tp, named, version, (path, header))
         map_s = time.perf_counter() - t0
-        load = await self._wait(self.runner.load_weights(named, version, map_s, (path, header)))
+        load = await self._wait(self.runner.load_weights(named, version, map_s, file))
         return self._load_timing(t0, load, "shm")
 
     def _load_timing(self, t0: float, load: Any, source: str) -> Timing:

@@ -327,12 +327,13 @@ class EngineRunner:
         named: list[tuple[str, Any]],
         version: int,
         recv_s: float = 0.0,
-        mapped: tuple[str, dict[str, Any]] | None = None,
+        file: WeightFile | None = None,
     ) -> Future[WeightLoad]:
         """Load ``named`` (host tensors this runner may keep: its copy for restarts) as
-        ``version``; ``recv_s``: how long they took to arrive, for the record; ``mapped``:
-        the shared file (path, header) they are views of, if they are."""
-        return self.call(lambda _e: self._timed_load(named, version, recv_s, mapped))
+        ``version``; ``recv_s``: how long they took to arrive, for the record; ``file``:
+        the same as a file, which a TP engine's workers load (the runner owns it now:
+        :func:`pearl_hpc.engine.weightfile.file_for`)."""
+        return self.call(lambda _e: self._timed_load(named, version, recv_s, file))
 
     def sleep(self) -> Future[None]:
         """cuda: vLLM sleep level 1 (the device's memory given back; no steps until
@@ -501,10 +502,10 @@ class EngineRunner:
         named: list[tuple[str, Any]],
         version: int,
         recv_s: float,
-        mapped: tuple[str, dict[str, Any]] | None,
+        file: WeightFile | None,
     ) -> WeightLoad:
         t0 = time.perf_counter()
-        cache = self._load(named, version, mapped)
+        cache = self._load(named, version, file)
         via = "file" if self._host_file is not None else "tensors"
         return WeightLoad(version, recv_s + time.perf_counter() - t0, recv_s, cache, via)
 
@@ -512,21 +513,14 @@ class EngineRunner:
         self,
         named: list[tuple[str, Any]],
         version: int,
-        mapped: tuple[str, dict[str, Any]] | None = None,
+        file: WeightFile | None = None,
     ) -> str:
         """Load ``named`` as ``version`` (they become the host copy a restart re-applies)
-        and empty the prefix cache. A TP engine's workers are other processes: they get
-        the version as a file (the shared one it is mapped from, else a copy in memory)."""
-        from pearl_hpc.engine.weightfile import WeightFile
-
+        and empty the prefix cache. A TP engine's workers are other processes: they load
+        the version from ``file``."""
+        if self.spec.tensor_parallel_size > 1 and file is None:
+            raise EngineError(f"{self.worker_id}: a TP engine loads a version from a file")
         host = {name: tensor.to("cpu") for name, tensor in named}  # no copy if there
-        file = None
-        if self.spec.tensor_parallel_size > 1:
-            if mapped is not None:
-                file = WeightFile.of_mapping(*mapped)
-            else:
-                file, views = WeightFile.of_tensors(list(host.items()), version)
-                host = dict(views)
         engine = None if self.asleep else self._engine  # asleep: its memory is unmapped
         try:
             if engine is None:  # released or asleep: the next start or wake applies it

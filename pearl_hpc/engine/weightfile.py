@@ -5,7 +5,8 @@ version reaches them as a path and a header instead of pickled tensors.
     ─────────────────────────────                      ─────────────────────────────────
     a version arrives: mapped from the trainer's
       shared file (held open), or received over the
-      network (copied into an anonymous memfd)
+      network straight into an anonymous memfd
+      (bytes: copied into one), off the engine thread
     collective_rpc("pearl_load_weights",
         (/proc/<pid>/fd/<fd>, header))  ──path──▶     map the file (read on demand);
                                                        reload_weights from the views: each
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 
 from pearl_hpc.train.shm import ONE_BUCKET, map_version
-from pearl_hpc.train.weights import describe, unpack
+from pearl_hpc.train.weights import WeightsHeader, describe, unpack
 
 LOAD_METHOD = "pearl_load_weights"  # the worker extension's method (collective_rpc)
 
@@ -49,20 +50,28 @@ class WeightFile:
         """``named`` copied into an anonymous in-memory file; returns it and views of the
         copy (they replace ``named`` as the host copy: one copy in memory, not two)."""
         state = dict(named)
-        layout = describe(state, version, bucket_bytes=ONE_BUCKET)
-        fd = os.memfd_create(f"pearl-weights-v{version}", os.MFD_CLOEXEC)
+        file, views = cls.allocate(describe(state, version, bucket_bytes=ONE_BUCKET))
+        for name, view in views:
+            view.copy_(state[name])
+        return file, views
+
+    @classmethod
+    def allocate(cls, layout: WeightsHeader) -> tuple[WeightFile, list[tuple[str, torch.Tensor]]]:
+        """An anonymous in-memory file (``memfd``) for ``layout``'s tensors, as one bucket
+        in their order, and the (zeroed) views to fill."""
+        whole = WeightsHeader(
+            layout.version, layout.names, layout.shapes, layout.dtypes, (len(layout.names),)
+        )
+        fd = os.memfd_create(f"pearl-weights-v{layout.version}", os.MFD_CLOEXEC)
         try:
-            os.ftruncate(fd, layout.num_bytes)
+            os.ftruncate(fd, whole.num_bytes)
             flat = torch.from_file(
-                _fd_path(fd), shared=True, size=layout.num_bytes, dtype=torch.uint8
+                _fd_path(fd), shared=True, size=whole.num_bytes, dtype=torch.uint8
             )
-            views = unpack(layout, 0, flat)
-            for name, view in views:
-                view.copy_(state[name])
         except BaseException:
             os.close(fd)
             raise
-        return cls(fd, layout.to_dict()), views
+        return cls(fd, whole.to_dict()), unpack(whole, 0, flat)
 
     @property
     def path(self) -> str:
@@ -86,3 +95,40 @@ class WeightFileLoader:
 
 def _fd_path(fd: int) -> str:
     return f"/proc/{os.getpid()}/fd/{fd}"
+
+
+def receive_into_file(
+    group: Any, src: int = 0, *, p2p: bool = False
+) -> tuple[int, list[tuple[str, torch.Tensor]], float, WeightFile]:
+    """A version from the trainer over ``group`` straight into a new file, bucket by
+    bucket (what :func:`~pearl_hpc.train.wgroup.receive_weights` does into private
+    memory): the version, views of the file, the seconds waiting on the network, the
+    file."""
+    from pearl_hpc.train.wgroup import WeightStream
+
+    stream = WeightStream(group, src, p2p=p2p)
+    file, views = WeightFile.allocate(stream.header)
+    try:
+        into = dict(views)
+        for name, tensor in stream:
+            into[name].copy_(tensor)
+        stream.finish()
+    except BaseException:
+        file.close()
+        raise
+    return stream.version, views, stream.recv_s, file
+
+
+def file_for(
+    tensor_parallel_size: int,
+    named: Sequence[tuple[str, torch.Tensor]],
+    version: int,
+    mapped: tuple[str, Mapping[str, Any]] | None = None,
+) -> tuple[WeightFile | None, list[tuple[str, torch.Tensor]]]:
+    """The file a TP engine's workers load ``named`` from (the shared file they are views
+    of, held open, or a copy), and the host copy to keep; none for one worker."""
+    if tensor_parallel_size == 1:
+        return None, list(named)
+    if mapped is not None:
+        return WeightFile.of_mapping(*mapped), list(named)
+    return WeightFile.of_tensors(named, version)
