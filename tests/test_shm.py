@@ -95,6 +95,10 @@ def test_a_mapping_is_private_and_outlives_the_file(store) -> None:
     assert all(torch.equal(views[k], first.state[k]) for k in views)
     views["lm_head.weight"].zero_()
     assert not torch.equal(first.state["lm_head.weight"], views["lm_head.weight"])
+    # the same version staged again is a new file: a mapping of the old one stays whole
+    again = store.stage(_state(2), 2)
+    assert second.path is not None and again.path == second.path
+    assert torch.equal(second.state["lm_head.weight"], _state(1)["lm_head.weight"])
 
 
 def test_only_an_engine_that_reads_the_token_shares_the_memory(store) -> None:

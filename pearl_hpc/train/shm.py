@@ -171,7 +171,10 @@ def _like(state: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> dict[
 def _reserve(path: Path, size: int) -> bool:
     """Create ``path`` with ``size`` bytes allocated (False, with a log line, if the
     tmpfs has no room: the version then goes over the network)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    # a new inode, never the old one truncated: an engine touching a page of a mapping
+    # past a truncated end dies of SIGBUS (a version staged again, say)
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.posix_fallocate(fd, 0, size)
         return True
