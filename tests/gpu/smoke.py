@@ -12,7 +12,7 @@ Checks, in order (each timed; a later one is "not run" once the deadline passed)
    colocated is in place, no restart).
 3. ``sleep``: release (sleep level 1) frees the engine's memory (the device's free bytes
    before and after) and wake gives the same greedy tokens.
-4. ``weights``: a trainer on this process's GPU publishes changed weights (bf16) to the
+4. ``weights``: a trainer on this process's GPU publishes changed weights to the
    engine on the same GPU, which maps them from shared memory (no communicator: NCCL
    refuses two ranks on one GPU); the engine's tokens change, survive a sleep/wake, and a
    point-to-point catch-up over gloo (host-staged, several buckets) gives a second engine
@@ -181,7 +181,7 @@ class Smoke:
         sync = WeightSync(shared=SharedStore.create("smoke"))  # mapped from /dev/shm
         try:
             await sync.form({"g0": g0})
-            staged = sync.stage(self.trainer.state_dict(), 1, torch.bfloat16)
+            staged = sync.stage(self.trainer.state_dict(), 1)  # as the engine holds them
             publish_s = await sync.publish(staged)
             mapped = sorted(sync.nearby)
             changed = await self.turn(g0, "w")
