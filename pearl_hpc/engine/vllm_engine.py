@@ -506,7 +506,7 @@ class EngineRunner:
     ) -> WeightLoad:
         t0 = time.perf_counter()
         cache = self._load(named, version, file)
-        via = "file" if self._host_file is not None else "tensors"
+        via = "file" if file is not None else "tensors"
         return WeightLoad(version, recv_s + time.perf_counter() - t0, recv_s, cache, via)
 
     def _load(
