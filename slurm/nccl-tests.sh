@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # NVIDIA nccl-tests for `pearl-hpc calibrate`: build once, run inside an allocation.
 #
-#   slurm/nccl-tests.sh build   make MPI=1 nccl-tests from NCCL_TESTS_SRC (a source folder,
+#   slurm/nccl-tests.sh build   make the tests (MPI=1) from NCCL_TESTS_SRC (a source folder,
 #                               or a git URL to clone) into the build folder
 #   slurm/nccl-tests.sh run     srun each test across the current allocation (one task per
 #                               GPU), each test's stdout to <out>/<test>.txt
@@ -16,6 +16,8 @@
 #   NCCL_HOME             NCCL with include/nccl.h (default /usr if /usr/include/nccl.h exists)
 #   MPI_HOME              MPI with include/mpi.h (default: the folder above `mpicc` on PATH)
 #   NVCC_GENCODE          passed to make when set (e.g. -gencode=arch=compute_90,code=sm_90)
+#   PEARL_NCCL_TESTS_MPI  1 (default): one task per GPU under srun; 0: no MPI, one process
+#                         drives a node's GPUs (-g N), as tests/gpu/smoke.py runs them
 #   PEARL_NCCL_TESTS      tests to run (default "all_reduce_perf sendrecv_perf")
 #   PEARL_NCCL_TESTS_ARGS arguments of each test (default "-b 8 -e 1G -f 2 -g 1")
 #   PEARL_NCCL_TESTS_OUT  output folder (default ./nccl-tests-out/<SLURM_JOB_ID>)
@@ -115,14 +117,23 @@ cmd_build() {
   need make "install make (build-essential)"
   find_cuda
   find_nccl
-  find_mpi
+  local mpi=${PEARL_NCCL_TESTS_MPI:-1} args=()
+  if [ "$mpi" = 1 ]; then
+    find_mpi
+    args+=(MPI=1 "MPI_HOME=$MPI_HOME")
+  else
+    [ "$mpi" = 0 ] || die "PEARL_NCCL_TESTS_MPI=$mpi: use 1 (srun, one task per GPU) or 0 (one process)"
+    args+=(MPI=0)
+  fi
   local src
   src=$(source_dir)
-  local args=(MPI=1 "MPI_HOME=$MPI_HOME" "CUDA_HOME=$CUDA_HOME" "NCCL_HOME=$NCCL_HOME" "BUILDDIR=$BUILD/bin")
+  [ -f "$src/src/Makefile" ] || die "NCCL_TESTS_SRC=$src has no src/Makefile: is it an nccl-tests checkout?"
+  args+=("CUDA_HOME=$CUDA_HOME" "NCCL_HOME=$NCCL_HOME" "BUILDDIR=$BUILD/bin")
   [ -z "${NVCC_GENCODE:-}" ] || args+=("NVCC_GENCODE=$NVCC_GENCODE")
-  say "make -C $src ${args[*]}"
-  make -C "$src" -j "$(nproc)" "${args[@]}" >&2 || die "make failed (output above)"
-  local test
+  local test targets=()
+  for test in $TESTS; do targets+=("$BUILD/bin/$test"); done  # only the tests that run
+  say "make -C $src/src ${args[*]} ${targets[*]}"
+  make -C "$src/src" -j "$(nproc)" "${args[@]}" "${targets[@]}" >&2 || die "make failed (output above)"
   for test in $TESTS; do
     [ -x "$BUILD/bin/$test" ] || die "the build made no $BUILD/bin/$test"
   done

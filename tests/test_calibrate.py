@@ -360,11 +360,11 @@ def fake_toolchain(tmp_path: Path) -> dict[str, str]:
             (tmp_path / folder / name).write_text("")
     (tmp_path / "cuda" / "bin" / "nvcc").chmod(0o755)
     src = tmp_path / "src"
-    src.mkdir()
-    (src / "Makefile").write_text(
-        "all:\n"
-        "\t@mkdir -p $(BUILDDIR) && touch $(BUILDDIR)/all_reduce_perf $(BUILDDIR)/sendrecv_perf"
-        " && chmod +x $(BUILDDIR)/*_perf\n"
+    (src / "src").mkdir(parents=True)
+    (src / "Makefile").write_text("all:\n\t@false\n")  # the script builds in src/
+    (src / "src" / "Makefile").write_text(
+        "$(BUILDDIR)/%_perf:\n"
+        "\t@mkdir -p $(BUILDDIR) && touch $@ && chmod +x $@\n"
         "\t@echo MPI=$(MPI) MPI_HOME=$(MPI_HOME) CUDA_HOME=$(CUDA_HOME) NCCL_HOME=$(NCCL_HOME)"
         " > $(BUILDDIR)/vars\n"
     )
@@ -416,6 +416,23 @@ def test_script_build_finds_a_distribution_mpi_from_its_wrapper(tmp_path: Path) 
     done = script("build", env=env | {"PATH": f"{bin_dir}:{os.environ['PATH']}"})
     assert done.returncode == 0, done.stderr
     assert f"MPI_HOME={mpi}" in (tmp_path / "build" / "bin" / "vars").read_text().split()
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_script_builds_without_mpi_for_one_process(tmp_path: Path) -> None:
+    """PEARL_NCCL_TESTS_MPI=0 (one process drives the node's GPUs): no MPI needed; only
+    the tests named are built."""
+    env = fake_toolchain(tmp_path)
+    del env["MPI_HOME"]
+    done = script(
+        "build", env=env | {"PEARL_NCCL_TESTS_MPI": "0", "PEARL_NCCL_TESTS": "all_reduce_perf"}
+    )
+    assert done.returncode == 0, done.stderr
+    build = tmp_path / "build" / "bin"
+    assert (build / "all_reduce_perf").exists() and not (build / "sendrecv_perf").exists()
+    assert (build / "vars").read_text().split()[:2] == ["MPI=0", "MPI_HOME="]
+    bad = script("build", env=env | {"PEARL_NCCL_TESTS_MPI": "yes"})
+    assert bad.returncode == 1 and "use 1 (srun, one task per GPU) or 0" in bad.stderr
 
 
 def test_script_build_names_the_missing_nccl_link_of_a_pip_nccl(tmp_path: Path) -> None:

@@ -3,7 +3,9 @@ minutes, through the product's own engine workers, weight sync and trainer.
 
     python -m tests.gpu.smoke [--model DIR] [--out DIR] [--deadline-s 480] [--eager]
 
-Checks, in order (each timed; a later one is "not run" once the deadline passed):
+Checks, in order (each timed; a later one is "not run" once the deadline passed). The
+engine checks (1-4) need vLLM for CUDA and skip with the reason without it; the trainer
+checks (5-9) need torch with CUDA only:
 
 1. ``engine``: a cuda engine worker starts (start time) and answers a greedy turn.
 2. ``pd``: a second worker as decode, the first as prefill (NIXL, KV buffer on the GPU,
@@ -18,14 +20,22 @@ Checks, in order (each timed; a later one is "not run" once the deadline passed)
    point-to-point catch-up over gloo (host-staged, several buckets) gives a second engine
    the same tokens. (HF's greedy tokens on the same weights are reported,
    not required: GPU kernels differ between HF and vLLM.)
-5. ``offload``: the trainer's hand-off frees its GPU memory and brings back the same
+5. ``train``: GRPO steps on the GPU: the loss is finite, every step moves the weights
+   (step time and peak GPU memory reported).
+6. ``stage``: trainer 0's path to the engines on its node: the bf16 host copy of the
+   weights, staged into a shared-memory version file, mapped back as an engine maps it,
+   equals the trainer's weights (times of each part reported).
+7. ``offload``: the trainer's hand-off frees its GPU memory and brings back the same
    weights; a forward pass after it matches the one before (the share of the GPU an
    overlap engine would start with then is reported).
-6. ``fsdp``: the trainer sharded with FSDP2 on one rank (NCCL, bf16 compute) gathers
+8. ``fsdp``: the trainer sharded with FSDP2 on one rank (NCCL, bf16 compute) gathers
    exactly the unsharded trainer's weights, and its logits agree to bf16 precision; lent
    (its shards to host memory: free memory rises) and reloaded, its logits are unchanged.
-7. ``nccl-tests``: ``all_reduce_perf`` (``$NCCL_TESTS_BIN`` or PATH) over every GPU in one
-   process, parsed by ``pearl-hpc calibrate``'s parser (needs 2 GPUs).
+9. ``nccl-tests``: ``all_reduce_perf`` (``$NCCL_TESTS_BIN``, else built by
+   ``slurm/nccl-tests.sh build`` from ``$NCCL_TESTS_SRC`` without MPI, else PATH) over
+   every GPU in one process, parsed by ``pearl-hpc calibrate``'s parser: bandwidth with
+   2+ GPUs; with one, the parser must refuse the 1-rank run (what a wrong ``srun --mpi``
+   gives) and the output's figures are reported.
 
 Without a GPU it says why and exits 0; a failed check exits 1. ``--out DIR`` writes
 ``smoke.json`` (every check's status, seconds and figures) there.
@@ -74,6 +84,11 @@ def no_gpu_reason() -> str | None:
         return "torch is not installed"
     if not torch.cuda.is_available():
         return f"no CUDA GPU (torch {torch.__version__}, cuda {torch.version.cuda})"
+    return None
+
+
+def no_vllm_reason() -> str | None:
+    """Why the engine checks cannot run here (None: they can)."""
     try:
         import vllm  # noqa: F401
     except ImportError:
@@ -169,12 +184,11 @@ class Smoke:
     async def weights(self) -> dict[str, Any]:
         import torch
 
-        from pearl_hpc.train.grpo import GRPOConfig, GRPOTrainer
         from pearl_hpc.train.loop import WeightSync
         from pearl_hpc.train.shm import SharedStore
 
         g0 = self.workers["g0"].client
-        self.trainer = GRPOTrainer(self.model_dir, GRPOConfig(device="cuda", seed=0))
+        self.trainer = self._trainer()
         with torch.no_grad():  # a stand-in for a step: every weight moves
             for p in self.trainer.model.parameters():
                 p.mul_(1.5)
@@ -204,15 +218,89 @@ class Smoke:
         return {"publish_shm_s": round(publish_s, 3), "catch_up_gloo_s": round(catch_up_s, 3),
                 "hf_greedy_equal": hf == changed.token_ids}  # fmt: skip
 
+    def _trainer(self) -> Any:
+        """The unsharded cuda trainer the weights, train, stage and offload checks share."""
+        from pearl_hpc.train.grpo import GRPOConfig, GRPOTrainer
+
+        if self.trainer is None:
+            self.trainer = GRPOTrainer(self.model_dir, GRPOConfig(device="cuda", seed=0))
+        return self.trainer
+
+    async def train(self) -> dict[str, Any]:
+        import math
+
+        import torch
+
+        from pearl_hpc.rollout.types import Segment, Trajectory
+
+        t = self._trainer()
+        steps, times, losses = 3, [], []
+        torch.cuda.reset_peak_memory_stats()
+        for step in range(steps):
+            before = [p.detach().clone() for p in t.model.parameters()]
+            batch = [
+                Trajectory(
+                    f"s{step}-{i}", f"g{i // 2}",
+                    [Segment(PROMPT, generated=False),
+                     Segment(tuple(range(20 + i, 36 + i)), generated=True)],
+                    reward=float(i % 2), done=True, weight_versions={t.version},
+                )
+                for i in range(4)
+            ]  # fmt: skip
+            stats = t.train_step(batch)
+            times.append(stats.wall_s)
+            losses.append(stats.loss)
+            moved = sum(
+                not torch.equal(a, p) for a, p in zip(before, t.model.parameters(), strict=True)
+            )
+            assert math.isfinite(stats.loss), f"step {step}: loss {stats.loss}"
+            assert moved > 0, f"step {step} moved no weight"
+        assert t.version == steps, f"version {t.version} after {steps} steps"
+        return {"steps": steps, "step_s": [round(x, 3) for x in times],
+                "loss": [round(x, 5) for x in losses],
+                "peak_gpu_mib": torch.cuda.max_memory_allocated() >> 20}  # fmt: skip
+
+    async def stage(self) -> dict[str, Any]:
+        import torch
+
+        from pearl_hpc.train.loop import WeightSync
+        from pearl_hpc.train.shm import SharedStore, map_version
+
+        t = self._trainer()
+        shared = SharedStore.create("smoke-stage")
+        if shared is None:
+            raise Skip("no /dev/shm here")
+        sync = WeightSync(shared=shared)
+        try:
+            t0 = time.perf_counter()
+            full = t.state_dict(torch.bfloat16)  # GPU -> host, as trainer 0 takes it
+            t1 = time.perf_counter()
+            staged = sync.stage(full, t.version, torch.bfloat16)
+            t2 = time.perf_counter()
+            assert staged.path is not None and staged.header is not None, "not in shared memory"
+            version, views = map_version(staged.path, staged.header)
+            t3 = time.perf_counter()
+            model = {
+                n: p.detach().to(torch.bfloat16).cpu() for n, p in t.model.state_dict().items()
+            }
+            differ = [n for n, v in views if not torch.equal(v, model[n])]
+            num_bytes = sum(v.numel() * v.element_size() for _, v in views)
+        finally:
+            sync.close()
+        assert version == t.version, f"mapped v{version}, the trainer is at v{t.version}"
+        assert len(views) == len(model), f"{len(views)} tensors mapped of {len(model)}"
+        assert not differ, f"mapped tensors differ from the trainer's: {differ[:4]}"
+        return {"tensors": len(views), "mib": num_bytes >> 20,
+                "host_copy_s": round(t1 - t0, 4), "stage_s": round(t2 - t1, 4),
+                "map_s": round(t3 - t2, 4)}  # fmt: skip
+
     async def offload(self) -> dict[str, Any]:
         import torch
 
         from pearl_hpc.engine.vllm_engine import fitted_utilization
         from pearl_hpc.train.offload import Residency
 
-        if self.trainer is None:
-            raise Skip("needs the trainer of the weights check")
-        t = self.trainer
+        t = self._trainer()
         ids = torch.tensor([PROMPT], device=t.device)
         with torch.no_grad():
             before = t.model(ids).logits.float().cpu()
@@ -268,19 +356,57 @@ class Smoke:
         import torch
 
         from pearl_hpc.calibrate.nccl import parse_nccl_tests
+        from pearl_hpc.errors import CalibrationError
 
         gpus = torch.cuda.device_count()
-        if gpus < 2:
-            raise Skip(f"{gpus} GPU: nccl-tests' bandwidth needs 2 ranks")
-        binary = os.environ.get("NCCL_TESTS_BIN") or shutil.which("all_reduce_perf")
-        if not binary:
-            raise Skip("all_reduce_perf not found (build: slurm/nccl-tests.sh build)")
+        binary, env = self._nccl_tests_binary()
         run = subprocess.run(
-            [binary, "-b", "8M", "-e", "128M", "-f", "2", "-g", str(gpus)],
-            capture_output=True, text=True, timeout=120, check=True,
+            [binary, "-b", "8M", "-e", "512M", "-f", "4", "-g", str(gpus)],
+            capture_output=True, text=True, timeout=120, env=env,
         )  # fmt: skip
-        result = parse_nccl_tests(run.stdout, expected_ranks=gpus)
-        return {"ranks": result.num_ranks, "avg_busbw_gb_per_s": result.avg_busbw_gb_per_s}
+        assert run.returncode == 0, f"{binary} exited {run.returncode}: {run.stderr[-1500:]}"
+        if gpus >= 2:
+            result = parse_nccl_tests(run.stdout, expected_ranks=gpus)
+            return {"ranks": result.num_ranks, "avg_busbw_gb_per_s": result.avg_busbw_gb_per_s}
+        try:  # one GPU: a 1-rank run, which calibration must not take as bandwidth
+            parse_nccl_tests(run.stdout)
+        except CalibrationError as exc:
+            rows = [line.split() for line in run.stdout.splitlines() if line[:1] == " "]
+            largest = [r for r in rows if r and r[0].isdigit()][-1:]
+            return {"one_rank_refused": str(exc)[:300], "largest_row": " ".join(largest[0])
+                    if largest else None}  # fmt: skip
+        raise AssertionError("the parser took a 1-rank run as bandwidth")
+
+    def _nccl_tests_binary(self) -> tuple[str, dict[str, str]]:
+        """$NCCL_TESTS_BIN, else all_reduce_perf built from $NCCL_TESTS_SRC by the
+        product's script (no MPI: one process drives every GPU), else the PATH's; with
+        the environment to run it in (the build's NCCL on the library path)."""
+        env = dict(os.environ)
+        if env.get("NCCL_TESTS_BIN"):
+            return env["NCCL_TESTS_BIN"], env
+        if not env.get("NCCL_TESTS_SRC"):
+            found = shutil.which("all_reduce_perf")
+            if not found:
+                raise Skip("all_reduce_perf not found: set NCCL_TESTS_BIN, or NCCL_TESTS_SRC "
+                           "to an nccl-tests source to build")  # fmt: skip
+            return found, env
+        import torch
+
+        build = self.work / "nccl-tests"
+        env |= {"PEARL_NCCL_TESTS_DIR": str(build), "PEARL_NCCL_TESTS_MPI": "0",
+                "PEARL_NCCL_TESTS": "all_reduce_perf"}  # fmt: skip
+        env.setdefault("NCCL_HOME", str(_pip_nccl_home(self.work / "nccl-home")))
+        major, minor = torch.cuda.get_device_capability()
+        env.setdefault(
+            "NVCC_GENCODE", f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"
+        )
+        script = Path(__file__).resolve().parents[2] / "slurm" / "nccl-tests.sh"
+        done = subprocess.run(["bash", str(script), "build"], env=env, capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 0, f"nccl-tests build failed: {done.stderr[-1500:]}"
+        libs = [env["NCCL_HOME"] + "/lib", env.get("LD_LIBRARY_PATH", "")]
+        env["LD_LIBRARY_PATH"] = ":".join(x for x in libs if x)
+        return str(build / "bin" / "all_reduce_perf"), env
 
     async def close(self) -> None:
         for worker in self.workers.values():
@@ -288,6 +414,27 @@ class Smoke:
                 await worker.stop()
             except Exception:
                 worker.kill()
+
+
+def _pip_nccl_home(home: Path) -> Path:
+    """An NCCL_HOME for the build from the NCCL that torch's wheel brings (the pip
+    package ``nvidia-nccl-cu*``: ``nccl.h`` and ``libnccl.so.2``, without the
+    ``libnccl.so`` link the build needs), found wherever that package keeps them."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia")
+    roots = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
+    headers = [h for root in roots for h in root.glob("**/include/nccl.h")]
+    libs = [lib for root in roots for lib in root.glob("**/libnccl.so.2")]
+    if not headers or not libs:
+        raise Skip(f"no pip NCCL (nvidia-nccl-cu*) under {roots}: set NCCL_HOME")
+    (home / "lib").mkdir(parents=True, exist_ok=True)
+    (home / "include").unlink(missing_ok=True)
+    (home / "include").symlink_to(headers[0].parent)
+    for name in ("libnccl.so.2", "libnccl.so"):
+        (home / "lib" / name).unlink(missing_ok=True)
+        (home / "lib" / name).symlink_to(libs[0])
+    return home
 
 
 def _gib(n: int | None) -> float | None:
@@ -304,71 +451,107 @@ def _hf_greedy(model: Any, n: int) -> tuple[int, ...]:
     return tuple(int(t) for t in out[0, len(PROMPT) :])
 
 
-async def run_checks(smoke: Smoke, deadline_s: float) -> list[Check]:
-    steps: list[tuple[str, Callable[[], Awaitable[dict[str, Any]]]]] = [
-        ("engine", smoke.engine),
-        ("pd", smoke.pd),
-        ("sleep", smoke.sleep),
-        ("weights", smoke.weights),
-        ("offload", smoke.offload),
-        ("fsdp", smoke.fsdp),
-        ("nccl-tests", smoke.nccl_tests),
+async def run_checks(smoke: Smoke, deadline_s: float, only: set[str] | None = None) -> list[Check]:
+    # (name, check, what it needs: "vllm" = vLLM for CUDA, "engine" = the engine check)
+    steps: list[tuple[str, Callable[[], Awaitable[dict[str, Any]]], str]] = [
+        ("engine", smoke.engine, "vllm"),
+        ("pd", smoke.pd, "engine"),
+        ("sleep", smoke.sleep, "engine"),
+        ("weights", smoke.weights, "engine"),
+        ("train", smoke.train, ""),
+        ("stage", smoke.stage, ""),
+        ("offload", smoke.offload, ""),
+        ("fsdp", smoke.fsdp, ""),
+        ("nccl-tests", smoke.nccl_tests, ""),
     ]
+    no_vllm = no_vllm_reason()
     checks, t_start = [], time.perf_counter()
-    for name, fn in steps:
+    for name, fn, needs in steps:
+        if only is not None and name not in only:
+            continue
         check = Check(name)
         checks.append(check)
         left = deadline_s - (time.perf_counter() - t_start)
-        if left <= 0 or (name != "engine" and checks[0].status != "pass"):
-            check.detail["why"] = "deadline passed" if left <= 0 else "no engine"
-            continue
-        t0 = time.perf_counter()
-        try:
-            check.detail = await asyncio.wait_for(fn(), timeout=left)
-            check.status = "pass"
-        except Skip as why:
-            check.status, check.detail = "skip", {"why": str(why)}
-        except Exception as exc:
-            check.status = "fail"
-            check.detail = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
-            traceback.print_exc()
-        check.seconds = round(time.perf_counter() - t0, 1)
+        if needs and no_vllm:
+            check.status, check.detail = "skip", {"why": no_vllm}
+        elif needs == "engine" and not any(
+            c.name == "engine" and c.status == "pass" for c in checks
+        ):
+            check.detail["why"] = "the engine check did not pass"
+        elif left <= 0:
+            check.detail["why"] = "deadline passed"
+        else:
+            await _timed(check, fn, left)
         print(f"{check.name:>10}  {check.status:<5}  {check.seconds:6.1f} s  {check.detail}",
               flush=True)  # fmt: skip
     return checks
 
 
+async def _timed(check: Check, fn: Callable[[], Awaitable[dict[str, Any]]], left: float) -> None:
+    t0 = time.perf_counter()
+    try:
+        check.detail = await asyncio.wait_for(fn(), timeout=left)
+        check.status = "pass"
+    except Skip as why:
+        check.status, check.detail = "skip", {"why": str(why)}
+    except Exception as exc:
+        check.status = "fail"
+        check.detail = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+        traceback.print_exc()
+    check.seconds = round(time.perf_counter() - t0, 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="model directory (default: build the tiny model)")
-    parser.add_argument("--out", help="write smoke.json here")
+    parser.add_argument("--out", help="write smoke.json (or --name's file) here")
+    parser.add_argument("--name", default="smoke", help="the report's file name (no .json)")
     parser.add_argument("--deadline-s", type=float, default=480.0)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs/compile (faster)")
+    parser.add_argument("--checks", help="comma-separated checks to run (default: all)")
+    parser.add_argument(
+        "--hidden", type=int, help="build a random model of this width (head_dim 128) instead "
+        "of the tiny one, for the trainer's figures at a realistic size"
+    )  # fmt: skip
+    parser.add_argument("--layers", type=int, default=16, help="its layers (with --hidden)")
     args = parser.parse_args(argv)
     reason = no_gpu_reason()
     if reason is not None:
         print(f"gpu smoke: skipped: {reason}")
         return 0
     work = Path(tempfile.mkdtemp(prefix="pearl-gpu-smoke-"))
-    model_dir = args.model
-    if model_dir is None:
-        from pearl_hpc.engine.tinymodel import build_tiny_model
-
-        model_dir = str(build_tiny_model(work / "tiny-qwen3"))
+    model_dir = args.model or str(_build_model(work, args.hidden, args.layers))
     smoke = Smoke(model_dir, work, args.eager)
+    only = set(args.checks.split(",")) if args.checks else None
 
     async def body() -> list[Check]:
         try:
-            return await run_checks(smoke, args.deadline_s)
+            return await run_checks(smoke, args.deadline_s, only)
         finally:
             await smoke.close()
 
     checks = asyncio.run(body())
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        report = {"checks": [asdict(c) for c in checks]}
-        (Path(args.out) / "smoke.json").write_text(json.dumps(report, indent=2))
+        report = {"model": model_dir, "checks": [asdict(c) for c in checks]}
+        (Path(args.out) / f"{args.name}.json").write_text(json.dumps(report, indent=2))
     return 1 if any(c.status == "fail" for c in checks) else 0
+
+
+def _build_model(work: Path, hidden: int | None, layers: int) -> Path:
+    from pearl_hpc.engine.tinymodel import TinyModelSpec, build_tiny_model
+
+    if hidden is None:
+        return build_tiny_model(work / "tiny-qwen3")
+    spec = TinyModelSpec(
+        hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 128), num_key_value_heads=max(1, hidden // 256),
+        head_dim=128, initializer_range=0.02,
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    model = build_tiny_model(work / f"qwen3-{hidden}x{layers}", spec)
+    print(f"gpu smoke: built a {hidden}x{layers} model in {time.perf_counter() - t0:.1f} s")
+    return model
 
 
 if __name__ == "__main__":
