@@ -270,29 +270,33 @@ class Smoke:
         shared = SharedStore.create("smoke-stage")
         if shared is None:
             raise Skip("no /dev/shm here")
-        sync = WeightSync(shared=shared)
+        sync, bf16, v = WeightSync(shared=shared), torch.bfloat16, t.version
+        live = {n: p.detach() for n, p in t.model.state_dict().items()}
+        figures: dict[str, Any] = {}
         try:
-            t0 = time.perf_counter()
-            full = t.state_dict(torch.bfloat16)  # GPU -> host, as trainer 0 takes it
-            t1 = time.perf_counter()
-            staged = sync.stage(full, t.version, torch.bfloat16)
-            t2 = time.perf_counter()
+            full = _clocked(figures, "host_copy_s", lambda: t.state_dict(bf16))  # trainer 0's
+            _clocked(figures, "host_copy_again_s", lambda: t.state_dict(bf16))
+            staged = _clocked(figures, "stage_s", lambda: sync.stage(full, v, bf16))
             assert staged.path is not None and staged.header is not None, "not in shared memory"
-            version, views = map_version(staged.path, staged.header)
-            t3 = time.perf_counter()
-            model = {
-                n: p.detach().to(torch.bfloat16).cpu() for n, p in t.model.state_dict().items()
-            }
-            differ = [n for n, v in views if not torch.equal(v, model[n])]
-            num_bytes = sum(v.numel() * v.element_size() for _, v in views)
+            version, views = _clocked(
+                figures, "map_s", lambda: map_version(staged.path, staged.header)
+            )
+            # the alternatives, for the figures: pinned host copies; the GPU straight into
+            # the shared file (cast on the way)
+            _clocked(figures, "pinned_copy_s", lambda: _pinned_copy(live, bf16))
+            _clocked(figures, "pinned_copy_again_s", lambda: _pinned_copy(live, bf16))
+            direct = _clocked(figures, "gpu_to_shm_s", lambda: sync.stage(live, v + 1, bf16))
+            assert direct.path is not None and direct.header is not None
+            _, direct_views = map_version(direct.path, direct.header)
+            model = {n: x.to(bf16).cpu() for n, x in live.items()}
+            differ = [n for n, x in [*views, *direct_views] if not torch.equal(x, model[n])]
+            num_bytes = sum(x.numel() * x.element_size() for _, x in views)
         finally:
             sync.close()
-        assert version == t.version, f"mapped v{version}, the trainer is at v{t.version}"
+        assert version == v, f"mapped v{version}, the trainer is at v{v}"
         assert len(views) == len(model), f"{len(views)} tensors mapped of {len(model)}"
         assert not differ, f"mapped tensors differ from the trainer's: {differ[:4]}"
-        return {"tensors": len(views), "mib": num_bytes >> 20,
-                "host_copy_s": round(t1 - t0, 4), "stage_s": round(t2 - t1, 4),
-                "map_s": round(t3 - t2, 4)}  # fmt: skip
+        return {"tensors": len(views), "mib": num_bytes >> 20, **figures}
 
     async def offload(self) -> dict[str, Any]:
         import torch
@@ -305,20 +309,23 @@ class Smoke:
         with torch.no_grad():
             before = t.model(ids).logits.float().cpu()
         res = Residency([t.model], t.optimizer, t.device)
-        off = res.offload()
-        on = res.onload()
+        moves = [(res.offload(), res.onload()) for _ in range(2)]  # the 2nd: pinned cache warm
         with torch.no_grad():
             after = t.model(ids).logits.float().cpu()
-        assert off is not None and on is not None
-        assert off.free_after > off.free_before, "offload freed nothing"
+        off = moves[0][0]
+        assert all(a is not None and b is not None for a, b in moves)
+        assert off is not None and off.free_after > off.free_before, "offload freed nothing"
         assert torch.equal(before, after), "the weights changed across the hand-off"
         total = torch.cuda.mem_get_info()[1]
         share = fitted_utilization(0.85, off.free_after, total)  # an overlap engine's
-        return {"offload_s": round(off.wall_s, 3), "onload_s": round(on.wall_s, 3),
+        return {"offload_s": [round(a.wall_s, 3) for a, _ in moves if a is not None],
+                "onload_s": [round(b.wall_s, 3) for _, b in moves if b is not None],
                 "freed_mib": (off.free_after - off.free_before) >> 20,
                 "overlap_engine_share": share}  # fmt: skip
 
     async def fsdp(self) -> dict[str, Any]:
+        import copy
+
         import torch
         import torch.distributed as dist
 
@@ -326,6 +333,9 @@ class Smoke:
         from pearl_hpc.train.offload import Residency
 
         plain = GRPOTrainer(self.model_dir, GRPOConfig(device="cuda", seed=0))
+        bf16 = copy.deepcopy(plain.model)  # FSDP2's mixed precision: bf16 parameters only
+        for param in bf16.parameters():
+            param.data = param.data.to(torch.bfloat16)
         store = dist.HashStore()
         dist.init_process_group("nccl", store=store, rank=0, world_size=1)
         try:
@@ -335,6 +345,7 @@ class Smoke:
             ids = torch.tensor([PROMPT], device="cuda")
             with torch.no_grad():
                 a = plain.model(ids).logits.float()
+                r = bf16(ids).logits.float()
                 b = sharded.model(ids).logits.float()
             lent = Residency([sharded.model], sharded.optimizer, sharded.device)
             off, on = lent.offload(), lent.onload()  # the shards leave the GPU and return
@@ -344,13 +355,17 @@ class Smoke:
             dist.destroy_process_group()
         assert full.keys() == reference.keys(), "the gathered names differ"
         assert all(torch.equal(full[k], reference[k]) for k in full), "gathered weights differ"
-        gap = float((a - b).abs().max())
-        assert torch.allclose(a, b, atol=5e-2, rtol=5e-2), f"logits differ by {gap}"
+        scale = float(a.abs().max())
+        gap_fp32, gap_bf16 = float((a - b).abs().max()), float((r - b).abs().max())
+        figures = {"tensors": len(full), "max_abs_logit": round(scale, 3),
+                   "gap_to_fp32": round(gap_fp32, 4), "gap_to_bf16_params": round(gap_bf16, 4),
+                   "equal_after_lending": bool(torch.equal(b, c))}  # fmt: skip
+        print(f"      fsdp  figures {figures}", flush=True)
+        assert gap_bf16 <= 2e-2 * scale, f"FSDP2 logits off the bf16 model's: {figures}"
         assert off is not None and on is not None
         assert off.free_after > off.free_before, "lending the FSDP2 trainer freed nothing"
         assert torch.equal(b, c), "the shards changed across the hand-off"
-        return {"tensors": len(full), "max_logit_gap_bf16": round(gap, 4),
-                "lent_freed_mib": (off.free_after - off.free_before) >> 20}  # fmt: skip
+        return {**figures, "lent_freed_mib": (off.free_after - off.free_before) >> 20}
 
     async def nccl_tests(self) -> dict[str, Any]:
         import torch
@@ -435,6 +450,28 @@ def _pip_nccl_home(home: Path) -> Path:
         (home / "lib" / name).unlink(missing_ok=True)
         (home / "lib" / name).symlink_to(libs[0])
     return home
+
+
+def _clocked(figures: dict[str, Any], name: str, fn: Callable[[], Any]) -> Any:
+    """``fn()``, its wall time in ``figures[name]`` (the GPU's work finished)."""
+    import torch
+
+    t0 = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    figures[name] = round(time.perf_counter() - t0, 4)
+    return out
+
+
+def _pinned_copy(state: dict[str, Any], dtype: Any) -> dict[str, Any]:
+    import torch
+
+    out = {}
+    for name, tensor in state.items():
+        out[name] = torch.empty(tensor.shape, dtype=dtype, pin_memory=True)
+        out[name].copy_(tensor, non_blocking=True)
+    torch.cuda.synchronize()
+    return out
 
 
 def _gib(n: int | None) -> float | None:
