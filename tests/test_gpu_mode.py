@@ -140,7 +140,7 @@ def test_weights_travel_in_the_dtype_the_engine_holds(tmp_path: Path) -> None:
     vllm_args names one; a model without a readable dtype gets fp32 (loses nothing)."""
     import torch
 
-    from pearl_hpc.train.grpo import _host_copy
+    from pearl_hpc.train.grpo import host_copies
 
     model = tmp_path / "model"
     model.mkdir()
@@ -151,8 +151,10 @@ def test_weights_travel_in_the_dtype_the_engine_holds(tmp_path: Path) -> None:
     assert weights_dtype(half) == "float16"
     assert weights_dtype(EngineSpec(str(tmp_path / "none"), device="cuda")) == "float32"
     # the trainer's copy: floats cast, integer tensors kept
-    assert _host_copy(torch.ones(2), torch.bfloat16).dtype == torch.bfloat16
-    assert _host_copy(torch.ones(2, dtype=torch.int64), torch.bfloat16).dtype == torch.int64
+    copies = host_copies(
+        {"w": torch.ones(2), "ids": torch.ones(2, dtype=torch.int64)}, torch.bfloat16
+    )
+    assert copies["w"].dtype == torch.bfloat16 and copies["ids"].dtype == torch.int64
 
 
 def test_the_spec_travels_whole_to_a_worker_process() -> None:
@@ -284,6 +286,7 @@ def test_the_trainers_handover_moves_every_tensor_and_training_goes_on() -> None
     step()
     res = Residency([model], optimizer, torch.device("cpu"))
     assert res.offload() is None and res.where == ON_DEVICE  # cpu: nothing to hand over
+    assert res.reserve() == 0.0  # nor to pin
     before = {
         "params": [p.data.data_ptr() for p in model.parameters()],
         "grads": [p.grad.data_ptr() for p in model.parameters()],

@@ -19,6 +19,7 @@ placements.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -78,6 +79,22 @@ class Residency:
             return None
         return self._move(ON_DEVICE)
 
+    def reserve(self) -> float:
+        """Pin, once, the host memory the first offload needs (the parameters, their
+        gradients and two AdamW moments per parameter), and hand it back to torch's cache
+        of pinned blocks, which the offload then reuses: pinning is the slow part of a
+        first hand-off (an H200 trainer of 0.8B parameters: 10.6 s cold, 0.28 s warm).
+        Run it while the trainer is idle; returns its wall time (0 on cpu)."""
+        if not self.moves:
+            return 0.0
+        t0 = time.perf_counter()
+        params = [p for module in self.modules for p in module.parameters()]
+        trained = [p for p in params if p.requires_grad]
+        sizes = [_local(p) for p in params] + [_local(p) for p in trained for _ in range(3)]
+        held = [torch.empty(shape, dtype=dtype, pin_memory=True) for shape, dtype in sizes]
+        del held  # back to the cache of pinned blocks, pinned
+        return time.perf_counter() - t0
+
     def _move(self, to: str) -> Handover:
         free_before = _free_bytes(self.device)
         t0 = time.perf_counter()
@@ -91,8 +108,9 @@ class Residency:
                         state[key] = _copy(value, target)
         if self.moves:
             torch.cuda.synchronize(self.device)
-            if to == IN_HOST:
-                torch.cuda.empty_cache()  # the freed blocks back to the driver: vLLM's check
+            if to == IN_HOST:  # the freed blocks back to the driver: vLLM's check
+                gc.collect()  # a swapped-out FSDP2 shard can wait in a reference cycle
+                torch.cuda.empty_cache()
         self.where = to
         wall_s = time.perf_counter() - t0
         op = "offload" if to == IN_HOST else "onload"
@@ -120,6 +138,14 @@ def _copy_local(tensor: torch.Tensor, target: torch.device, dtensor: bool = Fals
     out = torch.empty(tensor.shape, dtype=tensor.dtype, device=target, pin_memory=pin)
     to_gpu = target.type == "cuda"
     return out.copy_(tensor, non_blocking=to_gpu or (tensor.is_cuda and not dtensor))
+
+
+def _local(tensor: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
+    """The shape and dtype of what an offload copies for ``tensor`` (a shard's local
+    tensor for a DTensor)."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
+    return tensor.shape, tensor.dtype
 
 
 def _free_bytes(device: torch.device) -> int:

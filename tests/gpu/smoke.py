@@ -274,22 +274,16 @@ class Smoke:
         live = {n: p.detach() for n, p in t.model.state_dict().items()}
         figures: dict[str, Any] = {}
         try:
-            full = _clocked(figures, "host_copy_s", lambda: t.state_dict(bf16))  # trainer 0's
+            # trainer 0's copy: the first pins its host memory, the next reuse it
+            full = _clocked(figures, "host_copy_s", lambda: t.state_dict(bf16))
             _clocked(figures, "host_copy_again_s", lambda: t.state_dict(bf16))
             staged = _clocked(figures, "stage_s", lambda: sync.stage(full, v, bf16))
             assert staged.path is not None and staged.header is not None, "not in shared memory"
             version, views = _clocked(
                 figures, "map_s", lambda: map_version(staged.path, staged.header)
             )
-            # the alternatives, for the figures: pinned host copies; the GPU straight into
-            # the shared file (cast on the way)
-            _clocked(figures, "pinned_copy_s", lambda: _pinned_copy(live, bf16))
-            _clocked(figures, "pinned_copy_again_s", lambda: _pinned_copy(live, bf16))
-            direct = _clocked(figures, "gpu_to_shm_s", lambda: sync.stage(live, v + 1, bf16))
-            assert direct.path is not None and direct.header is not None
-            _, direct_views = map_version(direct.path, direct.header)
             model = {n: x.to(bf16).cpu() for n, x in live.items()}
-            differ = [n for n, x in [*views, *direct_views] if not torch.equal(x, model[n])]
+            differ = [n for n, x in views if not torch.equal(x, model[n])]
             num_bytes = sum(x.numel() * x.element_size() for _, x in views)
         finally:
             sync.close()
@@ -309,7 +303,8 @@ class Smoke:
         with torch.no_grad():
             before = t.model(ids).logits.float().cpu()
         res = Residency([t.model], t.optimizer, t.device)
-        moves = [(res.offload(), res.onload()) for _ in range(2)]  # the 2nd: pinned cache warm
+        reserve_s = res.reserve()  # pinned ahead: the first lend as fast as the next
+        moves = [(res.offload(), res.onload()) for _ in range(2)]
         with torch.no_grad():
             after = t.model(ids).logits.float().cpu()
         off = moves[0][0]
@@ -318,7 +313,8 @@ class Smoke:
         assert torch.equal(before, after), "the weights changed across the hand-off"
         total = torch.cuda.mem_get_info()[1]
         share = fitted_utilization(0.85, off.free_after, total)  # an overlap engine's
-        return {"offload_s": [round(a.wall_s, 3) for a, _ in moves if a is not None],
+        return {"reserve_s": round(reserve_s, 3),
+                "offload_s": [round(a.wall_s, 3) for a, _ in moves if a is not None],
                 "onload_s": [round(b.wall_s, 3) for _, b in moves if b is not None],
                 "freed_mib": (off.free_after - off.free_before) >> 20,
                 "overlap_engine_share": share}  # fmt: skip
@@ -347,8 +343,13 @@ class Smoke:
                 a = plain.model(ids).logits.float()
                 r = bf16(ids).logits.float()
                 b = sharded.model(ids).logits.float()
+            del plain, bf16  # alone on the GPU, as on a trainer rank: its freed blocks return
+            shards = sum(_local_bytes(p) for p in sharded.model.parameters())
             lent = Residency([sharded.model], sharded.optimizer, sharded.device)
-            off, on = lent.offload(), lent.onload()  # the shards leave the GPU and return
+            held = torch.cuda.memory_allocated()
+            off = lent.offload()  # the shards leave the GPU ...
+            left = held - torch.cuda.memory_allocated()
+            on = lent.onload()  # ... and return
             with torch.no_grad():
                 c = sharded.model(ids).logits.float()
         finally:
@@ -363,9 +364,13 @@ class Smoke:
         print(f"      fsdp  figures {figures}", flush=True)
         assert gap_bf16 <= 2e-2 * scale, f"FSDP2 logits off the bf16 model's: {figures}"
         assert off is not None and on is not None
-        assert off.free_after > off.free_before, "lending the FSDP2 trainer freed nothing"
+        figures |= {"shards_mib": shards >> 20, "lent_left_gpu_mib": left >> 20,
+                    "lent_freed_mib": (off.free_after - off.free_before) >> 20}  # fmt: skip
+        if left < shards:
+            figures["fsdp_tensors"] = _fsdp_tensors(sharded.model)
+        assert left >= shards, f"lending the FSDP2 trainer left shards on the GPU: {figures}"
         assert torch.equal(b, c), "the shards changed across the hand-off"
-        return {**figures, "lent_freed_mib": (off.free_after - off.free_before) >> 20}
+        return figures
 
     async def nccl_tests(self) -> dict[str, Any]:
         import torch
@@ -463,15 +468,31 @@ def _clocked(figures: dict[str, Any], name: str, fn: Callable[[], Any]) -> Any:
     return out
 
 
-def _pinned_copy(state: dict[str, Any], dtype: Any) -> dict[str, Any]:
+def _fsdp_tensors(model: Any) -> dict[str, int]:
+    """Where FSDP2's own references to each parameter live (device, storage kept), for
+    a lend that left memory behind."""
+    import collections
+
     import torch
 
-    out = {}
-    for name, tensor in state.items():
-        out[name] = torch.empty(tensor.shape, dtype=dtype, pin_memory=True)
-        out[name].copy_(tensor, non_blocking=True)
-    torch.cuda.synchronize()
-    return out
+    counts: collections.Counter[str] = collections.Counter()
+    for module in model.modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        group = state()._fsdp_param_group if state is not None else None
+        for fsdp_param in group.fsdp_params if group is not None else []:
+            for attr in ("_sharded_param_data", "sharded_param", "_unsharded_param"):
+                tensor = getattr(fsdp_param, attr, None)
+                if isinstance(tensor, torch.Tensor):
+                    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+                    kept = local.untyped_storage().size() > 0
+                    counts[f"{attr}:{local.device.type}:{'kept' if kept else 'freed'}"] += 1
+    return dict(counts)
+
+
+def _local_bytes(param: Any) -> int:
+    """The bytes of a parameter on this rank (a DTensor's local shard)."""
+    local = param.to_local() if hasattr(param, "to_local") else param
+    return int(local.numel() * local.element_size())
 
 
 def _gib(n: int | None) -> float | None:
