@@ -287,26 +287,20 @@ def test_the_trainers_handover_moves_every_tensor_and_training_goes_on() -> None
     res = Residency([model], optimizer, torch.device("cpu"))
     assert res.offload() is None and res.where == ON_DEVICE  # cpu: nothing to hand over
     assert res.reserve() == 0.0  # nor to pin
-    before = {
-        "params": [p.data.data_ptr() for p in model.parameters()],
-        "grads": [p.grad.data_ptr() for p in model.parameters()],
-        "adam": [v.data_ptr() for s in optimizer.state.values() for v in s.values() if v.dim()],
-        "buffers": [b.data_ptr() for b in model.buffers() if b.dim()],
+    held = {
+        "params": list(model.parameters()),
+        "grads": [p.grad for p in model.parameters()],
+        "adam": [v for s in optimizer.state.values() for v in s.values() if v.dim()],
+        "buffers": [b for b in model.buffers() if b.dim()],
     }
     values = [t.clone() for t in model.state_dict().values()]
     moved = res._move(IN_HOST)
     assert res.where == IN_HOST and moved.op == "offload" and moved.free_before == 0
-    after = {
-        "params": [p.data.data_ptr() for p in model.parameters()],
-        "grads": [p.grad.data_ptr() for p in model.parameters()],
-        "adam": [v.data_ptr() for s in optimizer.state.values() for v in s.values() if v.dim()],
-        "buffers": [b.data_ptr() for b in model.buffers() if b.dim()],
-    }
-    for kind, ptrs in before.items():  # every tensor is a new copy, none left behind
-        assert not set(ptrs) & set(after[kind]), kind
-    assert all(torch.equal(a, b) for a, b in zip(values, model.state_dict().values(), strict=True))
+    for kind, tensors in held.items():  # every storage freed in place, none left behind
+        assert tensors and all(t.untyped_storage().nbytes() == 0 for t in tensors), kind
     assert res._move(ON_DEVICE).op == "onload" and res.where == ON_DEVICE
-    step()  # the optimizer still drives the moved parameters
+    assert all(torch.equal(a, b) for a, b in zip(values, model.state_dict().values(), strict=True))
+    step()  # the optimizer still drives the same parameters
     assert not torch.equal(values[0], model.state_dict()["0.weight"])
 
 
