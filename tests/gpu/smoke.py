@@ -274,10 +274,12 @@ class Smoke:
         live = {n: p.detach() for n, p in t.model.state_dict().items()}
         figures: dict[str, Any] = {}
         try:
-            # trainer 0's copy: the first pins its host memory, the next reuse it
+            # trainer 0's copy: the first pins its host memory, the next (once the first
+            # is dropped, as each step drops the last) reuses it
             full = _clocked(figures, "host_copy_s", lambda: t.state_dict(bf16))
+            staged = _clocked(figures, "stage_s", lambda f=full: sync.stage(f, v, bf16))
+            del full
             _clocked(figures, "host_copy_again_s", lambda: t.state_dict(bf16))
-            staged = _clocked(figures, "stage_s", lambda: sync.stage(full, v, bf16))
             assert staged.path is not None and staged.header is not None, "not in shared memory"
             version, views = _clocked(
                 figures, "map_s", lambda: map_version(staged.path, staged.header)
