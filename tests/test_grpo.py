@@ -443,6 +443,9 @@ def _fsdp_lender(store_file: str, model_dir: str, out: Any) -> None:
         dist.init_process_group("gloo", store=dist.FileStore(store_file, 1), rank=0, world_size=1)
         config = GRPOConfig(lr=1e-2, fsdp=True, minibatch_size=2)
         lender, keeper = GRPOTrainer(model_dir, config), GRPOTrainer(model_dir, config)
+        lent = Residency([lender.model], lender.optimizer, lender.device)
+        lent._move(IN_HOST)  # lent before its first step (the first rollout's overlap)
+        lent._move(ON_DEVICE)
         for trainer in (lender, keeper):
             trainer.train_step(_id_batch(0))
 
@@ -456,7 +459,6 @@ def _fsdp_lender(store_file: str, model_dir: str, out: Any) -> None:
         with torch.no_grad():  # a forward last: the root module keeps its unsharded copy
             for trainer in (lender, keeper):
                 trainer.model(torch.tensor([[5, 6, 7, 8]]))
-        lent = Residency([lender.model], lender.optimizer, lender.device)
         lent._move(IN_HOST)
         held = tensors()
         moved = len(held) > 0 and all(t.untyped_storage().nbytes() == 0 for t in held)
