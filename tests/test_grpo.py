@@ -350,12 +350,20 @@ def test_config_from_dict_is_strict_and_the_trainer_checks_its_inputs(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_training_on_cuda_matches_the_cpu_contract(tiny_model_dir: Path, tokenizer: Any) -> None:
+def test_training_on_cuda_matches_the_cpu_contract(
+    tiny_model_dir: Path, tokenizer: Any, tmp_path: Path
+) -> None:
     trainer = GRPOTrainer(tiny_model_dir, GRPOConfig(lr=1e-2, device="cuda"))
     stats = trainer.train_step(make_batch(tokenizer))
     assert stats.version == 1 and math.isfinite(stats.loss)
     state = trainer.state_dict()
     assert all(t.device.type == "cpu" and t.dtype == torch.float32 for t in state.values())
+    saved = trainer.save_snapshot(tmp_path / "snapshots")  # AdamW's moments via the host
+    again = GRPOTrainer.from_snapshot(tiny_model_dir, saved, GRPOConfig(lr=1e-2, device="cuda"))
+    moments = [s["exp_avg"] for s in again.optimizer.state.values()]
+    assert moments and all(m.is_cuda for m in moments)
+    assert all(torch.equal(a, b) for a, b in zip(
+        again.state_dict().values(), state.values(), strict=True))  # fmt: skip
 
 
 # --------------------------------------------------------------------------- FSDP2 on gloo
