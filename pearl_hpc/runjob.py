@@ -22,21 +22,21 @@ import submitit
 
 from pearl_hpc.backends.world import run_world
 from pearl_hpc.config.run import load_run_config
-from pearl_hpc.master.journal import new_run_dir, read_journal
+from pearl_hpc.rundir import RunDir, read_journal
 
 
 class RunJob(submitit.helpers.Checkpointable):
     """The submitted callable: one master of the run in ``run_dir``."""
 
     def __call__(self, run_dir: str) -> dict[str, Any]:
-        path = Path(run_dir)
-        cfg = load_run_config(path / "config.yaml")
-        journal = path / "journal.json"
-        status = read_journal(journal).get("status") if journal.exists() else None
-        if status == "finished" and (path / "summary.json").exists():
+        run = RunDir(Path(run_dir))
+        path = run.path
+        cfg = load_run_config(run.config)
+        status = read_journal(run.journal).get("status") if run.journal.exists() else None
+        if status == "finished" and run.summary.exists():
             # requeued after its last step (the preemption came late): nothing to do
             print(f"pearl-hpc run: {path} already finished", flush=True)
-            done: dict[str, Any] = json.loads((path / "summary.json").read_text())
+            done: dict[str, Any] = json.loads(run.summary.read_text())
             return done
         resume = status is not None
         print(f"pearl-hpc run: {'resuming ' if resume else ''}{path}", flush=True)
@@ -46,9 +46,9 @@ class RunJob(submitit.helpers.Checkpointable):
         # USR2 handler runs: the requeue's own step teardown must not kill that command
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         rc = run_world(cfg, path, resume=resume)
-        if rc != 0 or not (path / "summary.json").exists():
+        if rc != 0 or not run.summary.exists():
             raise RuntimeError(f"the run's world ended with status {rc}; see the job's output")
-        summary: dict[str, Any] = json.loads((path / "summary.json").read_text())
+        summary: dict[str, Any] = json.loads(run.summary.read_text())
         return summary
 
     def checkpoint(self, run_dir: str) -> submitit.helpers.DelayedSubmission:
@@ -66,7 +66,7 @@ def submit_run(
 ) -> tuple[Any, Path]:
     """Submit the master of a new run; returns (submitit job, run directory)."""
     cfg = load_run_config(config)
-    run_dir = new_run_dir(cfg.runs_dir, cfg.name, Path(config)).resolve()
+    run_dir = RunDir.new(cfg.runs_dir, cfg.name, Path(config)).path.resolve()
     executor = submitit.AutoExecutor(folder=str(run_dir / "submitit"), cluster="slurm")
     params: dict[str, Any] = {
         "slurm_job_name": "pearl-run",

@@ -18,8 +18,8 @@ from typing import Any
 
 from pearl_hpc.core.window import run_end_s
 from pearl_hpc.errors import PearlError
-from pearl_hpc.master.journal import JournalError, lock_held, read_run_state
 from pearl_hpc.master.records import StepMetrics, read_jsonl, read_metrics, read_tables
+from pearl_hpc.rundir import JournalError, RunDir
 
 _ROLE_LETTER = {"prefill": "P", "decode": "D", "colocated": "C"}
 
@@ -44,7 +44,7 @@ def _alive(pid: int) -> bool:
 
 def run_status(run_dir: Path) -> dict[str, Any]:
     """The run's state as one dict (what ``status`` prints)."""
-    state = read_run_state(run_dir)
+    state = RunDir(run_dir).read_state()
     try:
         return _status_of(run_dir, state)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -195,12 +195,12 @@ def write_run_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     from pearl_hpc.sim.report import finish_throughput_axes, plot_role_timeline, save_figure
 
     run_dir = Path(run_dir)
-    out = Path(out_dir) if out_dir else run_dir / "report"
+    out = Path(out_dir) if out_dir else RunDir(run_dir).report
     out.mkdir(parents=True, exist_ok=True)
     metrics = read_metrics(run_dir)
     if not metrics:
         raise PearlError(f"{run_dir}: no finished step in metrics.jsonl yet; nothing to plot")
-    timeline = role_timeline(read_jsonl(run_dir / "events.jsonl"))
+    timeline = role_timeline(read_jsonl(RunDir(run_dir).events))
     duration = max([m.t_s for m in metrics] + [t for t, *_ in timeline])
     if not math.isfinite(duration):
         raise PearlError(f"{run_dir}: metrics.jsonl or events.jsonl has a time of {duration}")
@@ -303,13 +303,13 @@ def _master_alive(run_dir: Path, pid: int) -> bool:
     """A master on another node (the Slurm backend's may be): its lease file (touched
     every second) tells; one of this machine: its lock (the kernel drops a dead
     holder's) or its pid."""
-    from pearl_hpc.backends.lease import LEASE_FILE, LEASE_STALE_S, lease_owner
+    from pearl_hpc.backends.lease import LEASE_STALE_S, lease_owner
 
-    lease = run_dir / "elastic" / LEASE_FILE
+    lease = RunDir(run_dir).lease
     owner = lease_owner(lease)
     if owner is not None and owner[0] != os.uname().nodename:
         return time.time() - lease.stat().st_mtime < LEASE_STALE_S
-    held = lock_held(run_dir)
+    held = RunDir(run_dir).lock_held()
     if held is not None:
         return held
     if owner is not None:

@@ -19,7 +19,7 @@ from pearl_hpc.cli.main import main
 from pearl_hpc.config.files import load_policy, load_profile
 from pearl_hpc.config.run import load_run_config
 from pearl_hpc.errors import PearlError
-from pearl_hpc.master.journal import read_run_state
+from pearl_hpc.rundir import RunDir
 from pearl_hpc.sim.workload import WorkloadConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -117,7 +117,7 @@ def test_a_random_journal_state(tmp_path: Path, state: dict[str, object]) -> Non
     (tmp_path / "journal.json").write_text(
         json.dumps({"format": "pearl-hpc-journal/1", "state": state}, default=str)
     )
-    _only_clear_errors(read_run_state, tmp_path)
+    _only_clear_errors(lambda p: RunDir(p).read_state(), tmp_path)
     out, err = io.StringIO(), io.StringIO()
     with redirect_stdout(out), redirect_stderr(err):
         rc = main(["status", str(tmp_path)])

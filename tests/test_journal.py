@@ -9,7 +9,7 @@ import pytest
 
 from pearl_hpc.core.controller import CapacityGranted, Controller, WorkerReady
 from pearl_hpc.core.table import ElasticSource
-from pearl_hpc.master.journal import JournalError, read_journal, write_journal
+from pearl_hpc.rundir import JournalError, read_journal, write_journal
 from tests.factories import ManualClock, RecordingExecutor, make_profile
 
 

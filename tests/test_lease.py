@@ -8,12 +8,12 @@ import time
 from pathlib import Path
 
 from pearl_hpc.backends.lease import (
-    LEASE_FILE,
     LEASE_STALE_S,
     MasterLease,
     lease_owner,
     lease_watcher,
 )
+from pearl_hpc.rundir import RunDir
 from pearl_hpc.runview import _master_alive
 
 
@@ -24,7 +24,7 @@ def _write(path: Path, host: str, pid: int, age_s: float = 0.0) -> None:
 
 
 def test_the_master_touches_its_lease_until_stopped(tmp_path: Path) -> None:
-    lease = MasterLease(tmp_path / "elastic")
+    lease = MasterLease(tmp_path / "elastic" / "master.lease")
     try:
         deadline = time.monotonic() + 5
         while lease_owner(lease.path) is None and time.monotonic() < deadline:
@@ -38,7 +38,7 @@ def test_the_master_touches_its_lease_until_stopped(tmp_path: Path) -> None:
 
 
 def test_a_rank_ends_on_a_stale_lease_or_another_master(tmp_path: Path) -> None:
-    path = tmp_path / LEASE_FILE
+    path = tmp_path / "master.lease"
     alive = lease_watcher(path, timeout_s=10)
     assert alive()  # none written yet
     _write(path, "n1", 100)
@@ -58,7 +58,7 @@ def test_a_rank_ends_on_a_stale_lease_or_another_master(tmp_path: Path) -> None:
 
 
 def test_unreadable_leases_have_no_owner(tmp_path: Path) -> None:
-    path = tmp_path / LEASE_FILE
+    path = tmp_path / "master.lease"
     assert lease_owner(path) is None
     for text in ("", "n1", "n1 x 3.0", "a b c d"):
         path.write_text(text)
@@ -69,7 +69,7 @@ def test_unreadable_leases_have_no_owner(tmp_path: Path) -> None:
 def test_status_trusts_the_lease_only_of_a_master_on_another_node(tmp_path: Path) -> None:
     run_dir = tmp_path
     (run_dir / "elastic").mkdir()
-    path = run_dir / "elastic" / LEASE_FILE
+    path = RunDir(run_dir).lease
     _write(path, "another-node", 1)
     assert _master_alive(run_dir, 0)
     _write(path, "another-node", 1, age_s=LEASE_STALE_S + 1)

@@ -14,7 +14,7 @@ import yaml
 
 from pearl_hpc.config.run import load_run_config
 from pearl_hpc.errors import ConfigError
-from pearl_hpc.master.journal import RunDirBusy, lock_held, lock_run_dir, new_run_dir
+from pearl_hpc.rundir import RunDir, RunDirBusy
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL = REPO / "configs" / "runs" / "local.yaml"
@@ -22,22 +22,22 @@ LOCAL = REPO / "configs" / "runs" / "local.yaml"
 HOLD = """
 import sys, time
 from pathlib import Path
-from pearl_hpc.master.journal import lock_run_dir
-lock = lock_run_dir(Path(sys.argv[1]))
+from pearl_hpc.rundir import RunDir
+lock = RunDir(Path(sys.argv[1])).lock()
 print("held", flush=True)
 time.sleep(60)
 """
 
 
 def test_two_runs_in_one_second_get_two_directories(tmp_path: Path) -> None:
-    dirs = {new_run_dir(tmp_path / "runs", "t", LOCAL) for _ in range(3)}
+    dirs = {RunDir.new(tmp_path / "runs", "t", LOCAL).path for _ in range(3)}
     assert len(dirs) == 3 and all((d / "config.yaml").exists() for d in dirs)
 
 
 def test_runs_dir_that_is_a_file_is_one_clear_error(tmp_path: Path) -> None:
     (tmp_path / "runs").write_text("")
     with pytest.raises(ConfigError, match=r"runs_dir .*is a file"):
-        new_run_dir(tmp_path / "runs", "t", LOCAL)
+        RunDir.new(tmp_path / "runs", "t", LOCAL)
 
 
 @pytest.mark.parametrize("name", ["../../x", "a/b", ".hidden", "", "x" * 101, "a b"])
@@ -55,16 +55,16 @@ def test_a_run_name_is_a_plain_name(tmp_path: Path, name: str) -> None:
 
 
 def test_the_lock_is_exclusive_and_dies_with_its_holder(tmp_path: Path) -> None:
-    run_dir = new_run_dir(tmp_path / "runs", "t", LOCAL)
-    assert lock_held(run_dir) is None  # no master ever ran
+    run_dir = RunDir.new(tmp_path / "runs", "t", LOCAL).path
+    assert RunDir(run_dir).lock_held() is None  # no master ever ran
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True, cwd=REPO
     )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-        assert lock_held(run_dir) is True
+        assert RunDir(run_dir).lock_held() is True
         with pytest.raises(RunDirBusy, match=f"pid {holder.pid}"):
-            lock_run_dir(run_dir)
+            RunDir(run_dir).lock()
         proc = subprocess.run(
             [sys.executable, "-m", "pearl_hpc.cli", "run", "--resume", str(run_dir)],
             capture_output=True, text=True, cwd=REPO, timeout=60,
@@ -74,8 +74,8 @@ def test_the_lock_is_exclusive_and_dies_with_its_holder(tmp_path: Path) -> None:
     finally:
         holder.kill()
         holder.wait()
-    assert lock_held(run_dir) is False  # SIGKILLed: the kernel dropped its lock
-    lock_run_dir(run_dir).close()
+    assert RunDir(run_dir).lock_held() is False  # SIGKILLed: the kernel dropped its lock
+    RunDir(run_dir).lock().close()
 
 
 def _journal(**state: object) -> bytes:
@@ -98,7 +98,7 @@ def _journal(**state: object) -> bytes:
     ],
 )
 def test_a_bad_journal_is_one_line_from_status(tmp_path: Path, text: bytes, said: str) -> None:
-    run_dir = new_run_dir(tmp_path / "runs", "t", LOCAL)
+    run_dir = RunDir.new(tmp_path / "runs", "t", LOCAL).path
     (run_dir / "journal.json").write_bytes(text)
     proc = subprocess.run(
         [sys.executable, "-m", "pearl_hpc.cli", "status", str(run_dir)],
@@ -143,8 +143,8 @@ def test_status_of_a_running_run_says_how_long_its_steps_left_take(tmp_path: Pat
     from pearl_hpc.master.records import StepMetrics
     from pearl_hpc.runview import format_status, run_status
 
-    run_dir = new_run_dir(tmp_path / "runs", "t", LOCAL)
-    lock = lock_run_dir(run_dir)  # this process is the live master
+    run_dir = RunDir.new(tmp_path / "runs", "t", LOCAL).path
+    lock = RunDir(run_dir).lock()  # this process is the live master
     try:
         rows = [
             StepMetrics(
@@ -181,3 +181,14 @@ def test_status_of_a_running_run_says_how_long_its_steps_left_take(tmp_path: Pat
         _journal(status="finished", next_step=10, steps=10, controller={"table": {"slots": []}})
     )
     assert run_status(run_dir)["left_s"] is None
+
+
+def test_every_file_of_the_table_is_a_path_of_rundir(tmp_path: Path) -> None:
+    """The run directory's table (docs/running.md) and :class:`RunDir` name the same files."""
+    from pearl_hpc.rundir import FILES
+
+    run = RunDir(tmp_path)
+    for attr, name, _ in FILES:
+        if attr:
+            assert getattr(run, attr) == tmp_path / name.rstrip("/"), attr
+    assert run.rank_log(3, "engine") == tmp_path / "rank3-engine.log"

@@ -22,8 +22,8 @@ import pytest
 import yaml
 
 from pearl_hpc.backends.slurm import run_tag_of
-from pearl_hpc.master.journal import read_run_state
 from pearl_hpc.master.records import read_jsonl
+from pearl_hpc.rundir import RunDir
 from tests.conftest import resume_drained_nodes, vllm_skip_reason
 from tests.test_local_run import CONFIG as LOCAL_CONFIG
 from tests.test_local_run import MEASURED
@@ -213,7 +213,7 @@ def test_slurm_run_harvests_a_standing_request_master_killed_and_resumed(
             _wait("the elastic workers admitted", elastic_serving, 600, first_log, poll_s=0.05)
         except AssertionError as e:
             raise AssertionError(f"{e}\n{_elastic_logs(run_dir)}") from None
-        master_pid = read_run_state(run_dir)["pid"]
+        master_pid = RunDir(run_dir).read_state()["pid"]
         os.kill(master_pid, signal.SIGKILL)
         _wait("the killed master's job to end", lambda: not _in_squeue(first), 60, first_log)
         leftover = _tagged(f"pearl:{tag}")
@@ -392,7 +392,7 @@ def test_slurm_run_survives_a_slurmctld_outage_and_a_killed_elastic_rank(
     assert any(e["kind"] == "scancel" and e["t_s"] > failed[0]["t_s"] for e in events)
     # the demand stands: the worker is asked of Slurm again
     assert any(e["kind"] == "submitted" and e["t_s"] > failed[0]["t_s"] for e in events)
-    assert read_run_state(run_dir)["status"] == "finished"
+    assert RunDir(run_dir).read_state()["status"] == "finished"
     _wait("the run's jobs to leave squeue", lambda: not _tagged(f"pearl:{tag}"), 60)
     stray = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
     assert stray.stdout.strip() == "", f"processes of the run left: {stray.stdout}"
@@ -445,7 +445,7 @@ def test_submitit_run_is_requeued_when_preempted_and_resumes(
     resumed = [e for e in events if e["kind"] == "resumed"]
     assert resumed, "the requeued job did not resume"
     assert resumed[0]["step"] < STEPS_SUBMITIT, "the preemption came after the last step"
-    assert read_run_state(run_dir)["status"] == "finished"
+    assert RunDir(run_dir).read_state()["status"] == "finished"
     _wait("the job to leave squeue", lambda: not _in_squeue(str(job.job_id)), 60)
     stray = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
     assert stray.stdout.strip() == "", f"processes of the run left: {stray.stdout}"

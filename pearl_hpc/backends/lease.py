@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-LEASE_FILE = "master.lease"  # RUN_DIR/elastic/master.lease: "<host> <pid> <unix time>"
 LEASE_S = 1.0  # the master touches its lease this often
 LEASE_STALE_S = 30.0  # `pearl-hpc status`: a master silent this long is dead
 
@@ -24,9 +23,10 @@ class MasterLease:
     """The master's lease, touched by a thread of its own (the loop may block in a
     collective call) until :meth:`stop`."""
 
-    def __init__(self, elastic_dir: Path) -> None:
-        elastic_dir.mkdir(parents=True, exist_ok=True)
-        self.path = elastic_dir / LEASE_FILE
+    def __init__(self, path: Path) -> None:
+        """``path``: :attr:`pearl_hpc.rundir.RunDir.lease`."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._touch, name="lease", daemon=True)
         self._thread.start()

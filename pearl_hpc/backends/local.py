@@ -38,6 +38,7 @@ from pearl_hpc.comm.membership import MemberState
 from pearl_hpc.core.controller import CapacityGranted, CapacityReclaimed, Event
 from pearl_hpc.core.table import ElasticSource
 from pearl_hpc.master.members import LEAVE_TIMEOUT_S, Members
+from pearl_hpc.rundir import RunDir
 from pearl_hpc.slurm.client import FORK_LOCK
 
 END_TIMEOUT_S = 10.0  # a launch not gone this long after SIGTERM is killed
@@ -97,8 +98,8 @@ class LocalBackend:
         self.clock = clock
         self.grace_s = grace_s
         self.on_event = on_event
-        self.dir = run_dir / "elastic"
-        self._lease = MasterLease(self.dir)
+        self.dir = RunDir(run_dir).elastic
+        self._lease = MasterLease(RunDir(run_dir).lease)
         self.mpiexec = mpiexec_path()
         self.setpriv = shutil.which("setpriv")
         self.launches: dict[str, _Launch] = {}  # by component tag, in grant order

@@ -51,6 +51,7 @@ from pearl_hpc.core.controller import CapacityGranted, CapacityReclaimed, Event
 from pearl_hpc.core.table import ElasticSource
 from pearl_hpc.core.types import Role
 from pearl_hpc.master.members import LEAVE_TIMEOUT_S, Members
+from pearl_hpc.rundir import RunDir
 from pearl_hpc.slurm.capacity import CapacityManager, Component, ComponentState
 from pearl_hpc.slurm.client import SlurmClient, SlurmError
 from pearl_hpc.slurm.scripts import HetComponent, JobSpec
@@ -167,7 +168,7 @@ class SlurmBackend:
         self.elastic = elastic
         self.model_dir = model_dir
         self.members = members  # the world the elastic ranks join
-        self.dir = run_dir / "elastic"
+        self.dir = RunDir(run_dir).elastic
         self.dir.mkdir(parents=True, exist_ok=True)
         self.tag = run_tag_of(run_dir)
         self.client = SlurmClient(min_backoff_s=settings.poll_s)
@@ -193,7 +194,7 @@ class SlurmBackend:
         self._watch_stop = asyncio.Event()
         self._wake = asyncio.Event()  # the demand changed: act before the next poll
         self._watch: asyncio.Task[None] | None = None
-        self._lease = MasterLease(self.dir)
+        self._lease = MasterLease(RunDir(run_dir).lease)
 
     # ---------------------------------------------------------------- lifetime
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pearl_hpc.backends.lease import LEASE_FILE, lease_owner, lease_watcher
+from pearl_hpc.backends.lease import lease_owner, lease_watcher
+from pearl_hpc.rundir import RunDir
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -49,8 +50,8 @@ def _launch(args: argparse.Namespace) -> int:
         print(f"pearl_hpc.backends.slurm_job: --gpus names {len(gpus)} components, the "
               f"job has {size}", file=sys.stderr)  # fmt: skip
         return 2
-    edir = args.run_dir / "elastic"
-    lease = edir / LEASE_FILE
+    edir = RunDir(args.run_dir).elastic
+    lease = RunDir(args.run_dir).lease
     steps: list[_Step] = []
 
     def start(k: int) -> _Step:

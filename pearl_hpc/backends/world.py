@@ -34,8 +34,7 @@ from typing import Any, NoReturn
 
 from pearl_hpc.config.run import RankSpec, RunConfig, base_layout
 from pearl_hpc.errors import ConfigError, PearlError
-from pearl_hpc.master.journal import drop_unrecorded_snapshots, read_run_state
-from pearl_hpc.worker.main import KEY_FILE
+from pearl_hpc.rundir import RunDir
 
 HOSTFILE = "hostfile"  # RUN_DIR/hostfile: Hydra's, for a world over several nodes
 
@@ -143,8 +142,9 @@ def prepare_run(cfg: RunConfig, run_dir: Path, *, resume: bool) -> str:
     never recorded is trained again). Returns the model directory."""
     from pearl_hpc.engine.rpc import new_key, write_key
 
+    run = RunDir(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_key(run_dir / KEY_FILE, new_key())
+    write_key(run.rpc_key, new_key())
     if cfg.model == "tiny":
         from pearl_hpc.engine.tinymodel import build_tiny_model, default_model_dir
 
@@ -152,8 +152,7 @@ def prepare_run(cfg: RunConfig, run_dir: Path, *, resume: bool) -> str:
     else:
         model_dir = cfg.model
     if resume:
-        state = read_run_state(run_dir)
-        drop_unrecorded_snapshots(run_dir / "snapshots", int(state["version"]))
+        run.drop_unrecorded_snapshots(int(run.read_state()["version"]))
     if multi_node(cfg):
         _write_hostfile(cfg, run_dir)
     return model_dir
@@ -186,7 +185,7 @@ def write_run_config(cfg: RunConfig, run_dir: Path) -> None:
 
     run_dir.mkdir(parents=True, exist_ok=True)
     plain = json.loads(json.dumps(dataclasses.asdict(cfg)))  # enums as their values
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(plain, sort_keys=False))
+    RunDir(run_dir).config.write_text(yaml.safe_dump(plain, sort_keys=False))
 
 
 def run_to_summary(
@@ -199,11 +198,11 @@ def run_to_summary(
 
     if not resume:
         write_run_config(cfg, run_dir)
-    log_path = run_dir / "world.log"
+    log_path = RunDir(run_dir).world_log
     run_dir.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
         rc = run_world(cfg, run_dir, resume=resume, stdout=log, stderr=subprocess.STDOUT, **popen)
-    summary = run_dir / "summary.json"
+    summary = RunDir(run_dir).summary
     if rc != 0 or not summary.exists():
         tail = log_path.read_text(errors="replace")[-4000:]
         raise RunFailed(f"the run in {run_dir} failed (exit {rc}); {log_path} ends:\n{tail}")

@@ -39,6 +39,7 @@ import yaml
 
 from pearl_hpc.config.files import REPO_CONFIGS
 from pearl_hpc.master.records import read_jsonl
+from pearl_hpc.rundir import RunDir
 
 REPO = REPO_CONFIGS.parent
 REQUESTS = ("single", "hetjob")
@@ -178,10 +179,10 @@ def run_one(
     finally:
         load.terminate()
         subprocess.run(["scancel", master], check=False)
-    run_dir = next((work / "runs").glob("*"))
-    events = read_jsonl(run_dir / "events.jsonl")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    run = RunDir(next((work / "runs").glob("*")))
+    events = read_jsonl(run.events)
+    summary = json.loads(run.summary.read_text())
+    metrics = read_jsonl(run.metrics)
     figures = harvest_figures(events, read_jsonl(load_log), cap)
     figures["submit_to_running_s"] = _spread(summary["slurm"]["pending_s"])
     figures["steps"] = len(metrics)
@@ -189,7 +190,7 @@ def run_one(
         int(doc["run"]["num_groups"]) * int(doc["run"]["group_size"]) - m["trajectories"]
         for m in metrics
     )
-    figures["run_dir"] = str(run_dir)
+    figures["run_dir"] = str(run.path)
     return figures
 
 

@@ -46,6 +46,7 @@ from pearl_hpc.config.run import RunConfig, load_run_config
 from pearl_hpc.core.policies import BorrowingName, PDPolicyName
 from pearl_hpc.errors import PearlError
 from pearl_hpc.master.records import read_jsonl
+from pearl_hpc.rundir import RunDir
 
 # PEARL.md, "Reconfiguration latency" (Qwen3-8B / Qwen3-30B-A3B on H800), seconds
 PEARL_LATENCIES_S = {
@@ -140,11 +141,11 @@ def run(
             run_dir = Path(tmp) / name
             print(f"bench --local: running {name} ...", flush=True)
             summary = run_to_summary(variant, run_dir)
-            metrics = read_jsonl(run_dir / "metrics.jsonl")
+            metrics = read_jsonl(RunDir(run_dir).metrics)
             results[name] = {
                 "summary": summary,
                 "metrics": metrics,
-                "latencies": measured_latencies(read_jsonl(run_dir / "events.jsonl")),
+                "latencies": measured_latencies(read_jsonl(RunDir(run_dir).events)),
             }
     return results
 

@@ -24,6 +24,7 @@ from pearl_hpc.core.controller import Controller
 from pearl_hpc.core.orchestrator import WorkerAdd
 from pearl_hpc.core.table import ElasticSource
 from pearl_hpc.core.types import Role
+from pearl_hpc.rundir import RunDir
 
 RUN_DIR = Path("RUN_DIR")
 
@@ -115,7 +116,7 @@ def _elastic_text(cfg: RunConfig) -> str:
 
     model_dir = cfg.model if cfg.model != "tiny" else "MODEL_DIR"
     pools = request_pools(cfg.elastic, 0)
-    job = elastic_job_spec(cfg.elastic, pools, cfg.slurm, "RUN_TAG", RUN_DIR / "elastic",
+    job = elastic_job_spec(cfg.elastic, pools, cfg.slurm, "RUN_TAG", RunDir(RUN_DIR).elastic,
                            model_dir, "python3")  # fmt: skip
     return render_sbatch(job)
 

@@ -22,6 +22,7 @@ from typing import Any, cast
 
 from pearl_hpc.cli.common import positive_int
 from pearl_hpc.errors import ConfigError
+from pearl_hpc.rundir import RunDir
 
 
 @dataclass
@@ -39,7 +40,7 @@ class Target:
 
 def _target(args: argparse.Namespace) -> Target:
     path = Path(args.target)
-    if (path / "config.yaml").is_file():
+    if RunDir(path).config.is_file():
         return _run_target(path, args)
     if args.target != "tiny" and not (path / "config.json").is_file():
         raise ConfigError(
@@ -56,8 +57,8 @@ def _run_target(run_dir: Path, args: argparse.Namespace) -> Target:
     from pearl_hpc.config.run import load_run_config, load_tasks
     from pearl_hpc.train.grpo import latest_snapshot, read_snapshot_meta
 
-    cfg = load_run_config(run_dir / "config.yaml", need_slurm=False)
-    snapshot = latest_snapshot(run_dir / "snapshots")
+    cfg = load_run_config(RunDir(run_dir).config, need_slurm=False)
+    snapshot = latest_snapshot(RunDir(run_dir).snapshots)
     version = int(read_snapshot_meta(snapshot)["version"]) if snapshot else 0
     env = args.env or cfg.run.env
     same_env = env == cfg.run.env

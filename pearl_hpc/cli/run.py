@@ -18,7 +18,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     (rank 0, the master, prints a line per step and the summary)."""
     from pearl_hpc.backends.world import exec_world, mpiexec_path
     from pearl_hpc.config.run import check_engine_install, load_run_config
-    from pearl_hpc.master.journal import lock_run_dir, new_run_dir
+    from pearl_hpc.rundir import RunDir
 
     if args.dry_run:
         from pearl_hpc.cli.dryrun import dry_run
@@ -29,8 +29,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return _submit_run(args)
     if args.resume:
         run_dir = Path(args.resume)
-        cfg = load_run_config(run_dir / "config.yaml")
-        lock_run_dir(run_dir).close()  # a live master still there: one line, exit 2
+        cfg = load_run_config(RunDir(run_dir).config)
+        RunDir(run_dir).lock().close()  # a live master still there: one line, exit 2
     else:
         cfg = load_run_config(args.config)
     check_engine_install(cfg.engine)  # vLLM's version and engine.vllm_args, one line
@@ -38,7 +38,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.resume:
         print(f"pearl-hpc run: resuming {run_dir}", flush=True)
     else:
-        run_dir = new_run_dir(cfg.runs_dir, cfg.name, Path(args.config))
+        run_dir = RunDir.new(cfg.runs_dir, cfg.name, Path(args.config)).path
         print(f"pearl-hpc run: {run_dir}", flush=True)
     exec_world(cfg, run_dir, resume=bool(args.resume), live=sys.stdout.isatty())
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from pearl_hpc.config.run import DashboardSettings
 from pearl_hpc.master.records import StepMetrics
+from pearl_hpc.rundir import RunDir
 
 PREFIX = "pearl/"
 
@@ -82,7 +83,7 @@ class Dashboards:
         if self._tb is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+            self._tb = SummaryWriter(log_dir=str(RunDir(self.run_dir).tensorboard))
         return self._tb
 
     def _wandb_run(self) -> Any:

@@ -56,12 +56,7 @@ from pearl_hpc.core.types import Mode
 from pearl_hpc.core.window import run_end_s
 from pearl_hpc.master.dashboards import Dashboards
 from pearl_hpc.master.executor import WorkerExecutor
-from pearl_hpc.master.journal import (
-    TrajectoryLog,
-    read_run_state,
-    write_journal,
-    write_lines,
-)
+from pearl_hpc.master.journal import TrajectoryLog
 from pearl_hpc.master.members import Members, RemoteTrainer
 from pearl_hpc.master.records import (
     EventLog,
@@ -72,6 +67,7 @@ from pearl_hpc.master.records import (
 )
 from pearl_hpc.master.steps import StepPipeline, Workload
 from pearl_hpc.rollout.router import Router
+from pearl_hpc.rundir import RunDir, write_journal, write_lines
 
 
 async def run_master(
@@ -173,16 +169,17 @@ class MasterRun:
     ) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
+        self.paths = RunDir(run_dir)
         self.plane = plane
         self.started_s = started_s  # when this rank's process began (time.monotonic)
         self.model_dir = model_dir
         self.key = key
         self.resume = resume
         self.on_step = on_step
-        self.state = read_run_state(run_dir) if resume else None
+        self.state = self.paths.read_state() if resume else None
         self._t_start = time.monotonic()
         self._offset_s = float(self.state["t_s"]) if self.state else 0.0  # across masters
-        self.events = EventLog(run_dir / "events.jsonl", self.clock)
+        self.events = EventLog(self.paths.events, self.clock)
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.metrics: list[StepMetrics] = []
         self.first_step = int(self.state["next_step"]) if self.state else 0
@@ -363,9 +360,7 @@ class MasterRun:
             # dead master may have begun training the step this one trains again)
             counters.return_latency_s = counters.return_latency_s[: self.first_step]
             self.metrics = [m for m in read_metrics(self.run_dir) if m.step < self.first_step]
-            write_lines(
-                self.run_dir / "metrics.jsonl", [json.dumps(asdict(m)) for m in self.metrics]
-            )
+            write_lines(self.paths.metrics, [json.dumps(asdict(m)) for m in self.metrics])
             self.events("resumed", step=self.first_step, version=self.recorded_version)
             self._expect_end()
         # counters a previous master journaled; this master's history adds to them
@@ -481,7 +476,7 @@ class MasterRun:
     def _on_recorded(self, m: StepMetrics) -> None:
         self.recorded_version = m.version
         self.metrics.append(m)
-        with (self.run_dir / "metrics.jsonl").open("a") as f:
+        with self.paths.metrics.open("a") as f:
             f.write(json.dumps(asdict(m)) + "\n")
         self.save_state(m.step + 1, "running")
         self._expect_end()
@@ -519,7 +514,7 @@ class MasterRun:
         """The journal: what a restarted master needs, and what ``status`` shows."""
         self._count()
         write_journal(
-            self.run_dir / "journal.json",
+            self.paths.journal,
             {
                 "status": status,
                 "pid": os.getpid(),
@@ -558,6 +553,6 @@ class MasterRun:
         backend = self.backend.summary()
         if backend is not None:
             summary["slurm"] = backend
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        self.paths.summary.write_text(json.dumps(summary, indent=1))
         self.save_state(self.cfg.run.steps, "finished")
         return summary

@@ -20,6 +20,7 @@ import msgspec
 
 from pearl_hpc.core.controller import Event
 from pearl_hpc.core.table import ElasticSource
+from pearl_hpc.rundir import RunDir
 
 
 @dataclass
@@ -143,7 +144,7 @@ def read_metrics(run_dir: Path) -> list[StepMetrics]:
     """The step records of ``metrics.jsonl``, typed; a line of another shape (torn, or
     not written by a master) is skipped like a torn line."""
     out = []
-    for record in read_jsonl(run_dir / "metrics.jsonl"):
+    for record in read_jsonl(RunDir(run_dir).metrics):
         with contextlib.suppress(msgspec.ValidationError):
             m = msgspec.convert(record, StepMetrics)
             if all(abs(v) < MAX_INT for v in astuple(m) if isinstance(v, int)):

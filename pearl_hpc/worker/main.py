@@ -24,7 +24,8 @@ from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
-KEY_FILE = "rpc.key"  # the run's engine-socket key (0600), written by the launcher
+from pearl_hpc.rundir import RunDir, RunDirBusy
+
 STARTED_S = time.monotonic()  # this process's start, for the world's start latency
 
 
@@ -39,7 +40,8 @@ def _rank(args: argparse.Namespace) -> int:
     from pearl_hpc.errors import ConfigError
 
     run_dir: Path = args.run_dir
-    cfg = load_run_config(run_dir / "config.yaml")
+    run = RunDir(run_dir)
+    cfg = load_run_config(run.config)
     layout = base_layout(cfg.workers, cfg.layout)
     world = MPI.COMM_WORLD
     if world.Get_size() != len(layout):
@@ -60,12 +62,12 @@ def _rank(args: argparse.Namespace) -> int:
         world.Abort(2)
         return 2
     if me.kind != MASTER:  # the terminal is the master's: a member logs to the run directory
-        _log_to(run_dir / f"rank{me.rank}-{me.kind}.log")
+        _log_to(run.rank_log(me.rank, me.kind))
     # Slurm's --signal without B: (submitit's USR2 before a time-out) reaches every process
     # of the job step: the job's own handler acts on it, the ranks carry on
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     trainers = world.Split(0 if me.kind == TRAINER else MPI.UNDEFINED, world.Get_rank())
-    key = read_key(run_dir / KEY_FILE)
+    key = read_key(run.rpc_key)
     # what this rank's sockets bind: loopback on one machine, the configured interface
     host = "127.0.0.1" if cfg.backend == "local" else bind_address(cfg.slurm.engine_interface)
     if me.kind == MASTER:
@@ -133,7 +135,7 @@ def _join(args: argparse.Namespace) -> int:
     engine rank until the master's LEAVE."""
     from mpi4py import MPI  # noqa: F401  (MPI before torch and vLLM)
 
-    from pearl_hpc.backends.lease import LEASE_FILE, lease_watcher
+    from pearl_hpc.backends.lease import lease_watcher
     from pearl_hpc.comm.mpi import WorkerPlane, member_info
     from pearl_hpc.comm.net import bind_address
     from pearl_hpc.config.run import ENGINE, engine_spec, load_run_config
@@ -145,7 +147,8 @@ def _join(args: argparse.Namespace) -> int:
     from pearl_hpc.worker.placement import cuda_works, gpus_seen, place, usable
 
     run_dir: Path = args.run_dir
-    cfg = load_run_config(run_dir / "config.yaml")
+    run = RunDir(run_dir)
+    cfg = load_run_config(run.config)
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # the job's batch step tells the master
     info = member_info({"process": ENGINE, "group": args.group})
     if args.gpu_ids:  # named by the local backend
@@ -181,11 +184,11 @@ def _join(args: argparse.Namespace) -> int:
         connect,
         spec,
         f"{args.group}-" + "-".join(info["gpu_ids"]),
-        run_dir / "elastic",
-        read_key(run_dir / KEY_FILE),
+        run.elastic,
+        read_key(run.rpc_key),
         info,
         host,
-        lease_watcher(run_dir / "elastic" / LEASE_FILE, cfg.slurm.lease_timeout_s),
+        lease_watcher(run.lease, cfg.slurm.lease_timeout_s),
     )
 
 
@@ -204,12 +207,11 @@ def _master(
     """Rank 0: the run, its step lines and summary; a failure ends the whole world."""
     import asyncio
 
-    from pearl_hpc.master.journal import RunDirBusy, lock_run_dir
     from pearl_hpc.master.loop import run_master
     from pearl_hpc.master.records import format_step, format_summary
 
     try:
-        lock = lock_run_dir(run_dir)  # held until this process ends
+        lock = RunDir(run_dir).lock()  # held until this process ends
     except RunDirBusy as exc:
         print(f"pearl-hpc run: {exc}", file=sys.stderr, flush=True)
         world.Abort(2)

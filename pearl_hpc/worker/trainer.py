@@ -26,9 +26,9 @@ from typing import Any
 from pearl_hpc.comm.messages import COLLECTIVE, Command, Kind, Op
 from pearl_hpc.comm.mpi import WorkerPlane
 from pearl_hpc.config.run import RankSpec, RunConfig, engine_spec
-from pearl_hpc.master.journal import prune_snapshots
 from pearl_hpc.master.members import OFF_POLICY_FIGURES
 from pearl_hpc.rollout.types import Trajectory
+from pearl_hpc.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,8 @@ class TrainerRank:
 
         self.plane, self.me, self.key = plane, me, key
         self.index, size = comm.Get_rank(), comm.Get_size()
-        self.snapshots = run_dir / "snapshots"
+        self.run = RunDir(run_dir)
+        self.snapshots = self.run.snapshots
         # trainer 0: the store of the training group and of the engines' weight groups
         if device == "cuda":
             import torch
@@ -151,7 +152,7 @@ class TrainerRank:
             self.trainer.save_snapshot(self.snapshots, full)
             self._copy_weights(full)
         if self.index == 0:
-            prune_snapshots(self.snapshots, keep=2)
+            self.run.prune_snapshots(keep=2)
         return {
             **handover,
             "step": int(args["step"]),
