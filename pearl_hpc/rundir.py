@@ -44,6 +44,7 @@ FILES: tuple[tuple[str, str, str], ...] = (
     ("lease", "elastic/master.lease", "`<host> <pid> <unix time>`, touched every second"),
     ("rpc_key", "rpc.key", "the engine sockets' key (0600), written by the launcher"),
     ("world_log", "world.log", "the base world's mpiexec output"),
+    ("hostfile", "hostfile", "Hydra's host file of a world over several nodes"),
     ("tensorboard", "tensorboard/", "TensorBoard event files (`dashboards.tensorboard`)"),
     ("report", "report/", "`pearl-hpc report`'s plots and tables"),
     ("", "rankR-KIND.log", "each rank's log (KIND: master, trainer, engine, elastic)"),
@@ -120,6 +121,10 @@ class RunDir:
     @property
     def world_log(self) -> Path:
         return self.path / "world.log"
+
+    @property
+    def hostfile(self) -> Path:
+        return self.path / "hostfile"
 
     @property
     def tensorboard(self) -> Path:

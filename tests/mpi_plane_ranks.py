@@ -22,10 +22,10 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from pearl_hpc.backends.world import mpiexec_path
+from pearl_hpc.comm.members import Members
 from pearl_hpc.comm.messages import COLLECTIVE, Kind, Op
 from pearl_hpc.comm.mpi import MasterPlane, PlaneError, WorkerPlane, member_info
-from pearl_hpc.master.members import Members
+from pearl_hpc.comm.mpiexec import mpiexec_path
 from pearl_hpc.master.records import EventLog, read_jsonl
 from pearl_hpc.slurm.client import FORK_LOCK
 
@@ -61,10 +61,12 @@ async def hung(run_dir: Path) -> None:
     the loop serving until then."""
     plane = MasterPlane(run_dir, heartbeat_timeout_s=10.0, hello_timeout_s=60.0, fresh_s=3.0)
     members = Members(
-        plane, EventLog(run_dir / "events.jsonl", time.monotonic), split_timeout_s=2.0
+        plane,
+        EventLog(run_dir / "events.jsonl", time.monotonic),
+        roles=lambda: {"base:1": "prefill", "base:2": "decode"},
+        split_timeout_s=2.0,
     )
     members.start(since_s=time.monotonic())
-    members.roles = lambda: {"base:1": "prefill", "base:2": "decode"}
     stop = asyncio.Event()
     poll = asyncio.create_task(members.poll_forever(stop))
     members.split()
@@ -82,10 +84,9 @@ async def hung(run_dir: Path) -> None:
 async def master(run_dir: Path) -> None:
     plane = MasterPlane(run_dir, heartbeat_timeout_s=10.0, hello_timeout_s=60.0, fresh_s=3.0)
     events = EventLog(run_dir / "events.jsonl", time.monotonic)
-    members = Members(plane, events)
-    members.start(since_s=time.monotonic())
     roles = {"base:1": "prefill", "base:2": "decode"}
-    members.roles = lambda: roles
+    members = Members(plane, events, roles=lambda: roles)
+    members.start(since_s=time.monotonic())
     stop = asyncio.Event()
     poll = asyncio.create_task(members.poll_forever(stop))
     gaps: list[float] = []

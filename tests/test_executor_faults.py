@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from pearl_hpc.core.controller import WorkerFailed
+from pearl_hpc.core.table import RoleTable
 from pearl_hpc.master.executor import WorkerExecutor, _Worker
 from pearl_hpc.rollout.router import Router
 
@@ -28,7 +29,7 @@ class _DeadProc:
 def test_a_worker_failing_many_turns_is_one_failure_event(tmp_path: Path) -> None:
     queue: asyncio.Queue[Any] = asyncio.Queue()
     logged: list[tuple[str, dict[str, Any]]] = []
-    router = Router()
+    router = Router(on_failure=lambda worker_id, reason: executor.router_failed(worker_id, reason))
     executor = WorkerExecutor(
         queue=queue,
         router=router,
@@ -36,6 +37,7 @@ def test_a_worker_failing_many_turns_is_one_failure_event(tmp_path: Path) -> Non
         backend=None,  # type: ignore[arg-type]
         events=lambda kind, **fields: logged.append((kind, fields)),  # type: ignore[arg-type]
         key="k",
+        table=RoleTable(),
     )
     proc = _DeadProc()
     executor.workers[("el1:0",)] = _Worker(proc, ("el1:0",), slot_id=3)  # type: ignore[arg-type]

@@ -311,7 +311,7 @@ def test_the_master_lends_a_trainers_gpu_and_counts_its_return() -> None:
     import asyncio
 
     from pearl_hpc.comm.messages import Op
-    from pearl_hpc.master.members import RemoteTrainer
+    from pearl_hpc.master.trainer import RemoteTrainer
 
     class Ranks:  # the two trainer ranks' side of Members, as a unit test stands it in
         def __init__(self) -> None:

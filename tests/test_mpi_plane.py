@@ -11,8 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pearl_hpc.backends.world import mpiexec_path
 from pearl_hpc.comm.mpi import base_member_id
+from pearl_hpc.comm.mpiexec import mpiexec_path
 
 REPO = Path(__file__).resolve().parents[1]
 SLOW_S = 3.0

@@ -16,8 +16,9 @@ import pytest
 
 from pearl_hpc.backends import slurm as backend_mod
 from pearl_hpc.backends.slurm import SlurmBackend
-from pearl_hpc.config.run import ElasticConfig, PoolConfig, SlurmSettings
+from pearl_hpc.config.run import ElasticConfig, PoolConfig, RunConfig, SlurmSettings
 from pearl_hpc.core.types import Role
+from pearl_hpc.master.capacity import BackendContext
 from pearl_hpc.slurm.client import CommandResult, SlurmClient
 from pearl_hpc.slurm.parse import SQUEUE_FORMAT
 from pearl_hpc.slurm.scripts import HetComponent, JobSpec
@@ -41,15 +42,27 @@ def _backend(
     tmp_path: Path, *pools: PoolConfig, clock: Any = lambda: 0.0, **elastic: Any
 ) -> tuple[SlurmBackend, list[tuple[str, dict]]]:
     events: list[tuple[str, dict]] = []
+    cfg = RunConfig(
+        name="t",
+        backend="slurm",
+        slurm=SlurmSettings(poll_s=0.2),
+        elastic=ElasticConfig(
+            **{"grace_s": 15.0, "pools": list(pools) or [PoolConfig()], **elastic}
+        ),
+    )
     backend = SlurmBackend(
-        SlurmSettings(poll_s=0.2),
-        ElasticConfig(**{"grace_s": 15.0, "pools": list(pools) or [PoolConfig()], **elastic}),
-        "m",
-        tmp_path,
-        asyncio.Queue(),
-        clock,
-        lambda kind, fields: events.append((kind, fields)),
-        _NoMembers(),  # type: ignore[arg-type]
+        BackendContext(
+            cfg=cfg,
+            run_dir=tmp_path,
+            model_dir="m",
+            members=_NoMembers(),  # type: ignore[arg-type]
+            queue=asyncio.Queue(),
+            clock=clock,
+            on_event=lambda kind, fields: events.append((kind, fields)),
+            decide_now=lambda: None,
+            first_step=0,
+            resume=False,
+        )
     )
     return backend, events
 

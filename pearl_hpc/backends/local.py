@@ -27,17 +27,20 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pearl_hpc.backends.lease import MasterLease
 from pearl_hpc.backends.ranks import RankWorker, attach_rank
+from pearl_hpc.backends.trace import TraceDriver
+from pearl_hpc.comm.members import LEAVE_TIMEOUT_S
 from pearl_hpc.comm.membership import MemberState
-from pearl_hpc.core.controller import CapacityGranted, CapacityReclaimed, Event
+from pearl_hpc.comm.mpiexec import mpiexec_path
+from pearl_hpc.core.controller import CapacityGranted, CapacityReclaimed
 from pearl_hpc.core.table import ElasticSource
-from pearl_hpc.master.members import LEAVE_TIMEOUT_S, Members
+from pearl_hpc.master.capacity import BackendContext
 from pearl_hpc.rundir import RunDir
 from pearl_hpc.slurm.client import FORK_LOCK
 
@@ -79,25 +82,24 @@ class LocalBackend:
     the run config stands in for a scheduler (what is available), the controller's
     demand says how much of it to take."""
 
-    def __init__(
-        self,
-        run_dir: Path,
-        model_dir: str,
-        members: Members,
-        queue: asyncio.Queue[Event],
-        clock: Callable[[], float],
-        grace_s: float,
-        on_event: Callable[[str, dict[str, Any]], None],
-    ) -> None:
-        from pearl_hpc.backends.world import mpiexec_path
-
+    def __init__(self, ctx: BackendContext) -> None:
+        run_dir = ctx.run_dir
         self.run_dir = run_dir
-        self.model_dir = model_dir
-        self.members = members
-        self.queue = queue
-        self.clock = clock
-        self.grace_s = grace_s
-        self.on_event = on_event
+        self.model_dir = ctx.model_dir
+        self.members = ctx.members
+        self.queue = ctx.queue
+        self.clock = ctx.clock
+        self.grace_s = ctx.cfg.elastic.grace_s
+        self.on_event = ctx.on_event
+        self.trace = TraceDriver(
+            ctx.cfg.elastic,
+            self.offer,
+            first_step=ctx.first_step,
+            resume=ctx.resume,
+            clock=ctx.clock,
+            log_event=lambda kind, **fields: ctx.on_event(kind, fields),
+            decide_now=ctx.decide_now,
+        )
         self.dir = RunDir(run_dir).elastic
         self._lease = MasterLease(RunDir(run_dir).lease)
         self.mpiexec = mpiexec_path()
@@ -109,8 +111,17 @@ class LocalBackend:
         self._jobs = 0
         self._tasks: set[asyncio.Task[None]] = set()  # launches ending, replacements
 
-    async def start(self, *, resume: bool) -> None:
+    async def start(self) -> None:
         """Nothing to adopt: a dead master's ranks end once this one takes the lease."""
+
+    async def before_rollout(self, step: int, spawn: Callable[[Awaitable[None]], None]) -> None:
+        """The trace's point for ``step`` (``elastic.trace``)."""
+        await self.trace.before_rollout(step, spawn)
+
+    async def follow_trace(self, stop: asyncio.Event) -> None:
+        """``elastic.replay`` over the run's clock, until ``stop`` (none: returns)."""
+        if self.trace.elastic.replay.enabled:
+            await self.trace.replay(stop)
 
     # ---------------------------------------------------------------- capacity
     def _counted(self) -> list[_Launch]:
@@ -210,13 +221,12 @@ class LocalBackend:
         await asyncio.to_thread(_end_process, launch.proc)
 
     async def attach(
-        self, gpu_ids: tuple[str, ...], key: str, timeout_s: float
+        self, source: ElasticSource, gpu_ids: tuple[str, ...], key: str, timeout_s: float
     ) -> RankWorker | None:
-        tag = gpu_ids[0].split(":", 1)[0]
+        tag = source.tag
         launch = self.launches.get(tag)
         if launch is None:
-            return None  # not elastic GPUs (or given back already)
-        source = launch.source
+            return None  # given back already
 
         def ended() -> str | None:
             code = launch.proc.poll()

@@ -4,7 +4,7 @@
                       engine socket, connected (the executor drives it)
 
 Both backends start elastic ranks the same way (``python -m pearl_hpc.worker join``:
-Connect + Merge into the run's world, see :mod:`pearl_hpc.master.members`) and reach
+Connect + Merge into the run's world, see :mod:`pearl_hpc.comm.members`) and reach
 their engines through :func:`attach_rank`.
 """
 
@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pearl_hpc.comm.members import Members
 from pearl_hpc.engine.client import EngineClient
 from pearl_hpc.engine.types import EngineError
-from pearl_hpc.master.members import Members
 
 
 class RankWorker:

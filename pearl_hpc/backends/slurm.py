@@ -11,7 +11,7 @@ or one heterogeneous job of every pool's ``hetjob_workers`` components (``hetjob
 started together). It waits PENDING until
 Slurm finds the GPUs idle; its batch step (:mod:`pearl_hpc.backends.slurm_job`) runs one
 engine rank per component in its own ``srun --mpi=pmi2 --het-group=K`` step, which joins
-the world (Connect + Merge, see :mod:`pearl_hpc.master.members`). Reclaims are Slurm's::
+the world (Connect + Merge, see :mod:`pearl_hpc.comm.members`). Reclaims are Slurm's::
 
     squeue (watch task) ──RUNNING──> CapacityGranted     the job's --signal: preemption,
     component gone ──────────> CapacityReclaimed         or signal_lead_s before its time
@@ -39,18 +39,19 @@ import dataclasses
 import logging
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from pearl_hpc.backends.lease import MasterLease
 from pearl_hpc.backends.ranks import RankWorker, attach_rank
+from pearl_hpc.comm.members import LEAVE_TIMEOUT_S
 from pearl_hpc.comm.membership import MemberState
 from pearl_hpc.config.run import ElasticConfig, PoolConfig, SlurmSettings
-from pearl_hpc.core.controller import CapacityGranted, CapacityReclaimed, Event
+from pearl_hpc.core.controller import CapacityGranted, CapacityReclaimed
 from pearl_hpc.core.table import ElasticSource
 from pearl_hpc.core.types import Role
-from pearl_hpc.master.members import LEAVE_TIMEOUT_S, Members
+from pearl_hpc.master.capacity import BackendContext
 from pearl_hpc.rundir import RunDir
 from pearl_hpc.slurm.capacity import CapacityManager, Component, ComponentState
 from pearl_hpc.slurm.client import SlurmClient, SlurmError
@@ -72,15 +73,6 @@ SUBMIT_RETRY_S = 5.0  # a submission that met an unreachable slurmctld is retrie
 # a bad partition, is reported and not retried)
 TRANSIENT_SLURM_ERRORS = ("Unable to contact slurm controller", "Socket timed out", "no answer",
                           "could not run")  # fmt: skip
-
-
-def source_of_gpus(gpu_ids: tuple[str, ...]) -> ElasticSource | None:
-    """The job component that elastic GPU ids (``JOB+K:node:gpuI``) belong to."""
-    tag = gpu_ids[0].split(":", 1)[0]
-    job, plus, component = tag.partition("+")
-    if not plus or not job.isdigit() or not component.isdigit():
-        return None
-    return ElasticSource(job, int(component))
 
 
 def run_tag_of(run_dir: Path) -> str:
@@ -153,21 +145,13 @@ class SlurmBackend:
     them, reclaimed when Slurm signals or ends them, released, all cancelled at the end.
     Every Slurm command runs in the watch task, off the master's loop."""
 
-    def __init__(
-        self,
-        settings: SlurmSettings,
-        elastic: ElasticConfig,
-        model_dir: str,
-        run_dir: Path,
-        queue: asyncio.Queue[Event],
-        clock: Callable[[], float],
-        on_event: Callable[[str, dict[str, Any]], None],
-        members: Members,
-    ) -> None:
+    def __init__(self, ctx: BackendContext) -> None:
+        settings, elastic, run_dir = ctx.cfg.slurm, ctx.cfg.elastic, ctx.run_dir
         self.settings = settings
         self.elastic = elastic
-        self.model_dir = model_dir
-        self.members = members  # the world the elastic ranks join
+        self.model_dir = ctx.model_dir
+        self.resume = ctx.resume
+        self.members = ctx.members  # the world the elastic ranks join
         self.dir = RunDir(run_dir).elastic
         self.dir.mkdir(parents=True, exist_ok=True)
         self.tag = run_tag_of(run_dir)
@@ -175,9 +159,9 @@ class SlurmBackend:
         self.manager = CapacityManager(
             self.tag, pending_timeout_s=elastic.pending_timeout_s, grace_s=elastic.grace_s
         )
-        self.queue = queue
-        self.clock = clock
-        self.on_event = on_event
+        self.queue = ctx.queue
+        self.clock = ctx.clock
+        self.on_event = ctx.on_event
         self.jobs: list[str] = []  # submitted or adopted, oldest first
         self.pool_of: dict[str, int] = {}  # component tag -> its pool
         self.counts = {"granted": 0, "reclaimed": 0}
@@ -198,10 +182,10 @@ class SlurmBackend:
 
     # ---------------------------------------------------------------- lifetime
 
-    async def start(self, *, resume: bool) -> None:
+    async def start(self) -> None:
         """Watch squeue and the jobs' signals; a resumed master first adopts the elastic
         jobs the dead one left (:meth:`adopt_leftovers`)."""
-        if resume:
+        if self.resume:
             await self.adopt_leftovers()
         self._watch = asyncio.create_task(self.watch(self._watch_stop))
 
@@ -224,6 +208,12 @@ class SlurmBackend:
             tags = sorted(ElasticSource(r.job_id, r.component or 0).tag for r in mine)
             self.on_event("adopted", {"jobs": jobs, "components": tags})
         return jobs
+
+    async def before_rollout(self, step: int, spawn: Callable[[Awaitable[None]], None]) -> None:
+        """Slurm decides what starts when: nothing to offer before a rollout."""
+
+    async def follow_trace(self, stop: asyncio.Event) -> None:
+        """No trace on Slurm (slurm/replay-load replays one as other users' load)."""
 
     async def close(self) -> None:
         """Cancel every elastic job of the run and see them leave squeue."""
@@ -534,13 +524,10 @@ class SlurmBackend:
 
     # ----------------------------------------------------------------- workers
     async def attach(
-        self, gpu_ids: tuple[str, ...], key: str, timeout_s: float
+        self, source: ElasticSource, gpu_ids: tuple[str, ...], key: str, timeout_s: float
     ) -> RankWorker | None:
-        """The engine socket of the rank that holds ``gpu_ids``, once it joined the world
-        (None: not GPUs of an elastic job; a base engine rank's)."""
-        source = source_of_gpus(gpu_ids)
-        if source is None:
-            return None
+        """The engine socket of ``source``'s rank on ``gpu_ids``, once it joined the
+        world."""
 
         def ended() -> str | None:
             comp = self.manager.components.get(source.tag)

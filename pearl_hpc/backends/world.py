@@ -26,29 +26,15 @@ the journal.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from pearl_hpc.comm.mpiexec import mpiexec_path
 from pearl_hpc.config.run import RankSpec, RunConfig, base_layout
 from pearl_hpc.errors import ConfigError, PearlError
 from pearl_hpc.rundir import RunDir
-
-HOSTFILE = "hostfile"  # RUN_DIR/hostfile: Hydra's, for a world over several nodes
-
-
-def mpiexec_path() -> str:
-    """MPICH's ``mpiexec`` of this Python environment (``pip install mpich``)."""
-    beside = Path(sys.executable).parent / "mpiexec"
-    found = str(beside) if beside.exists() else shutil.which("mpiexec")
-    if not found:
-        raise ConfigError(
-            "mpiexec not found: the run is an MPI world; install MPICH with "
-            "`pip install mpich mpi4py` (bash launch/install-local.sh does)"
-        )
-    return found
 
 
 def multi_node(cfg: RunConfig) -> bool:
@@ -69,7 +55,7 @@ def world_argv(
     """The command that starts the run's world (pure)."""
     ranks = len(base_layout(cfg.workers, cfg.layout))
     if multi_node(cfg):  # Hydra's proxies started by srun, one a node; PMI is Hydra's
-        placement = ["-launcher", "slurm", "-f", str(run_dir / HOSTFILE)]
+        placement = ["-launcher", "slurm", "-f", str(RunDir(run_dir).hostfile)]
     else:
         placement = ["-launcher", "fork", "-hosts", "localhost"]
     return [
@@ -130,7 +116,7 @@ def _write_hostfile(cfg: RunConfig, run_dir: Path) -> Path:
             + (f"a job of {len(nodes)}" if "SLURM_JOB_ID" in os.environ else "not a Slurm job")
             + f"; submit the run as `sbatch {options} launch/run.sbatch CONFIG`"
         )
-    path = run_dir / HOSTFILE
+    path = RunDir(run_dir).hostfile
     path.write_text(hostfile_text(base_layout(cfg.workers, cfg.layout), nodes))
     return path
 

@@ -57,7 +57,6 @@ class RecordingExecutor:
 def dry_run(cfg: RunConfig, config_path: str) -> str:
     """The dry run's text (pure but for reading the profile file)."""
     from pearl_hpc.backends.world import (
-        HOSTFILE,
         base_job_options,
         hostfile_text,
         multi_node,
@@ -79,7 +78,7 @@ def dry_run(cfg: RunConfig, config_path: str) -> str:
     if multi_node(cfg):
         nodes = [f"NODE{n}" for n in range(cfg.layout.nodes)]
         hosts = hostfile_text(layout, nodes).split()
-        out.append(f"{RUN_DIR}/{HOSTFILE} (the job's nodes in order): {' '.join(hosts)}")
+        out.append(f"{RunDir(RUN_DIR).hostfile} (the job's nodes in order): {' '.join(hosts)}")
     out.append(
         "each rank sets CUDA_VISIBLE_DEVICES to its devices of its node's GPUs (as Slurm "
         "gives them to the job); device auto: cuda where it is given GPUs, else cpu; tpN: "

@@ -16,7 +16,8 @@ from pearl_hpc.config import REPO_CONFIGS
 def _cmd_run(args: argparse.Namespace) -> int:
     """Check the config, make the run directory, then become the run's MPI world
     (rank 0, the master, prints a line per step and the summary)."""
-    from pearl_hpc.backends.world import exec_world, mpiexec_path
+    from pearl_hpc.backends.world import exec_world
+    from pearl_hpc.comm.mpiexec import mpiexec_path
     from pearl_hpc.config.run import check_engine_install, load_run_config
     from pearl_hpc.rundir import RunDir
 

@@ -59,3 +59,13 @@ class Report:
     member_id: str  # "base:3" (base job world rank 3) or "123+1:0" (job 123 component 1, rank 0)
     seq: int = -1  # the command acknowledged; -1 for unsolicited reports
     args: dict[str, Any] = field(default_factory=dict)
+
+
+# the off-policy figures of a TRAIN ack (pearl_hpc/train/objective.py)
+OFF_POLICY_FIGURES = (
+    "clip_frac",
+    "mismatch_mean",
+    "mismatch_max",
+    "capped_frac",
+    "behaviour_coverage",
+)

@@ -476,7 +476,7 @@ class WorkerPlane:
                 if cmd.op is not Op.PREPARE:
                     return cmd
                 # this thread is responsive: the collective call the master makes next
-                # is entered as soon as its command arrives (see master.members)
+                # is entered as soon as its command arrives (see comm.members)
                 self.report(Kind.ACK, cmd.seq, op=Op.PREPARE)
                 continue
             if now >= deadline:

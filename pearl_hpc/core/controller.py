@@ -658,7 +658,7 @@ class Controller:
         }
 
     def restore(self, data: dict[str, Any]) -> None:
-        self.table = RoleTable.from_dict(data["table"])
+        self.table.load(RoleTable.from_dict(data["table"]))  # its holders keep it
         self.free_units = [
             CapacityUnit(
                 tuple(u["gpu_ids"]),

@@ -135,6 +135,11 @@ class RoleTable:
         self._next_id = 0
         self.version = 0  # bumped on every mutation; names communicator epochs
 
+    def load(self, other: RoleTable) -> None:
+        """Take ``other``'s contents (a restored snapshot): whoever holds this table (the
+        controller, its executor) sees them."""
+        self.__dict__.update(other.__dict__)
+
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
         return len(self._slots)

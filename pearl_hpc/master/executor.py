@@ -24,22 +24,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pearl_hpc.backends.base import CapacityBackend, EngineWorkerHandle
 from pearl_hpc.config.run import on_training_gpus
 from pearl_hpc.core.controller import (
-    Controller,
     Event,
     WorkerFailed,
     WorkerReady,
     WorkerReleased,
 )
 from pearl_hpc.core.orchestrator import WorkerAdd
-from pearl_hpc.core.table import ElasticSource
+from pearl_hpc.core.table import ElasticSource, RoleTable
 from pearl_hpc.core.types import Mode, Role, Status
 from pearl_hpc.engine.client import EngineClient
 from pearl_hpc.engine.types import EngineError
-from pearl_hpc.master.members import RemoteTrainer
+from pearl_hpc.master.capacity import CapacityBackend, EngineWorkerHandle
 from pearl_hpc.master.records import Counters, EventLog
+from pearl_hpc.master.trainer import RemoteTrainer
 from pearl_hpc.rollout.router import Router
 
 log = logging.getLogger(__name__)
@@ -89,14 +88,16 @@ class WorkerExecutor:
         backend: CapacityBackend,
         events: EventLog,
         key: str,
+        table: RoleTable,
     ) -> None:
+        """``table``: the controller's role table (read, never changed, here)."""
         self.queue = queue
         self.router = router
         self.weights = weights
         self.backend = backend
         self.log_event = events
         self.key = key  # engine workers' RPC key (elastic job steps read it too)
-        self.controller: Controller | None = None
+        self.table = table
         self.workers: dict[tuple[str, ...], _Worker] = {}  # by GPU set
         self.tasks: set[asyncio.Task[None]] = set()
         self.starting: dict[int, asyncio.Task[None]] = {}  # slot -> its start / activation
@@ -106,9 +107,8 @@ class WorkerExecutor:
         self.weights_lock = asyncio.Lock()
         self.counters = Counters()
         self.start_timeout_s = START_TIMEOUT_S
-        router.on_failure = self._on_router_failure
 
-    def _on_router_failure(self, worker_id: str, reason: str) -> None:
+    def router_failed(self, worker_id: str, reason: str) -> None:
         """A worker the router sent turns to failed: reported once (every turn in flight
         on it fails too, and says so), its process dropped with the slot."""
         if not (worker_id.startswith("s") and worker_id[1:].isdigit()):
@@ -153,14 +153,12 @@ class WorkerExecutor:
 
     def activating_overlap(self) -> bool:
         """An overlap worker is activating or serving (training GPUs are lent)."""
-        assert self.controller is not None
-        return any(s.status is not Status.INACTIVE for s in self.controller.table.overlap_workers())
+        return any(s.status is not Status.INACTIVE for s in self.table.overlap_workers())
 
     def sync_router(self) -> None:
         """Route to every ACTIVE rollout slot with a serving engine (the table rules)."""
-        assert self.controller is not None
         clients, roles = {}, {}
-        for slot in self.controller.table.rollout_slots():
+        for slot in self.table.rollout_slots():
             w = self._worker_of(slot.slot_id)
             if slot.status is Status.ACTIVE and w is not None and w.role is not None:
                 wid = f"s{slot.slot_id}"
@@ -256,9 +254,11 @@ class WorkerExecutor:
                 worker.proc.client.activate(add.role), timeout=self.start_timeout_s
             )
             return worker
-        remote = await self.backend.attach(add.gpu_ids, self.key, self.start_timeout_s)
-        if remote is None:
+        if add.source is None:  # a base GPU set: its engine rank registered at start
             raise EngineError(f"no engine rank holds {add.gpu_ids}")
+        remote = await self.backend.attach(add.source, add.gpu_ids, self.key, self.start_timeout_s)
+        if remote is None:
+            raise EngineError(f"{add.source.tag} was given back before its rank joined")
         # an elastic rank that joined the world, serving no engine yet
         worker = _Worker(remote, add.gpu_ids, slot_id=add.slot_id, remote=True)
         self.workers[add.gpu_ids] = worker
@@ -266,10 +266,7 @@ class WorkerExecutor:
         return worker
 
     def _table_role(self, slot_id: int, default: Role) -> Role:
-        assert self.controller is not None
-        slot = next(
-            (s for s in self.controller.table.rollout_slots() if s.slot_id == slot_id), None
-        )
+        slot = next((s for s in self.table.rollout_slots() if s.slot_id == slot_id), None)
         return slot.role if slot is not None else default
 
     def admit(self, slot_ids: Sequence[int]) -> None:

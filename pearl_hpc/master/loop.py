@@ -37,9 +37,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, cast
 
-from pearl_hpc.backends.base import CapacityBackend
-from pearl_hpc.backends.local import LocalBackend
-from pearl_hpc.backends.trace import TraceDriver
+from pearl_hpc.comm.members import Members
+from pearl_hpc.comm.membership import Member
 from pearl_hpc.comm.mpi import MasterPlane
 from pearl_hpc.config.files import REPO_CONFIGS, load_profile
 from pearl_hpc.config.run import (
@@ -51,13 +50,13 @@ from pearl_hpc.config.run import (
 )
 from pearl_hpc.core.controller import Controller, Event
 from pearl_hpc.core.policies import prefill_locally
-from pearl_hpc.core.table import IN_SERVICE
+from pearl_hpc.core.table import IN_SERVICE, RoleTable
 from pearl_hpc.core.types import Mode
 from pearl_hpc.core.window import run_end_s
+from pearl_hpc.master.capacity import BackendContext, CapacityBackend
 from pearl_hpc.master.dashboards import Dashboards
 from pearl_hpc.master.executor import WorkerExecutor
 from pearl_hpc.master.journal import TrajectoryLog
-from pearl_hpc.master.members import Members, RemoteTrainer
 from pearl_hpc.master.records import (
     EventLog,
     StepMetrics,
@@ -66,7 +65,8 @@ from pearl_hpc.master.records import (
     rollout_summary,
 )
 from pearl_hpc.master.steps import StepPipeline, Workload
-from pearl_hpc.rollout.router import Router
+from pearl_hpc.master.trainer import RemoteTrainer
+from pearl_hpc.rollout.router import Router, RoutingTable
 from pearl_hpc.rundir import RunDir, write_journal, write_lines
 
 
@@ -74,6 +74,7 @@ async def run_master(
     cfg: RunConfig,
     run_dir: Path,
     plane: MasterPlane,
+    make_backend: Callable[[BackendContext], CapacityBackend],
     *,
     model_dir: str,
     key: str,
@@ -83,13 +84,15 @@ async def run_master(
     started_s: float | None = None,
 ) -> dict[str, Any]:
     """One training run (or its continuation, ``resume``) as rank 0 of the world whose
-    master side is ``plane``; returns the summary (also written to ``summary.json``).
-    ``on_step`` sees each recorded step's metrics, ``on_progress(step, trajectory,
-    batch_size, executor)`` each finished turn."""
+    master side is ``plane``, with the capacity backend ``make_backend`` builds (the
+    entry picks it: :func:`pearl_hpc.backends.backend_factory`); returns the summary
+    (also written to ``summary.json``). ``on_step`` sees each recorded step's metrics,
+    ``on_progress(step, trajectory, batch_size, executor)`` each finished turn."""
     master = MasterRun(
         cfg,
         run_dir,
         plane,
+        make_backend,
         model_dir=model_dir,
         key=key,
         resume=resume,
@@ -97,40 +100,6 @@ async def run_master(
         started_s=time.monotonic() if started_s is None else started_s,
     )
     return await master.run(on_progress)
-
-
-def make_backend(
-    cfg: RunConfig,
-    run_dir: Path,
-    model_dir: str,
-    members: Members,
-    queue: asyncio.Queue[Event],
-    clock: Callable[[], float],
-    events: EventLog,
-) -> CapacityBackend:
-    """The run's capacity backend, by ``cfg.backend``."""
-    if cfg.backend == "slurm":
-        from pearl_hpc.backends.slurm import SlurmBackend
-
-        return SlurmBackend(
-            cfg.slurm,
-            cfg.elastic,
-            model_dir,
-            run_dir,
-            queue,
-            clock,
-            lambda kind, fields: events(kind, **fields),
-            members,
-        )
-    return LocalBackend(
-        run_dir,
-        model_dir,
-        members,
-        queue,
-        clock,
-        cfg.elastic.grace_s,
-        lambda kind, fields: events(kind, **fields),
-    )
 
 
 def _finite(x: float) -> float | None:
@@ -160,6 +129,7 @@ class MasterRun:
         cfg: RunConfig,
         run_dir: Path,
         plane: MasterPlane,
+        make_backend: Callable[[BackendContext], CapacityBackend],
         *,
         model_dir: str,
         key: str,
@@ -168,6 +138,7 @@ class MasterRun:
         started_s: float,
     ) -> None:
         self.cfg = cfg
+        self.make_backend = make_backend
         self.run_dir = run_dir
         self.paths = RunDir(run_dir)
         self.plane = plane
@@ -198,7 +169,9 @@ class MasterRun:
         cfg = self.cfg
         # 1. the world's members said hello: trainer ranks (their resumed version) and
         #    engine ranks (their sockets)
-        self.members = Members(self.plane, self.events)
+        self.members = Members(
+            self.plane, self.events, roles=self._member_roles, on_failed=self._member_failed
+        )
         self.members.start(since_s=self.started_s)
         self.trainer = RemoteTrainer(self.members)
         self.recorded_version = self.trainer.version
@@ -206,34 +179,31 @@ class MasterRun:
         work = self._build_workload()
         self._t_start = time.monotonic()  # the run's clock starts with its world up
         self.events("clock", wall=round(time.time(), 3))  # to line up outside logs
-        # 3. the controller, its executor and the capacity backend
-        self.router = Router(wait_for_workers_s=600)
-        self.executor = executor = self._build_executor()
-        self.controller = controller = Controller(
-            self._profile(), executor, policy=cfg.policy, clock=self.clock, check_invariants=True
+        # 3. the capacity backend, the controller and its executor (one role table)
+        self.backend = self.make_backend(self._backend_context())
+        table = RoleTable()
+        self.router = Router(
+            RoutingTable(local_prefill=self._prefill_locally if cfg.policy.local_prefill else None),
+            wait_for_workers_s=600,
+            on_failure=lambda worker_id, reason: executor.router_failed(worker_id, reason),
         )
-        if cfg.policy.local_prefill:  # on the profile as the tracker refits it
-            self.router.table.local_prefill = lambda uncached, prompt, decoding: prefill_locally(
-                controller.profile, uncached, prompt, decoding
-            )
-        executor.controller = controller
-        self.members.roles = self._member_roles
-        self.members.on_failed = lambda m: executor.member_failed(m.gpu_ids, "rank failed")
+        self.executor = executor = WorkerExecutor(
+            self.queue, self.router, self.trainer, self.backend, self.events, self.key, table
+        )
+        self.controller = controller = Controller(
+            self._profile(),
+            executor,
+            policy=cfg.policy,
+            clock=self.clock,
+            table=table,
+            check_invariants=True,
+        )
         # 4. what a dead master left: tracker, toggle estimate, counters, metrics
         self._restore()
         # 5. the pump, the members' reports, the trace
         pump_task = asyncio.create_task(self._pump())
         poll_task = asyncio.create_task(self.members.poll_forever(self._pump_stop))
         tlog = TrajectoryLog(self.run_dir)
-        trace = TraceDriver(
-            cfg.elastic,
-            self.backend.offer if isinstance(self.backend, LocalBackend) else None,
-            first_step=self.first_step,
-            resume=self.resume,
-            clock=self.clock,
-            log_event=self.events,
-            decide_now=self.decide_now,
-        )
         pipeline = StepPipeline(
             cfg.run,
             controller=controller,
@@ -241,22 +211,21 @@ class MasterRun:
             router=self.router,
             trainer=self.trainer,
             queue=self.queue,
-            trace=trace,
+            backend=self.backend,
             tlog=tlog,
             work=work,
             clock=self.clock,
-            elastic_workers=self.backend.live_workers,
             on_recorded=self._on_recorded,
             on_progress=on_progress,
         )
         replay_task = None
         try:
-            await self.backend.start(resume=self.resume)
+            await self.backend.start()
             await self._register_base_workers()
             self._request_capacity()
             self.save_state(self.first_step, "running")
-            if cfg.elastic.replay.enabled:  # after the base workers are registered
-                replay_task = asyncio.create_task(trace.replay(self._pump_stop))
+            # what the backend makes available over time (after the base workers are in)
+            replay_task = asyncio.create_task(self.backend.follow_trace(self._pump_stop))
             # 6. the steps (a control plane that fails ends them: nothing could go on)
             await _unless_failed(pipeline.run(self.first_step), poll_task)
             await self._settle(executor)
@@ -325,27 +294,27 @@ class MasterRun:
         path = Path(self.cfg.profile)
         return load_profile(path if path.is_absolute() else REPO_CONFIGS / path)
 
-    def _build_executor(self) -> WorkerExecutor:
-        """The executor and the capacity backend, sharing the engine workers' RPC key
-        (engine ranks and elastic job steps authenticate with it)."""
-        key = self.key
-        self.backend = make_backend(
-            self.cfg,
-            self.run_dir,
-            self.model_dir,
-            self.members,
-            self.queue,
-            self.clock,
-            self.events,
+    def _backend_context(self) -> BackendContext:
+        return BackendContext(
+            cfg=self.cfg,
+            run_dir=self.run_dir,
+            model_dir=self.model_dir,
+            members=self.members,
+            queue=self.queue,
+            clock=self.clock,
+            on_event=lambda kind, fields: self.events(kind, **fields),
+            decide_now=self.decide_now,
+            first_step=self.first_step,
+            resume=self.resume,
         )
-        return WorkerExecutor(
-            self.queue,
-            self.router,
-            self.trainer,
-            self.backend,
-            self.events,
-            key,
-        )
+
+    def _prefill_locally(self, uncached: int, prompt: int, decoding: int) -> bool:
+        """``policy.local_prefill``'s rule, on the profile as the tracker refits it."""
+        return prefill_locally(self.controller.profile, uncached, prompt, decoding)
+
+    def _member_failed(self, member: Member) -> None:
+        """A member declared failed: its engine slot (if any) is replaced."""
+        self.executor.member_failed(member.gpu_ids, "rank failed")
 
     def _restore(self) -> None:
         """A resumed master continues the dead one's tracker, toggle estimate, counters

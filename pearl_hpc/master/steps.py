@@ -37,7 +37,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pearl_hpc.backends.trace import TraceDriver
 from pearl_hpc.config.run import RunSettings
 from pearl_hpc.core.controller import (
     Controller,
@@ -50,10 +49,11 @@ from pearl_hpc.core.policies import tail_level
 from pearl_hpc.core.predictor import predict
 from pearl_hpc.core.table import IN_SERVICE
 from pearl_hpc.core.types import Role, Status
+from pearl_hpc.master.capacity import CapacityBackend
 from pearl_hpc.master.executor import WorkerExecutor
 from pearl_hpc.master.journal import TrajectoryLog
-from pearl_hpc.master.members import RemoteTrainer, TrainResult
 from pearl_hpc.master.records import StepMetrics
+from pearl_hpc.master.trainer import RemoteTrainer, TrainResult
 from pearl_hpc.rollout.agent import rollout_batch, tracker_turns
 from pearl_hpc.rollout.router import IdleTotals, Router
 from pearl_hpc.rollout.tasks import TaskSet
@@ -145,11 +145,10 @@ class StepPipeline:
         router: Router,
         trainer: RemoteTrainer,
         queue: asyncio.Queue[Event],
-        trace: TraceDriver,
+        backend: CapacityBackend,
         tlog: TrajectoryLog,
         work: Workload,
         clock: Callable[[], float],
-        elastic_workers: Callable[[], int],
         on_recorded: Callable[[StepMetrics], None],
         on_progress: Callable[..., None] | None = None,
     ) -> None:
@@ -159,11 +158,10 @@ class StepPipeline:
         self.router = router
         self.trainer = trainer
         self.queue = queue
-        self.trace = trace
+        self.backend = backend
         self.tlog = tlog
         self.work = work
         self.clock = clock
-        self.elastic_workers = elastic_workers
         self.on_recorded = on_recorded
         self.on_progress = on_progress
         self.last_sync_s = 0.0  # the latest weight broadcast (sync_s in the metrics)
@@ -232,7 +230,7 @@ class StepPipeline:
 
     async def rollout(self, step: int, progress: BatchProgress) -> RolloutResult:
         """One step's batch from the engines, and its telemetry to the controller."""
-        await self.trace.before_rollout(step, self.executor.spawn)
+        await self.backend.before_rollout(step, self.executor.spawn)
         counters = self.executor.counters
         borrowed_before = len(counters.activation_s)
         moved_before = counters.moved_turns
@@ -372,7 +370,7 @@ class StepPipeline:
                 mean_reward=round(stats.mean_reward, 4),
                 version=stats.version,
                 roles=done.roles,
-                elastic_workers=self.elastic_workers(),
+                elastic_workers=self.backend.live_workers(),
                 borrowed=done.borrowed,
                 moved_turns=done.moved_turns,
                 local_prefills=done.local_prefills,

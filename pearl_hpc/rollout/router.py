@@ -219,14 +219,17 @@ class Router:
     """Dispatches turns to engine clients following a :class:`RoutingTable`."""
 
     def __init__(
-        self, table: RoutingTable | None = None, wait_for_workers_s: float = 120.0
+        self,
+        table: RoutingTable | None = None,
+        wait_for_workers_s: float = 120.0,
+        on_failure: Callable[[str, str], None] | None = None,
     ) -> None:
         self.table = table or RoutingTable()
         self.clients: dict[str, EngineClient] = {}
         self.wait_for_workers_s = wait_for_workers_s
-        # told when a worker fails a turn (engine died, connection lost): the backend
+        # told when a worker fails a turn (engine died, connection lost): the executor
         # reports it to the controller (WorkerFailed) so the slot gets replaced
-        self.on_failure: Callable[[str, str], None] | None = None
+        self.on_failure = on_failure
         self._open = asyncio.Event()
         self._open.set()
         self._changed = asyncio.Event()

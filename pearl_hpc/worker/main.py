@@ -207,6 +207,7 @@ def _master(
     """Rank 0: the run, its step lines and summary; a failure ends the whole world."""
     import asyncio
 
+    from pearl_hpc.backends import backend_factory
     from pearl_hpc.master.loop import run_master
     from pearl_hpc.master.records import format_step, format_summary
 
@@ -227,6 +228,7 @@ def _master(
                 cfg,
                 run_dir,
                 plane,
+                backend_factory(cfg.backend),
                 model_dir=args.model_dir,
                 key=key,
                 resume=args.resume,

@@ -23,10 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pearl_hpc.comm.messages import COLLECTIVE, Command, Kind, Op
+from pearl_hpc.comm.messages import COLLECTIVE, OFF_POLICY_FIGURES, Command, Kind, Op
 from pearl_hpc.comm.mpi import WorkerPlane
 from pearl_hpc.config.run import RankSpec, RunConfig, engine_spec
-from pearl_hpc.master.members import OFF_POLICY_FIGURES
 from pearl_hpc.rollout.types import Trajectory
 from pearl_hpc.rundir import RunDir
 
