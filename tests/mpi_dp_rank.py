@@ -15,7 +15,7 @@ import torch
 from mpi4py import MPI
 
 from pearl_hpc.train.grpo import GRPOConfig, GRPOTrainer
-from pearl_hpc.train.wgroup import WeightGroup, WeightStore
+from pearl_hpc.weights.group import WeightGroup, WeightStore
 from tests.factories import uneven_batch
 
 DP_CONFIG = GRPOConfig(lr=1e-2, minibatch_size=4, epochs=2, correction="tis", sequence_mask=3.5)

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.gpu
 def _nccl_member(rank: int, port: int, queue: mp.Queue) -> None:
     import torch
 
-    from pearl_hpc.train.wgroup import WeightGroup, WeightStore, WeightStream, send_weights
+    from pearl_hpc.weights.group import WeightGroup, WeightStore, WeightStream, send_weights
 
     torch.cuda.set_device(rank)
     store = WeightStore(port=port).store if rank == 0 else None

@@ -30,8 +30,8 @@ def test_a_tp2_engine_loads_every_version_from_a_file(tiny_model_dir: str, tmp_p
     from pearl_hpc.engine.client import spawn_worker
     from pearl_hpc.engine.rpc import new_key
     from pearl_hpc.engine.spec import EngineSpec
-    from pearl_hpc.train.loop import WeightSync
-    from pearl_hpc.train.shm import SharedStore
+    from pearl_hpc.train.sync import WeightSync
+    from pearl_hpc.weights.shm import SharedStore
 
     state = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
     changed = {k: v * 1.5 for k, v in state.items()}

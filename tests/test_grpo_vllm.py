@@ -38,7 +38,7 @@ def setup(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 
 async def _make_sync():
-    from pearl_hpc.train.loop import WeightSync
+    from pearl_hpc.train.sync import WeightSync
 
     return WeightSync(bucket_bytes=1 << 16)  # the tiny model in several buckets
 
@@ -63,7 +63,7 @@ def _hf_greedy(model, prompt: tuple[int, ...], max_tokens: int) -> tuple[int, ..
 
 def test_trained_weights_reach_engines_and_match_the_trainer(setup, chat, tiny_model_dir):
     from pearl_hpc.train.grpo import GRPOConfig, GRPOTrainer
-    from pearl_hpc.train.loop import grpo_steps
+    from tests.grpo_loop import grpo_steps
 
     fleet, sync = setup
     w0, late = fleet.client("w0"), fleet.client("late")
@@ -110,7 +110,7 @@ def test_trained_weights_reach_engines_and_match_the_trainer(setup, chat, tiny_m
 
 def test_grpo_on_the_calculator_environment_reports_a_reward_curve(setup, chat, tiny_model_dir):
     from pearl_hpc.train.grpo import GRPOConfig, GRPOTrainer
-    from pearl_hpc.train.loop import grpo_steps
+    from tests.grpo_loop import grpo_steps
 
     fleet, sync = setup
     w0 = fleet.client("w0")
@@ -154,7 +154,7 @@ def test_grpo_on_a_plugin_environment_by_import_path(
     """One GRPO step on a third-party environment named by its import path (the
     package's source directory on sys.path, not installed)."""
     from pearl_hpc.train.grpo import GRPOConfig, GRPOTrainer
-    from pearl_hpc.train.loop import grpo_steps
+    from tests.grpo_loop import grpo_steps
     from tests.plugin_env import IMPORT_PATH, write_package
 
     fleet, sync = setup
@@ -263,8 +263,8 @@ def test_an_engine_on_the_trainers_node_maps_the_weights_the_network_would_send(
     and its tokens are those the gloo broadcast of the same weights gives."""
     from safetensors.torch import load_file
 
-    from pearl_hpc.train.loop import WeightSync
-    from pearl_hpc.train.shm import SharedStore
+    from pearl_hpc.train.sync import WeightSync
+    from pearl_hpc.weights.shm import SharedStore
 
     fleet, sync = setup
     w0 = fleet.client("w0")

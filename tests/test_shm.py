@@ -1,4 +1,4 @@
-"""Weight versions in the node's shared memory (pearl_hpc/train/shm.py): staged by the
+"""Weight versions in the node's shared memory (pearl_hpc/weights/shm.py): staged by the
 trainer in a tmpfs file, mapped back (in another process too) without a copy, removed once
 superseded, and staged privately when the tmpfs has no room. Real files under /dev/shm."""
 
@@ -17,13 +17,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pearl_hpc.train.shm import (  # noqa: E402
+from pearl_hpc.weights.shm import (  # noqa: E402
     SHM_ROOT,
     SharedStore,
     map_version,
     shares_memory,
 )
-from pearl_hpc.train.weights import WeightSyncError  # noqa: E402
+from pearl_hpc.weights.wire import WeightSyncError  # noqa: E402
 from tests.factories import run_reporting  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not SHM_ROOT.is_dir(), reason=f"no {SHM_ROOT} on this machine")
@@ -107,7 +107,9 @@ def test_only_an_engine_that_reads_the_token_shares_the_memory(store) -> None:
     assert not shares_memory(path, token[::-1])
     assert not shares_memory(str(store.directory / "elsewhere"), token)
     # a process of this node (not a thread of this one) reads it too
-    code = "import sys; from pearl_hpc.train.shm import shares_memory as s; print(s(*sys.argv[1:]))"
+    code = (
+        "import sys; from pearl_hpc.weights.shm import shares_memory as s; print(s(*sys.argv[1:]))"
+    )
     out = subprocess.run([sys.executable, "-c", code, path, token], capture_output=True, text=True)
     assert out.stdout.strip() == "True", out.stderr[-2000:]
 

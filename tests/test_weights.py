@@ -21,21 +21,21 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from pearl_hpc.errors import ConfigError, PearlError  # noqa: E402
-from pearl_hpc.train.weights import (  # noqa: E402
-    ALIGN_BYTES,
-    WeightsHeader,
-    WeightSyncError,
-    WeightVersions,
-    block_of,
-    describe,
-    pack_bucket,
-    unpack,
-)
-from pearl_hpc.train.wgroup import (  # noqa: E402
+from pearl_hpc.train.sync import WeightVersions  # noqa: E402
+from pearl_hpc.weights.group import (  # noqa: E402
     WeightGroup,
     WeightStore,
     WeightStream,
     send_weights,
+)
+from pearl_hpc.weights.wire import (  # noqa: E402
+    ALIGN_BYTES,
+    WeightsHeader,
+    WeightSyncError,
+    block_of,
+    describe,
+    pack_bucket,
+    unpack,
 )
 from tests.factories import run_reporting  # noqa: E402
 

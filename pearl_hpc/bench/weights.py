@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from pearl_hpc.train.shm import SharedStore, stage_private
-from pearl_hpc.train.wgroup import WeightGroup, WeightStore, send_weights
+from pearl_hpc.weights.group import WeightGroup, WeightStore, send_weights
+from pearl_hpc.weights.shm import SharedStore, stage_private
 
 SIDE = 2048  # every tensor is SIDE x SIDE: 8 MiB in bf16
 PER_LAYER = 4
@@ -52,8 +52,8 @@ def digest(state: dict[str, torch.Tensor]) -> float:
 
 def _engine(conn: Any) -> None:
     """The engine's side: receive or map each version, then load it into parameters."""
-    from pearl_hpc.train.shm import map_version
-    from pearl_hpc.train.wgroup import receive_weights
+    from pearl_hpc.weights.group import receive_weights
+    from pearl_hpc.weights.shm import map_version
 
     params: dict[str, torch.Tensor] = {}
     group = WeightGroup(*conn.recv(), rank=1, size=2)  # formed once, as for an epoch

@@ -254,8 +254,8 @@ class EngineWorker:
         """Join a weight group of the trainer (rank 0) under the name ``name``.
 
         The group lives outside torch.distributed's default world, which the in-process
-        engine owns (:mod:`pearl_hpc.train.wgroup`)."""
-        from pearl_hpc.train.wgroup import WeightGroup
+        engine owns (:mod:`pearl_hpc.weights.group`)."""
+        from pearl_hpc.weights.group import WeightGroup
 
         await self.leave_weights_group(name)  # the previous epoch's group of that name
         self._weight_groups[name] = await asyncio.to_thread(
@@ -273,7 +273,7 @@ class EngineWorker:
         device at a time while the engine keeps generating; then load it between two
         engine steps."""
         from pearl_hpc.engine.weightfile import receive_into_file
-        from pearl_hpc.train.wgroup import receive_weights
+        from pearl_hpc.weights.group import receive_weights
 
         wg = self._weight_groups.get(group)
         if wg is None:
@@ -296,8 +296,8 @@ class EngineWorker:
 
     async def shares_memory(self, path: str, token: str) -> bool:
         """Whether the trainer's probe file is here with its token (this engine then maps
-        each version from the trainer's shared memory: :mod:`pearl_hpc.train.shm`)."""
-        from pearl_hpc.train.shm import shares_memory
+        each version from the trainer's shared memory: :mod:`pearl_hpc.weights.shm`)."""
+        from pearl_hpc.weights.shm import shares_memory
 
         return shares_memory(path, token)
 
@@ -305,7 +305,7 @@ class EngineWorker:
         """Load the version the trainer staged in the shared file at ``path``: views of a
         private mapping of it become the host copy (nothing is copied into this process)."""
         from pearl_hpc.engine.weightfile import file_for
-        from pearl_hpc.train.shm import map_version
+        from pearl_hpc.weights.shm import map_version
 
         t0 = time.perf_counter()
         version, named = await asyncio.to_thread(map_version, path, header)

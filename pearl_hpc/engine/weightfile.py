@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from pearl_hpc.train.shm import ONE_BUCKET, map_version
-from pearl_hpc.train.weights import WeightsHeader, describe, unpack
+from pearl_hpc.weights.shm import ONE_BUCKET, map_version
+from pearl_hpc.weights.wire import WeightsHeader, describe, unpack
 
 LOAD_METHOD = "pearl_load_weights"  # the worker extension's method (collective_rpc)
 
@@ -101,10 +101,10 @@ def receive_into_file(
     group: Any, src: int = 0, *, p2p: bool = False
 ) -> tuple[int, list[tuple[str, torch.Tensor]], float, WeightFile]:
     """A version from the trainer over ``group`` straight into a new file, bucket by
-    bucket (what :func:`~pearl_hpc.train.wgroup.receive_weights` does into private
+    bucket (what :func:`~pearl_hpc.weights.group.receive_weights` does into private
     memory): the version, views of the file, the seconds waiting on the network, the
     file."""
-    from pearl_hpc.train.wgroup import WeightStream
+    from pearl_hpc.weights.group import WeightStream
 
     stream = WeightStream(group, src, p2p=p2p)
     file, views = WeightFile.allocate(stream.header)

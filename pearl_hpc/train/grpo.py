@@ -274,7 +274,7 @@ class GRPOTrainer:
             self.sharded = self._shard()
             self.model.to(self.device)
         # data parallel (replicated weights): a group with rank, size and all_reduce (sum),
-        # e.g. pearl_hpc.train.wgroup.WeightGroup over the training ranks
+        # e.g. pearl_hpc.weights.group.WeightGroup over the training ranks
         self.dp_group = dp_group if dp_group is not None and not self.sharded else None
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay

@@ -49,10 +49,10 @@ class TrainerRank:
         device: str = "cpu",  # cpu | cuda (this rank's one GPU, cuda:0 once placed)
     ) -> None:
         from pearl_hpc.train.grpo import GRPOTrainer, latest_snapshot
-        from pearl_hpc.train.loop import WeightSync
         from pearl_hpc.train.offload import Residency
-        from pearl_hpc.train.shm import SharedStore, Staged
-        from pearl_hpc.train.wgroup import WeightGroup
+        from pearl_hpc.train.sync import WeightSync
+        from pearl_hpc.weights.group import WeightGroup
+        from pearl_hpc.weights.shm import SharedStore, Staged
 
         self.plane, self.me, self.key = plane, me, key
         self.index, size = comm.Get_rank(), comm.Get_size()

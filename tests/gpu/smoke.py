@@ -184,8 +184,8 @@ class Smoke:
     async def weights(self) -> dict[str, Any]:
         import torch
 
-        from pearl_hpc.train.loop import WeightSync
-        from pearl_hpc.train.shm import SharedStore
+        from pearl_hpc.train.sync import WeightSync
+        from pearl_hpc.weights.shm import SharedStore
 
         g0 = self.workers["g0"].client
         self.trainer = self._trainer()
@@ -263,8 +263,8 @@ class Smoke:
     async def stage(self) -> dict[str, Any]:
         import torch
 
-        from pearl_hpc.train.loop import WeightSync
-        from pearl_hpc.train.shm import SharedStore, map_version
+        from pearl_hpc.train.sync import WeightSync
+        from pearl_hpc.weights.shm import SharedStore, map_version
 
         t = self._trainer()
         shared = SharedStore.create("smoke-stage")

@@ -10,9 +10,9 @@ them can live beside the engine, one per membership epoch.
 
 The trainer owns the store (:class:`WeightStore`); each group is a fresh key prefix with
 ranks ``0 .. size-1`` where 0 is the trainer. Weights travel as the header (the
-:class:`~pearl_hpc.train.weights.WeightsHeader` dict of plain values as msgpack, length
+:class:`~pearl_hpc.weights.wire.WeightsHeader` dict of plain values as msgpack, length
 first: a receiver decodes data, never code) and then one flat buffer
-(:func:`~pearl_hpc.train.weights.pack`).
+(:func:`~pearl_hpc.weights.wire.pack`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from pearl_hpc.train.weights import (
+from pearl_hpc.weights.wire import (
     BUCKET_BYTES,
     WeightsHeader,
     WeightSyncError,

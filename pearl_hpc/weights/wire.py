@@ -1,6 +1,6 @@
 """The weights of one version as a header and bounded buckets, and who holds which.
 
-Data flow (the groups themselves are :mod:`pearl_hpc.train.wgroup`'s)::
+Data flow (the groups themselves are :mod:`pearl_hpc.weights.group`'s)::
 
     trainer (rank 0 of a weight group)               rollout engine (any other rank)
     ──────────────────────────────────               ───────────────────────────────
@@ -46,9 +46,10 @@ Decisions (and why):
   receivers rebuild and validate the :class:`WeightsHeader`, so a corrupted or mismatched
   header fails here with a message instead of as a wrong-sized tensor inside the engine.
 - **Lazy propagation.** Broadcasting to everyone after every step would stall workers in
-  the middle of a turn. :class:`WeightVersions` records which worker holds which version;
-  a worker within ``max_staleness`` versions of the latest may keep generating, and one
-  that falls behind (or joins later) gets the weights point to point before its next turn.
+  the middle of a turn. :class:`~pearl_hpc.train.sync.WeightVersions` records which
+  worker holds which version; a worker within ``max_staleness`` versions of the latest
+  may keep generating, and one that falls behind (or joins later) gets the weights point
+  to point before its next turn.
 - **Devices.** With NCCL the buckets live on the current CUDA device; with gloo on the CPU.
 """
 
@@ -60,7 +61,7 @@ from typing import Any
 
 import torch
 
-from pearl_hpc.errors import ConfigError, PearlError
+from pearl_hpc.errors import PearlError
 
 ALIGN_BYTES = 16  # every tensor's first byte in a bucket is a multiple of this
 BUCKET_BYTES = 1 << 30  # the most a bucket holds (unless one block is larger)
@@ -320,94 +321,10 @@ def unpack(header: WeightsHeader, b: int, flat: torch.Tensor) -> list[tuple[str,
     return out
 
 
-# --------------------------------------------------------------------------- transfers
-
-
-class WeightVersions:
-    """Which rollout worker holds which weight version; pure bookkeeping (no torch).
-
-    Rules:
-
-    - The latest version starts at 0: every engine starts from the model directory, which
-      is the trainer's version 0. ``published`` moves it forward (never back).
-    - ``loaded`` records what a worker now holds; it cannot be ahead of the latest, and a
-      worker never goes back (a restarted worker is ``forget``-ed first).
-    - A worker *may generate* while ``version >= latest - max_staleness``: the trainer
-      accepts its trajectories (its own ``max_staleness`` should be the same value).
-    - A worker is *stale* while ``version < latest``: it needs a lazy sync before its next
-      turn, though it may finish the current one if it still may generate.
-    - An unknown worker holds nothing: it may not generate and is not listed as stale (it
-      gets the weights when it registers with ``loaded``).
-    """
-
-    def __init__(self, max_staleness: int = 1) -> None:
-        if isinstance(max_staleness, bool) or not isinstance(max_staleness, int):
-            raise ConfigError(f"max_staleness must be an int, got {max_staleness!r}")
-        if max_staleness < 0:
-            raise ConfigError(
-                f"max_staleness must be >= 0 (0 = fully on-policy), got {max_staleness}"
-            )
-        self.max_staleness = max_staleness
-        self._latest = 0
-        self._held: dict[str, int] = {}
-
-    @property
-    def latest(self) -> int:
-        return self._latest
-
-    def version_of(self, worker_id: str) -> int | None:
-        """The version ``worker_id`` holds, or None for an unknown worker."""
-        return self._held.get(worker_id)
-
-    def published(self, version: int) -> None:
-        """The trainer made ``version`` available (re-publishing the latest is a no-op)."""
-        _check_version(version, "published")
-        if version < self._latest:
-            raise WeightSyncError(
-                f"published version {version} is older than the latest ({self._latest}); "
-                "versions only move forward"
-            )
-        self._latest = version
-
-    def loaded(self, worker_id: str, version: int) -> None:
-        """``worker_id`` now serves ``version``."""
-        _check_version(version, f"loaded by {worker_id!r}")
-        if version > self._latest:
-            raise WeightSyncError(
-                f"{worker_id!r} cannot load version {version}: the latest published is "
-                f"{self._latest}; call published({version}) first"
-            )
-        held = self._held.get(worker_id)
-        if held is not None and version < held:
-            raise WeightSyncError(
-                f"{worker_id!r} holds version {held} and cannot go back to {version}; "
-                "forget() a restarted worker before it loads again"
-            )
-        self._held[worker_id] = version
-
-    def forget(self, worker_id: str) -> None:
-        """``worker_id`` left (or restarted); forgetting an unknown worker is a no-op."""
-        self._held.pop(worker_id, None)
-
-    def stale(self) -> list[str]:
-        """Workers behind the latest version, sorted by id."""
-        return sorted(w for w, v in self._held.items() if v < self._latest)
-
-    def may_generate(self, worker_id: str) -> bool:
-        held = self._held.get(worker_id)
-        return held is not None and held >= self._latest - self.max_staleness
-
-
-def _check_version(version: int, what: str) -> None:
-    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        raise WeightSyncError(f"{what}: version must be an int >= 0, got {version!r}")
-
-
 __all__ = [
     "ALIGN_BYTES",
     "BUCKET_BYTES",
     "WeightSyncError",
-    "WeightVersions",
     "WeightsHeader",
     "block_of",
     "describe",

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from pearl_hpc.train.weights import WeightsHeader, WeightSyncError, describe, unpack
+from pearl_hpc.weights.wire import WeightsHeader, WeightSyncError, describe, unpack
 
 log = logging.getLogger(__name__)
 

@@ -1,17 +1,15 @@
-"""GRPO over real engines: rollout a batch, train on it, push the weights to the workers.
+"""The trainer's side of the weight propagation to the engines.
 
-    for step in range(steps):
-        trajectories = rollout_batch(router, env, ...)     # engines, version v (or v-1)
-        stats = trainer.train_step(trajectories)            # version v+1 (in a thread)
-        await sync.publish(sync.stage(trainer.state_dict(), v+1))   # to serving workers
+    stats = trainer.train_step(trajectories)                      # version v+1
+    await sync.publish(sync.stage(trainer.state_dict(), v+1))    # to serving workers
 
 :class:`WeightSync` is the trainer side of the weight propagation. Engines on trainer 0's
 node (they read its probe in shared memory) map each version from the file it was staged
-in (:mod:`pearl_hpc.train.shm`); the others are ranks of a torch.distributed weight group
+in (:mod:`pearl_hpc.weights.shm`); the others are ranks of a torch.distributed weight group
 (gloo on CPU, NCCL on GPU) whose rank 0 is the trainer, and take each version in one
 broadcast. A worker outside the broadcast group (released, or joined late) is not waited
 for and catches up when it activates (lazy propagation): from shared memory, or with a
-point-to-point copy. :class:`~pearl_hpc.train.weights.WeightVersions` keeps who holds what.
+point-to-point copy. :class:`WeightVersions` keeps who holds what.
 """
 
 from __future__ import annotations
@@ -19,19 +17,16 @@ from __future__ import annotations
 import asyncio
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Mapping
 from typing import cast
 
 import torch
 
 from pearl_hpc.engine.client import EngineClient
-from pearl_hpc.rollout.agent import ChatFormat, Env, RolloutConfig, rollout_batch
-from pearl_hpc.rollout.router import Router
-from pearl_hpc.train.grpo import GRPOTrainer, TrainStats
-from pearl_hpc.train.shm import SharedStore, Staged, stage_private
-from pearl_hpc.train.weights import BUCKET_BYTES, WeightSyncError, WeightVersions
-from pearl_hpc.train.wgroup import WeightGroup, WeightStore, send_weights
+from pearl_hpc.errors import ConfigError
+from pearl_hpc.weights.group import WeightGroup, WeightStore, send_weights
+from pearl_hpc.weights.shm import SharedStore, Staged, stage_private
+from pearl_hpc.weights.wire import BUCKET_BYTES, WeightSyncError
 
 
 class WeightSync:
@@ -202,51 +197,81 @@ class WeightSync:
             self.shared.close()
 
 
-@dataclass(frozen=True)
-class StepRecord:
-    """One GRPO step as the curve and the benchmarks report it."""
+class WeightVersions:
+    """Which rollout worker holds which weight version; pure bookkeeping (no torch).
 
-    step: int
-    mean_reward: float
-    rollout_s: float
-    train_s: float
-    sync_s: float
-    generated_tokens: int
-    version: int  # trainer version after the step
-    loss: float
+    Rules:
+
+    - The latest version starts at 0: every engine starts from the model directory, which
+      is the trainer's version 0. ``published`` moves it forward (never back).
+    - ``loaded`` records what a worker now holds; it cannot be ahead of the latest, and a
+      worker never goes back (a restarted worker is ``forget``-ed first).
+    - A worker *may generate* while ``version >= latest - max_staleness``: the trainer
+      accepts its trajectories (its own ``max_staleness`` should be the same value).
+    - A worker is *stale* while ``version < latest``: it needs a lazy sync before its next
+      turn, though it may finish the current one if it still may generate.
+    - An unknown worker holds nothing: it may not generate and is not listed as stale (it
+      gets the weights when it registers with ``loaded``).
+    """
+
+    def __init__(self, max_staleness: int = 1) -> None:
+        if isinstance(max_staleness, bool) or not isinstance(max_staleness, int):
+            raise ConfigError(f"max_staleness must be an int, got {max_staleness!r}")
+        if max_staleness < 0:
+            raise ConfigError(
+                f"max_staleness must be >= 0 (0 = fully on-policy), got {max_staleness}"
+            )
+        self.max_staleness = max_staleness
+        self._latest = 0
+        self._held: dict[str, int] = {}
+
+    @property
+    def latest(self) -> int:
+        return self._latest
+
+    def version_of(self, worker_id: str) -> int | None:
+        """The version ``worker_id`` holds, or None for an unknown worker."""
+        return self._held.get(worker_id)
+
+    def published(self, version: int) -> None:
+        """The trainer made ``version`` available (re-publishing the latest is a no-op)."""
+        _check_version(version, "published")
+        if version < self._latest:
+            raise WeightSyncError(
+                f"published version {version} is older than the latest ({self._latest}); "
+                "versions only move forward"
+            )
+        self._latest = version
+
+    def loaded(self, worker_id: str, version: int) -> None:
+        """``worker_id`` now serves ``version``."""
+        _check_version(version, f"loaded by {worker_id!r}")
+        if version > self._latest:
+            raise WeightSyncError(
+                f"{worker_id!r} cannot load version {version}: the latest published is "
+                f"{self._latest}; call published({version}) first"
+            )
+        held = self._held.get(worker_id)
+        if held is not None and version < held:
+            raise WeightSyncError(
+                f"{worker_id!r} holds version {held} and cannot go back to {version}; "
+                "forget() a restarted worker before it loads again"
+            )
+        self._held[worker_id] = version
+
+    def forget(self, worker_id: str) -> None:
+        """``worker_id`` left (or restarted); forgetting an unknown worker is a no-op."""
+        self._held.pop(worker_id, None)
+
+    def stale(self) -> list[str]:
+        """Workers behind the latest version, sorted by id."""
+        return sorted(w for w, v in self._held.items() if v < self._latest)
+
+    def may_generate(self, worker_id: str) -> bool:
+        held = self._held.get(worker_id)
+        return held is not None and held >= self._latest - self.max_staleness
 
 
-async def grpo_steps(
-    router: Router,
-    chat: ChatFormat,
-    make_env: Callable[[], Env],
-    trainer: GRPOTrainer,
-    rollout: RolloutConfig,
-    *,
-    steps: int,
-    sync: WeightSync,
-    on_step: Callable[[StepRecord], None] | None = None,
-) -> list[StepRecord]:
-    """``steps`` synchronous GRPO steps; the curve is returned (and reported per step)."""
-    records = []
-    for step in range(steps):
-        t0 = time.perf_counter()
-        trajectories = await rollout_batch(router, make_env, chat, rollout, step=step)
-        t1 = time.perf_counter()
-        stats: TrainStats = await asyncio.to_thread(trainer.train_step, trajectories)
-        t2 = time.perf_counter()
-        sync_s = await sync.publish(sync.stage(trainer.state_dict(), stats.version))
-        record = StepRecord(
-            step=step,
-            mean_reward=stats.mean_reward,
-            rollout_s=t1 - t0,
-            train_s=t2 - t1,
-            sync_s=sync_s,
-            generated_tokens=sum(t.num_generated() for t in trajectories),
-            version=stats.version,
-            loss=stats.loss,
-        )
-        records.append(record)
-        if on_step is not None:
-            on_step(record)
-    return records
+def _check_version(version: int, what: str) -> None:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise WeightSyncError(f"{what}: version must be an int >= 0, got {version!r}")
