@@ -21,7 +21,7 @@ from typing import Any
 import submitit
 
 from pearl_hpc.backends.world import run_world
-from pearl_hpc.config.run import load_run_config
+from pearl_hpc.master.preflight import load_run_config
 from pearl_hpc.rundir import RunDir, read_journal
 
 

@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from pearl_hpc.backends.world import run_to_summary
-from pearl_hpc.config.run import load_run_config
 from pearl_hpc.errors import ConfigError
+from pearl_hpc.master.preflight import load_run_config
 from pearl_hpc.rollout.envs import make_env
 from pearl_hpc.rollout.envs.registry import plugin_names
 from tests.conftest import vllm_skip_reason
@@ -48,12 +48,12 @@ def test_an_installed_package_registers_its_environment(plugin_site: Path, monke
         make_env(ENTRY_POINT, max_turns="three")
 
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+GUIDE = Path(__file__).resolve().parent.parent / "docs" / "environments.md"
 
 
-def test_the_readmes_environment_example_runs(tmp_path: Path, monkeypatch) -> None:
-    """The README's "Bring your own environment" block, as a user would save it."""
-    text = README.read_text()
+def test_the_guides_environment_example_runs(tmp_path: Path, monkeypatch) -> None:
+    """docs/environments.md's "Bring your own environment" block, as a user would save it."""
+    text = GUIDE.read_text()
     marker = "<!-- readme-example: my_envs/guess.py -->\n```python\n"
     source = text.split(marker, 1)[1].split("```", 1)[0]
     (tmp_path / "my_envs").mkdir()

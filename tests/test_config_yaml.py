@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pearl_hpc.config.files import load_policy, load_profile, load_yaml, parse_yaml
-from pearl_hpc.config.run import load_run_config
 from pearl_hpc.errors import ConfigError
+from pearl_hpc.master.preflight import load_run_config
 from pearl_hpc.sim.workload import WorkloadConfig
 
 REPO = Path(__file__).resolve().parents[1]

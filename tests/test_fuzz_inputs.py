@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from pearl_hpc.cli.main import main
 from pearl_hpc.config.files import load_policy, load_profile
-from pearl_hpc.config.run import load_run_config
 from pearl_hpc.errors import PearlError
+from pearl_hpc.master.preflight import load_run_config
 from pearl_hpc.rundir import RunDir
 from pearl_hpc.sim.workload import WorkloadConfig
 

@@ -13,23 +13,18 @@ import pytest
 import yaml
 
 from pearl_hpc.cli.main import main
-from pearl_hpc.config.run import (
-    ENGINE,
-    MASTER,
-    TRAINER,
-    base_layout,
-    engine_spec,
-    load_run_config,
-)
+from pearl_hpc.comm.layout import ENGINE, MASTER, TRAINER, base_layout
 from pearl_hpc.core.types import Role
 from pearl_hpc.engine.spec import (
     EngineSpec,
     engine_args,
+    engine_spec,
     vllm_args_problem,
     vllm_version_problem,
     weights_dtype,
 )
 from pearl_hpc.errors import ConfigError
+from pearl_hpc.master.preflight import load_run_config
 from pearl_hpc.worker.main import place_rank
 from pearl_hpc.worker.placement import gpus_seen, place
 

@@ -20,8 +20,9 @@ import yaml
 
 from pearl_hpc.backends.trace import replay_workers
 from pearl_hpc.backends.world import run_to_summary
-from pearl_hpc.config.run import TraceReplay, load_run_config
+from pearl_hpc.config.run import TraceReplay
 from pearl_hpc.errors import ConfigError, PearlError
+from pearl_hpc.master.preflight import load_run_config
 from tests.conftest import vllm_skip_reason
 
 CONFIG = {

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pearl_hpc.config.run import load_run_config
 from pearl_hpc.errors import ConfigError
+from pearl_hpc.master.preflight import load_run_config
 from pearl_hpc.rundir import RunDir, RunDirBusy
 
 REPO = Path(__file__).resolve().parents[1]

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from pearl_hpc.config.traces import AvailabilityTrace
 from pearl_hpc.sim.costmodel import CostModel
 from pearl_hpc.sim.fluid import batch_work, elastic_gpu_s, fluid_bound
 from pearl_hpc.sim.run import DEFAULT_WORKLOAD, SimRequest, simulate
-from pearl_hpc.sim.traces import AvailabilityTrace
 from pearl_hpc.sim.workload import WorkloadConfig, WorkloadGenerator
 
 COST = CostModel.from_names("h800", "qwen3-8b")

@@ -475,7 +475,7 @@ def test_a_base_job_over_two_nodes_trains_on_one_and_serves_on_the_other(
     rollout node; elastic workers are asked for as a 2-component hetjob; every step
     trains its whole batch."""
     from pearl_hpc.backends.world import base_job_options
-    from pearl_hpc.config.run import load_run_config
+    from pearl_hpc.master.preflight import load_run_config
 
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({**MULTI_NODE, "runs_dir": str(tmp_path / "runs")}))

@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pearl_hpc.errors import PearlError
-from pearl_hpc.sim.traces import (
+from pearl_hpc.config.traces import (
     SEGMENTS,
     TRACE_1C,
     TRACE_1D,
@@ -23,6 +22,7 @@ from pearl_hpc.sim.traces import (
     select_window,
     trace_path,
 )
+from pearl_hpc.errors import PearlError
 
 DATA = Path(__file__).resolve().parent.parent / "pearl_hpc" / "data" / "traces"
 TARGETS = {1: 13.6, 2: 9.0, 3: 11.8}

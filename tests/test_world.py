@@ -20,17 +20,10 @@ from pearl_hpc.backends.world import (
     world_argv,
     world_env,
 )
-from pearl_hpc.config.run import (
-    ENGINE,
-    MASTER,
-    TRAINER,
-    LayoutConfig,
-    WorkersConfig,
-    base_layout,
-    layout_problem,
-    load_run_config,
-)
+from pearl_hpc.comm.layout import ENGINE, MASTER, TRAINER, base_layout
+from pearl_hpc.config.run import LayoutConfig, WorkersConfig, layout_problem
 from pearl_hpc.errors import ConfigError
+from pearl_hpc.master.preflight import load_run_config
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "golden" / "pearl-32gpu.dryrun.txt"

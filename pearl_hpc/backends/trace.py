@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pearl_hpc.config.run import ElasticConfig, TracePoint, TraceReplay
-from pearl_hpc.sim.traces import AvailabilityTrace
+from pearl_hpc.config.traces import AvailabilityTrace
 
 
 def replay_workers(trace: AvailabilityTrace, replay: TraceReplay, run_s: float) -> int:

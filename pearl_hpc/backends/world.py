@@ -31,8 +31,9 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from pearl_hpc.comm.layout import RankSpec, base_layout
 from pearl_hpc.comm.mpiexec import mpiexec_path
-from pearl_hpc.config.run import RankSpec, RunConfig, base_layout
+from pearl_hpc.config.run import RunConfig
 from pearl_hpc.errors import ConfigError, PearlError
 from pearl_hpc.rundir import RunDir
 

@@ -42,9 +42,10 @@ from pathlib import Path
 from typing import Any
 
 from pearl_hpc.backends.world import run_to_summary
-from pearl_hpc.config.run import RunConfig, load_run_config
+from pearl_hpc.config.run import RunConfig
 from pearl_hpc.core.policies import BorrowingName, PDPolicyName
 from pearl_hpc.errors import PearlError
+from pearl_hpc.master.preflight import load_run_config
 from pearl_hpc.master.records import read_jsonl
 from pearl_hpc.rundir import RunDir
 

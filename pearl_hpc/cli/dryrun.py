@@ -18,8 +18,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pearl_hpc.comm.layout import ENGINE, TRAINER, base_layout
 from pearl_hpc.config.files import REPO_CONFIGS, load_profile
-from pearl_hpc.config.run import ENGINE, TRAINER, RunConfig, base_layout
+from pearl_hpc.config.run import RunConfig
 from pearl_hpc.core.controller import Controller
 from pearl_hpc.core.orchestrator import WorkerAdd
 from pearl_hpc.core.table import ElasticSource

@@ -18,7 +18,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     (rank 0, the master, prints a line per step and the summary)."""
     from pearl_hpc.backends.world import exec_world
     from pearl_hpc.comm.mpiexec import mpiexec_path
-    from pearl_hpc.config.run import check_engine_install, load_run_config
+    from pearl_hpc.engine.spec import check_engine_install
+    from pearl_hpc.master.preflight import load_run_config
     from pearl_hpc.rundir import RunDir
 
     if args.dry_run:

@@ -20,26 +20,35 @@ Strict: an unknown key, a value out of range or an inconsistent pair is a
 from __future__ import annotations
 
 import re
-import shutil
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from importlib.util import find_spec
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pearl_hpc.config.files import load_yaml
+from pearl_hpc.config.traces import AvailabilityTrace, load_segment, load_trace
 from pearl_hpc.core.policies import PolicyConfig
 from pearl_hpc.core.schema import from_mapping, spec_field
-from pearl_hpc.engine.spec import OWNED_ARGS, EngineSpec
 from pearl_hpc.errors import ConfigError
-from pearl_hpc.rollout.envs import make_env
-from pearl_hpc.rollout.sandbox import SandboxUnavailable
-from pearl_hpc.rollout.tasks import TaskSet, load_task_set
-from pearl_hpc.sim.traces import AvailabilityTrace, load_segment, load_trace
-from pearl_hpc.slurm.scripts import SLURM_TIME
-from pearl_hpc.train import CORRECTIONS, LOSS_TYPES
 
 BACKENDS = ("local", "slurm")
+CORRECTIONS = ("none", "tis", "decoupled")  # the objective's options (train/objective.py)
+LOSS_TYPES = ("bnpo", "grpo", "dr_grpo")
+SLURM_TIME = re.compile(r"(\d+-)?\d{1,2}(:\d{2}){0,2}|\d+")  # fullmatch: a Slurm time
+# vLLM EngineArgs the engines set themselves (engine.vllm_args may not), and from what
+OWNED_ARGS = {
+    "model": "the run's model",
+    "seed": "run.seed",
+    "max_model_len": "run.max_context_tokens",
+    "max_num_seqs": "engine.max_num_seqs",
+    "gpu_memory_utilization": "engine.gpu_memory_utilization",
+    "tensor_parallel_size": "layout.gpus_per_worker (elastic: the pool's gpus_per_worker)",
+    "kv_transfer_config": "the engine's role (engine.kv_buffer_device for its buffer)",
+    "distributed_executor_backend": "the tensor-parallel size (uni for 1 GPU, mp above)",
+    "worker_extension_cls": "pearl_hpc (TP workers load each version from a file)",
+    "enable_sleep_mode": "the device (on for cuda: borrowing frees the GPU)",
+    "enable_logging_iteration_details": "pearl_hpc (the tracker's per-iteration telemetry)",
+    "logprobs_mode": "pearl_hpc (the trainer's behaviour log-probs)",
+}
 
 
 @dataclass(frozen=True)
@@ -393,9 +402,11 @@ class RunConfig:
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")  # a run directory's stem
 
 
-def load_run_config(path: str | Path, *, need_slurm: bool = True) -> RunConfig:
-    """Read and check a run config; every error names the field and the fix
-    (``need_slurm=False``: a Slurm run described, not started, e.g. ``--dry-run``)."""
+def read_run_config(path: str | Path) -> RunConfig:
+    """Read a run config and check its values (pure but for reading the file and an
+    availability trace it names); every error names the field and the fix. What needs
+    the installed runtimes (environments, task files, vLLM, Slurm) is checked by
+    :func:`pearl_hpc.master.preflight.load_run_config`."""
     cfg = from_mapping(RunConfig, load_yaml(path), where=str(path))
     if cfg.workers.overlap > cfg.workers.training_gpus:
         raise ConfigError(
@@ -429,11 +440,6 @@ def load_run_config(path: str | Path, *, need_slurm: bool = True) -> RunConfig:
             f"{path}: name {cfg.name!r}: a plain name (letters, digits, '.', '_', '-'; "
             "not starting with '.'), e.g. my-run"
         )
-    if need_slurm and cfg.backend == "slurm" and not shutil.which("sbatch"):
-        raise ConfigError(
-            f"{path}: backend slurm needs the Slurm commands (sbatch not on PATH); run on a "
-            "Slurm cluster (slurm/local-cluster.sh up for a local one) or use backend: local"
-        )
     problem = (
         layout_problem(cfg.workers, cfg.layout)
         or engine_problem(cfg.engine)
@@ -442,83 +448,20 @@ def load_run_config(path: str | Path, *, need_slurm: bool = True) -> RunConfig:
     )
     if problem:
         raise ConfigError(f"{path}: {problem}")
-    try:
-        check_environment(cfg.run)
-        load_tasks(cfg.run)
-    except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
     return cfg
 
 
-def engine_spec(
-    cfg: RunConfig, model_dir: str, *, device: str, gpus: int = 1, host: str = "127.0.0.1"
-) -> EngineSpec:
-    """The engine a rank builds on ``device`` (resolved: cpu | cuda) over ``gpus`` GPUs
-    (its tensor-parallel size on cuda), its NIXL side channel advertised at ``host``."""
-    e = cfg.engine
-    return EngineSpec(
-        model_dir=model_dir,
-        device=device,
-        max_model_len=cfg.run.max_context_tokens,
-        kv_cache_gb=e.kv_cache_gb,
-        gpu_memory_utilization=e.gpu_memory_utilization,
-        tensor_parallel_size=gpus if device == "cuda" else 1,
-        kv_buffer_device=device if e.kv_buffer_device == "auto" else e.kv_buffer_device,
-        kv_side_channel_host=host,
-        seed=cfg.run.seed,
-        max_num_seqs=e.max_num_seqs,
-        vllm_args=dict(e.vllm_args),
-    )
-
-
-def environment(run: RunSettings) -> Any:
-    """A fresh environment of the run (one per trajectory)."""
-    return make_env(run.env, max_turns=run.max_turns, **run.env_options)
-
-
-def check_environment(run: RunSettings) -> None:
-    """``run.env`` and its options make an environment (a machine without the tool
-    sandbox is told so when the run starts, not by a config check)."""
-    try:
-        environment(run)
-    except SandboxUnavailable:
-        pass
-    except ConfigError as e:
-        raise ConfigError(
-            str(e) if str(e).startswith("run.env") else f"run.env_options: {e}"
-        ) from None
-
-
-def load_tasks(run: RunSettings) -> TaskSet | None:
-    """``run.tasks`` read (None when unset)."""
-    t = run.tasks
-    if not t.path:
-        if t.eval_path:
-            raise ConfigError("run.tasks.eval_path is set without run.tasks.path; set both")
-        return None
-    return load_task_set(
-        t.path,
-        eval_path=t.eval_path,
-        eval_fraction=t.eval_fraction,
-        shuffle=t.shuffle,
-        seed=run.seed,
-    )
-
-
 def dashboards_problem(dashboards: DashboardSettings) -> str:
-    """What is wrong with ``dashboards:`` ('' if nothing; pure but for import checks)."""
+    """What is wrong with ``dashboards:`` ('' if nothing; pure)."""
     if dashboards.wandb_mode not in WANDB_MODES:
         return f"dashboards.wandb_mode {dashboards.wandb_mode!r}: use offline or online"
-    if dashboards.tensorboard and find_spec("tensorboard") is None:
-        return "dashboards.tensorboard needs the tensorboard package: pip install tensorboard"
-    if dashboards.wandb_project and find_spec("wandb") is None:
-        return "dashboards.wandb_project needs the wandb package: pip install wandb"
     return ""
 
 
 def engine_problem(engine: EngineSettings) -> str:
     """What is wrong with ``engine:`` ('' if nothing; pure: the vllm_args names are
-    checked against vLLM itself when the run starts, :func:`check_engine_install`)."""
+    checked against vLLM itself when the run starts,
+    :func:`pearl_hpc.engine.spec.check_engine_install`)."""
     for key in ("device", "kv_buffer_device"):
         if getattr(engine, key) not in DEVICE_SETTINGS:
             return f"engine.{key} {getattr(engine, key)!r}: use auto, cpu or cuda"
@@ -526,18 +469,6 @@ def engine_problem(engine: EngineSettings) -> str:
     if owned:
         return f"engine.vllm_args.{owned[0]} is set by {OWNED_ARGS[owned[0]]}; remove it"
     return ""
-
-
-def check_engine_install(engine: EngineSettings) -> None:
-    """The installed vLLM can run this run's engines: a supported version, and every
-    ``engine.vllm_args`` key one of its ``EngineArgs`` (:class:`ConfigError` otherwise)."""
-    from pearl_hpc.engine.spec import check_vllm, engine_arg_names, vllm_args_problem
-
-    check_vllm()
-    if engine.vllm_args:
-        problem = vllm_args_problem(engine.vllm_args, engine_arg_names())
-        if problem:
-            raise ConfigError(problem)
 
 
 def train_problem(train: TrainSettings, workers: WorkersConfig = WorkersConfig()) -> str:
@@ -632,58 +563,3 @@ def layout_problem(workers: WorkersConfig, layout: LayoutConfig) -> str:
             f"({gpw}) GPUs do not fit {where} GPUs ({free}); add rollout nodes"
         )
     return ""
-
-
-# ------------------------------------------------------------------ the base MPI world
-MASTER, TRAINER, ENGINE = "master", "trainer", "engine"
-
-
-@dataclass(frozen=True)
-class RankSpec:
-    """One process of the run's base MPI world."""
-
-    rank: int
-    kind: str  # MASTER | TRAINER | ENGINE
-    gpu_ids: tuple[str, ...]  # the GPUs it runs on, as the role table names them
-    index: int  # among the ranks of its kind
-    node: int = 0  # which node of the base job (0: the first; the local backend: this one)
-    devices: tuple[int, ...] = ()  # its GPUs' device numbers on that node
-
-    @property
-    def overlap(self) -> bool:
-        """An engine rank on training GPUs (time-shared with the trainer ranks there)."""
-        return self.kind == ENGINE and on_training_gpus(self.gpu_ids)
-
-
-def on_training_gpus(gpu_ids: Sequence[str]) -> bool:
-    """GPUs the role table names as a trainer's (``train:N``): an engine there borrows them."""
-    return bool(gpu_ids) and gpu_ids[0].startswith("train")
-
-
-def base_layout(workers: WorkersConfig, layout: LayoutConfig = LayoutConfig()) -> list[RankSpec]:
-    """The base world (pure): rank 0 the master (on the first node, no GPU), then one
-    trainer rank per training GPU (filling the training nodes in order), then the
-    reserved engines (on the rollout nodes, or the training nodes' spare GPUs), then the
-    overlap engines (on the training GPUs, ``gpus_per_worker`` each); ranks are then
-    numbered node by node, so each node runs a contiguous block of ranks (what Hydra's
-    hostfile places)."""
-    gpn, gpw = layout.gpus_per_node, layout.gpus_per_worker
-
-    def place(first: int) -> tuple[int, tuple[int, ...]]:  # a flat GPU index -> node, devices
-        return first // gpn, tuple(range(first % gpn, first % gpn + gpw))
-
-    ranks = [RankSpec(0, MASTER, (), 0)]
-    for i in range(workers.training_gpus):
-        ranks.append(RankSpec(len(ranks), TRAINER, (f"train:{i}",), i, i // gpn, (i % gpn,)))
-    base = layout.training_nodes * gpn if layout.rollout_nodes else workers.training_gpus
-    for j in range(workers.reserved_rollout):
-        node, devices = place(base + j * gpw)
-        gpu_ids = tuple(f"rsv:{j * gpw + k}" for k in range(gpw))
-        ranks.append(RankSpec(len(ranks), ENGINE, gpu_ids, j, node, devices))
-    for k in range(workers.overlap):
-        node, devices = place(k * gpw)
-        gpu_ids = tuple(f"train:{k * gpw + d}" for d in range(gpw))
-        index = workers.reserved_rollout + k
-        ranks.append(RankSpec(len(ranks), ENGINE, gpu_ids, index, node, devices))
-    by_node = sorted(ranks, key=lambda r: r.node)  # stable: rank 0 stays first
-    return [replace(r, rank=i) for i, r in enumerate(by_node)]

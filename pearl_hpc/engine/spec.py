@@ -19,6 +19,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from pearl_hpc.config.run import OWNED_ARGS, EngineSettings, RunConfig
 from pearl_hpc.core.types import Role
 from pearl_hpc.errors import ConfigError
 
@@ -36,22 +37,6 @@ SUPPORTED_VLLM = "0.32"
 BOTH_WAYS_CONNECTORS = frozenset({"NixlConnector"})
 
 # EngineArgs pearl_hpc sets itself: a vllm_args key of these is refused, naming the setting.
-OWNED_ARGS = {
-    "model": "the run's model",
-    "seed": "run.seed",
-    "max_model_len": "run.max_context_tokens",
-    "max_num_seqs": "engine.max_num_seqs",
-    "gpu_memory_utilization": "engine.gpu_memory_utilization",
-    "tensor_parallel_size": "layout.gpus_per_worker (elastic: the pool's gpus_per_worker)",
-    "kv_transfer_config": "the engine's role (engine.kv_buffer_device for its buffer)",
-    "distributed_executor_backend": "the tensor-parallel size (uni for 1 GPU, mp above)",
-    "worker_extension_cls": "pearl_hpc (TP workers load each version from a file)",
-    "enable_sleep_mode": "the device (on for cuda: borrowing frees the GPU)",
-    "enable_logging_iteration_details": "pearl_hpc (the tracker's per-iteration telemetry)",
-    "logprobs_mode": "pearl_hpc (the trainer's behaviour log-probs)",
-}
-
-
 @dataclass(frozen=True)
 class EngineSpec:
     """How to build this worker's engine (the role is given per start)."""
@@ -241,3 +226,34 @@ def vllm_version_problem(version: str | None) -> str:
             f"vLLM {SUPPORTED_VLLM}.x: pip install -e '.[gpu]' (CUDA) or -e '.[engine]' (CPU)"
         )
     return ""
+
+
+def engine_spec(
+    cfg: RunConfig, model_dir: str, *, device: str, gpus: int = 1, host: str = "127.0.0.1"
+) -> EngineSpec:
+    """The engine a rank builds on ``device`` (resolved: cpu | cuda) over ``gpus`` GPUs
+    (its tensor-parallel size on cuda), its NIXL side channel advertised at ``host``."""
+    e = cfg.engine
+    return EngineSpec(
+        model_dir=model_dir,
+        device=device,
+        max_model_len=cfg.run.max_context_tokens,
+        kv_cache_gb=e.kv_cache_gb,
+        gpu_memory_utilization=e.gpu_memory_utilization,
+        tensor_parallel_size=gpus if device == "cuda" else 1,
+        kv_buffer_device=device if e.kv_buffer_device == "auto" else e.kv_buffer_device,
+        kv_side_channel_host=host,
+        seed=cfg.run.seed,
+        max_num_seqs=e.max_num_seqs,
+        vllm_args=dict(e.vllm_args),
+    )
+
+
+def check_engine_install(engine: EngineSettings) -> None:
+    """The installed vLLM can run this run's engines: a supported version, and every
+    ``engine.vllm_args`` key one of its ``EngineArgs`` (:class:`ConfigError` otherwise)."""
+    check_vllm()
+    if engine.vllm_args:
+        problem = vllm_args_problem(engine.vllm_args, engine_arg_names())
+        if problem:
+            raise ConfigError(problem)

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pearl_hpc.config.run import on_training_gpus
+from pearl_hpc.comm.layout import on_training_gpus
 from pearl_hpc.core.controller import (
     Event,
     WorkerFailed,

@@ -37,17 +37,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, cast
 
+from pearl_hpc.comm.layout import ENGINE, TRAINER, base_layout
 from pearl_hpc.comm.members import Members
 from pearl_hpc.comm.membership import Member
 from pearl_hpc.comm.mpi import MasterPlane
 from pearl_hpc.config.files import REPO_CONFIGS, load_profile
-from pearl_hpc.config.run import (
-    ENGINE,
-    TRAINER,
-    DashboardSettings,
-    RunConfig,
-    base_layout,
-)
+from pearl_hpc.config.run import DashboardSettings, RunConfig
 from pearl_hpc.core.controller import Controller, Event
 from pearl_hpc.core.policies import prefill_locally
 from pearl_hpc.core.table import IN_SERVICE, RoleTable
@@ -272,8 +267,9 @@ class MasterRun:
     def _build_workload(self) -> Workload:
         from transformers import AutoTokenizer
 
-        from pearl_hpc.config.run import environment, load_tasks
         from pearl_hpc.rollout.agent import ChatFormat, RolloutConfig
+        from pearl_hpc.rollout.envs.registry import environment
+        from pearl_hpc.rollout.tasks import load_tasks
 
         cfg = self.cfg
         chat = ChatFormat(cast(Any, AutoTokenizer.from_pretrained(self.model_dir)))

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pearl_hpc.config.run import RunSettings
 from pearl_hpc.errors import ConfigError
 
 Task = dict[str, Any]
@@ -165,3 +166,19 @@ def _with_ids(rows: Sequence[Task], stem: str, field: str) -> list[Task]:
         seen.add(task_id)
         out.append({**row, "id": task_id})
     return out
+
+
+def load_tasks(run: RunSettings) -> TaskSet | None:
+    """``run.tasks`` read (None when unset)."""
+    t = run.tasks
+    if not t.path:
+        if t.eval_path:
+            raise ConfigError("run.tasks.eval_path is set without run.tasks.path; set both")
+        return None
+    return load_task_set(
+        t.path,
+        eval_path=t.eval_path,
+        eval_fraction=t.eval_fraction,
+        shuffle=t.shuffle,
+        seed=run.seed,
+    )

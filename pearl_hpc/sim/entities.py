@@ -20,11 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pearl_hpc.config.traces import AvailabilityTrace
 from pearl_hpc.core.policies import PolicyConfig
 from pearl_hpc.core.routing import RoutingRule
 from pearl_hpc.core.types import Role, Zone
 from pearl_hpc.sim.costmodel import CHUNK_TOKENS
-from pearl_hpc.sim.traces import AvailabilityTrace
 from pearl_hpc.sim.workload import TrajectorySpec
 
 # event priorities at equal times: capacity changes, then completions, then arrivals

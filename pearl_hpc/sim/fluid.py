@@ -28,8 +28,8 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
+from pearl_hpc.config.traces import AvailabilityTrace
 from pearl_hpc.sim.costmodel import CostModel
-from pearl_hpc.sim.traces import AvailabilityTrace
 from pearl_hpc.sim.workload import TrajectorySpec, WorkloadConfig, WorkloadGenerator
 
 SAMPLE_TRAJECTORIES = 1024  # drawn for the per-trajectory work

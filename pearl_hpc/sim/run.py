@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pearl_hpc.config import REPO_CONFIGS, load_profile
+from pearl_hpc.config.traces import AvailabilityTrace, load_segment, load_trace
 from pearl_hpc.core.policies import PolicyConfig
 from pearl_hpc.core.profile import WorkloadProfile
 from pearl_hpc.core.routing import RoutingPolicy
@@ -16,7 +17,6 @@ from pearl_hpc.sim.costmodel import CHUNK_TOKENS, CostModel, SimConfigError
 from pearl_hpc.sim.engine import Simulator
 from pearl_hpc.sim.fluid import fluid_bound
 from pearl_hpc.sim.systems import RESERVED_ROLLOUT_GPUS, ROUTERS, make_setup
-from pearl_hpc.sim.traces import AvailabilityTrace, load_segment, load_trace
 from pearl_hpc.sim.workload import WorkloadConfig
 
 DEFAULT_WORKLOAD = REPO_CONFIGS / "workloads" / "swe-bench.yaml"

@@ -45,11 +45,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from pearl_hpc.config.traces import AvailabilityTrace
 from pearl_hpc.core.policies import BorrowingName, ExpansionName, PDPolicyName, PolicyConfig
 from pearl_hpc.core.routing import RoutingPolicy, RoutingRule
 from pearl_hpc.sim.costmodel import SimConfigError
 from pearl_hpc.sim.entities import SimSetup
-from pearl_hpc.sim.traces import AvailabilityTrace
 
 SYSTEMS = ("roll", "roll-large", "rlboost+", "pd-only", "pd+toggle", "pearl", "pearl+")
 BEYOND = {  # pearl + the policies of issue 17, together and one at a time

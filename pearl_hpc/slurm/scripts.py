@@ -8,9 +8,9 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pearl_hpc.config.run import SLURM_TIME
 from pearl_hpc.errors import ConfigError
 
-SLURM_TIME = re.compile(r"(\d+-)?\d{1,2}(:\d{2}){0,2}|\d+")  # fullmatch: a Slurm time
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 
 

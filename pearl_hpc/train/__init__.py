@@ -4,6 +4,3 @@ to rollout workers (:mod:`pearl_hpc.weights`).
 Both import torch (and the trainer transformers) at module level, so this package does not
 import them: ``import pearl_hpc.train`` stays cheap for the control plane.
 """
-
-CORRECTIONS = ("none", "tis", "decoupled")  # the objective's options (train/objective.py)
-LOSS_TYPES = ("bnpo", "grpo", "dr_grpo")

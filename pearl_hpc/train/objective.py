@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pearl_hpc.config.run import CORRECTIONS, LOSS_TYPES
 from pearl_hpc.errors import PearlError
-from pearl_hpc.train import CORRECTIONS, LOSS_TYPES
 
 
 class TrainError(PearlError):

@@ -24,9 +24,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pearl_hpc.comm.layout import RankSpec
 from pearl_hpc.comm.messages import COLLECTIVE, Kind, Op
 from pearl_hpc.comm.mpi import WorkerPlane
-from pearl_hpc.config.run import RankSpec
 from pearl_hpc.engine.server import EngineService, write_ready
 from pearl_hpc.engine.spec import EngineSpec
 

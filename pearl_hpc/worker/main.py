@@ -32,12 +32,13 @@ STARTED_S = time.monotonic()  # this process's start, for the world's start late
 def _rank(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
+    from pearl_hpc.comm.layout import MASTER, TRAINER, base_layout
     from pearl_hpc.comm.mpi import MasterPlane, WorkerPlane, member_info
     from pearl_hpc.comm.net import bind_address
-    from pearl_hpc.config.run import MASTER, TRAINER, base_layout, load_run_config
     from pearl_hpc.engine.rpc import read_key
     from pearl_hpc.engine.spec import check_vllm
     from pearl_hpc.errors import ConfigError
+    from pearl_hpc.master.preflight import load_run_config
 
     run_dir: Path = args.run_dir
     run = RunDir(run_dir)
@@ -94,7 +95,7 @@ def _rank(args: argparse.Namespace) -> int:
             device=placement.device,
         )
         return rank.serve(hello)
-    from pearl_hpc.config.run import engine_spec
+    from pearl_hpc.engine.spec import engine_spec
     from pearl_hpc.worker.engine import engine_rank_id, serve_engine
 
     spec = engine_spec(
@@ -111,7 +112,7 @@ def place_rank(
 ) -> Any:
     """Narrow this process to its GPUs (before CUDA starts in it) and return its
     :class:`~pearl_hpc.worker.placement.Placement`; the master takes none."""
-    from pearl_hpc.config.run import MASTER, TRAINER
+    from pearl_hpc.comm.layout import MASTER, TRAINER
     from pearl_hpc.worker import placement as pl
 
     seen = pl.gpus_seen(env)
@@ -136,12 +137,13 @@ def _join(args: argparse.Namespace) -> int:
     from mpi4py import MPI  # noqa: F401  (MPI before torch and vLLM)
 
     from pearl_hpc.backends.lease import lease_watcher
+    from pearl_hpc.comm.layout import ENGINE
     from pearl_hpc.comm.mpi import WorkerPlane, member_info
     from pearl_hpc.comm.net import bind_address
-    from pearl_hpc.config.run import ENGINE, engine_spec, load_run_config
     from pearl_hpc.engine.rpc import read_key
-    from pearl_hpc.engine.spec import check_vllm
+    from pearl_hpc.engine.spec import check_vllm, engine_spec
     from pearl_hpc.errors import ConfigError
+    from pearl_hpc.master.preflight import load_run_config
     from pearl_hpc.slurm.capacity import gpu_ids_of
     from pearl_hpc.worker.engine import serve_engine
     from pearl_hpc.worker.placement import cuda_works, gpus_seen, place, usable

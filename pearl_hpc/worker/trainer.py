@@ -23,9 +23,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pearl_hpc.comm.layout import RankSpec
 from pearl_hpc.comm.messages import COLLECTIVE, OFF_POLICY_FIGURES, Command, Kind, Op
 from pearl_hpc.comm.mpi import WorkerPlane
-from pearl_hpc.config.run import RankSpec, RunConfig, engine_spec
+from pearl_hpc.config.run import RunConfig
+from pearl_hpc.engine.spec import engine_spec
 from pearl_hpc.rollout.types import Trajectory
 from pearl_hpc.rundir import RunDir
 

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
 
+from pearl_hpc.config.run import RunSettings
 from pearl_hpc.errors import ConfigError
 from pearl_hpc.rollout.envs.base import Environment
 
@@ -125,3 +126,23 @@ def _checked(spec: str, env: Any) -> Environment:
     if isinstance(turns, bool) or not isinstance(turns, int) or turns < 1:
         raise ConfigError(f"run.env {spec!r}: the environment's max_turns must be an int >= 1")
     return env  # type: ignore[no-any-return]
+
+
+def environment(run: RunSettings) -> Any:
+    """A fresh environment of the run (one per trajectory)."""
+    return make_env(run.env, max_turns=run.max_turns, **run.env_options)
+
+
+def check_environment(run: RunSettings) -> None:
+    """``run.env`` and its options make an environment (a machine without the tool
+    sandbox is told so when the run starts, not by a config check)."""
+    from pearl_hpc.rollout.sandbox import SandboxUnavailable
+
+    try:
+        environment(run)
+    except SandboxUnavailable:
+        pass
+    except ConfigError as e:
+        raise ConfigError(
+            str(e) if str(e).startswith("run.env") else f"run.env_options: {e}"
+        ) from None

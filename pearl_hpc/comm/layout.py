@@ -1,0 +1,67 @@
+"""The run's base MPI world (pure): which rank runs what, on which node and GPUs.
+
+Computed once per launch from the run config (:func:`base_layout`); every rank, the
+launcher and the master read the same list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from pearl_hpc.config.run import LayoutConfig, WorkersConfig
+
+_ONE_NODE = LayoutConfig()
+
+MASTER, TRAINER, ENGINE = "master", "trainer", "engine"
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """One process of the run's base MPI world."""
+
+    rank: int
+    kind: str  # MASTER | TRAINER | ENGINE
+    gpu_ids: tuple[str, ...]  # the GPUs it runs on, as the role table names them
+    index: int  # among the ranks of its kind
+    node: int = 0  # which node of the base job (0: the first; the local backend: this one)
+    devices: tuple[int, ...] = ()  # its GPUs' device numbers on that node
+
+    @property
+    def overlap(self) -> bool:
+        """An engine rank on training GPUs (time-shared with the trainer ranks there)."""
+        return self.kind == ENGINE and on_training_gpus(self.gpu_ids)
+
+
+def on_training_gpus(gpu_ids: Sequence[str]) -> bool:
+    """GPUs the role table names as a trainer's (``train:N``): an engine there borrows them."""
+    return bool(gpu_ids) and gpu_ids[0].startswith("train")
+
+
+def base_layout(workers: WorkersConfig, layout: LayoutConfig = _ONE_NODE) -> list[RankSpec]:
+    """The base world (pure): rank 0 the master (on the first node, no GPU), then one
+    trainer rank per training GPU (filling the training nodes in order), then the
+    reserved engines (on the rollout nodes, or the training nodes' spare GPUs), then the
+    overlap engines (on the training GPUs, ``gpus_per_worker`` each); ranks are then
+    numbered node by node, so each node runs a contiguous block of ranks (what Hydra's
+    hostfile places)."""
+    gpn, gpw = layout.gpus_per_node, layout.gpus_per_worker
+
+    def place(first: int) -> tuple[int, tuple[int, ...]]:  # a flat GPU index -> node, devices
+        return first // gpn, tuple(range(first % gpn, first % gpn + gpw))
+
+    ranks = [RankSpec(0, MASTER, (), 0)]
+    for i in range(workers.training_gpus):
+        ranks.append(RankSpec(len(ranks), TRAINER, (f"train:{i}",), i, i // gpn, (i % gpn,)))
+    base = layout.training_nodes * gpn if layout.rollout_nodes else workers.training_gpus
+    for j in range(workers.reserved_rollout):
+        node, devices = place(base + j * gpw)
+        gpu_ids = tuple(f"rsv:{j * gpw + k}" for k in range(gpw))
+        ranks.append(RankSpec(len(ranks), ENGINE, gpu_ids, j, node, devices))
+    for k in range(workers.overlap):
+        node, devices = place(k * gpw)
+        gpu_ids = tuple(f"train:{k * gpw + d}" for d in range(gpw))
+        index = workers.reserved_rollout + k
+        ranks.append(RankSpec(len(ranks), ENGINE, gpu_ids, index, node, devices))
+    by_node = sorted(ranks, key=lambda r: r.node)  # stable: rank 0 stays first
+    return [replace(r, rank=i) for i, r in enumerate(by_node)]
