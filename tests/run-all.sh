@@ -19,13 +19,14 @@ if [ -z "${SLURM_CONF:-}" ] && { [ "$(id -u)" = 0 ] || command -v slurmctld >/de
 fi
 
 python3 -m ruff check pearl_hpc tests
+lint-imports --no-cache  # the layer contract (pyproject.toml [tool.importlinter])
 python3 -m mypy
 python3 -m pytest --durations=25 "$@"  # the slowest, to keep the suite under 30 min
 [ "$started_cluster" = 0 ] || squeue -h | { ! grep -q .; } || {
   echo "run-all: jobs left in squeue after the tests:" >&2; squeue >&2; exit 1; }
 # no stray process either: engine workers exit within a second of their master, Slurm
 # job steps as their jobs end
-for _ in $(seq 20); do pgrep -f 'pearl_hpc\.(engine\.server|worker|backends\.slurm_job) ' >/dev/null || break; sleep 0.5; done
-if stray=$(pgrep -af 'pearl_hpc\.(engine\.server|worker|backends\.slurm_job) '); then
+for _ in $(seq 20); do pgrep -f 'pearl_hpc\.(engine\.server|rank|backends\.slurm_job) ' >/dev/null || break; sleep 0.5; done
+if stray=$(pgrep -af 'pearl_hpc\.(engine\.server|rank|backends\.slurm_job) '); then
   echo "run-all: processes left after the tests:" >&2; echo "$stray" >&2; exit 1
 fi

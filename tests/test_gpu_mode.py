@@ -25,8 +25,7 @@ from pearl_hpc.engine.spec import (
 )
 from pearl_hpc.errors import ConfigError
 from pearl_hpc.master.preflight import load_run_config
-from pearl_hpc.worker.main import place_rank
-from pearl_hpc.worker.placement import gpus_seen, place
+from pearl_hpc.worker.placement import gpus_seen, place, place_rank
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = REPO / "configs" / "runs" / "local.yaml"
@@ -89,7 +88,7 @@ def test_every_rank_of_the_32_gpu_layout_gets_its_own_gpus() -> None:
     visible: dict[tuple[int, str], list[str]] = {}
     for me in layout:
         env = {"CUDA_VISIBLE_DEVICES": node_gpus}
-        placement = place_rank(me, cfg, env, cuda_works=lambda: True)
+        placement = place_rank(me, cfg, env, cuda_check=lambda: True)
         assert env["CUDA_VISIBLE_DEVICES"] == placement.visible
         if me.kind == MASTER:
             assert (placement.visible, placement.device) == ("", "cpu")

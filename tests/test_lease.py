@@ -13,8 +13,8 @@ from pearl_hpc.backends.lease import (
     lease_owner,
     lease_watcher,
 )
+from pearl_hpc.cli.view import _master_alive
 from pearl_hpc.rundir import RunDir
-from pearl_hpc.runview import _master_alive
 
 
 def _write(path: Path, host: str, pid: int, age_s: float = 0.0) -> None:

@@ -116,7 +116,7 @@ def test_a_non_utf8_config_is_one_line(tmp_path: Path) -> None:
 
 
 def test_status_counts_elastic_workers_per_pool() -> None:
-    from pearl_hpc.runview import format_pools
+    from pearl_hpc.cli.view import format_pools
 
     jobs = [
         {"component": "7+0", "state": "running", "pool": "elastic", "nodes": ["n1"]},
@@ -140,8 +140,8 @@ def test_status_of_a_running_run_says_how_long_its_steps_left_take(tmp_path: Pat
     left (the pace the expansion gate judges capacity over); none once it finished."""
     from dataclasses import asdict
 
+    from pearl_hpc.cli.view import format_status, run_status
     from pearl_hpc.master.records import StepMetrics
-    from pearl_hpc.runview import format_status, run_status
 
     run_dir = RunDir.new(tmp_path / "runs", "t", LOCAL).path
     lock = RunDir(run_dir).lock()  # this process is the live master

@@ -35,7 +35,7 @@ def elastic_spec() -> JobSpec:
                 "elastic", nodes=2, gpus_per_node=4, ntasks_per_node=2, time_limit="30:00"
             ),
         ),
-        command=["srun", "--het-group=0,1", "python", "-m", "pearl_hpc.worker", "--run", "run 42"],
+        command=["srun", "--het-group=0,1", "python", "-m", "pearl_hpc.rank", "--run", "run 42"],
         output="/runs/run42/elastic-%j.out",
         env=(("PEARL_RUN_DIR", "/runs/run42"),),
     )

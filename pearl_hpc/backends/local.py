@@ -3,7 +3,7 @@
     offer(N)  the trace's availability (the machine has no scheduler to ask)
     want(M)   the controller's demand (the expansion gate at request time)
       more than held, up to min(N, M): a "job" elJ of one component per new worker, each
-        a launch `mpiexec -n 1 python -m pearl_hpc.worker join --group elJ+K --gpu-ids
+        a launch `mpiexec -n 1 python -m pearl_hpc.rank join --group elJ+K --gpu-ids
         elJ+K:gpu0` (its rank Connects + Merges like a hetjob component's)
         ──> CapacityGranted
       fewer than held offered: the last granted ──> CapacityReclaimed (grace_s)
@@ -72,7 +72,7 @@ def join_argv(
     return [
         *([setpriv, "--pdeathsig", "SIGTERM"] if setpriv else []),
         mpiexec, "-launcher", "fork", "-hosts", "localhost", "-n", "1",
-        sys.executable, "-m", "pearl_hpc.worker", "join", "--run-dir", str(run_dir),
+        sys.executable, "-m", "pearl_hpc.rank", "join", "--run-dir", str(run_dir),
         "--model-dir", model_dir, "--group", group, "--gpu-ids", ",".join(gpu_ids),
     ]  # fmt: skip
 

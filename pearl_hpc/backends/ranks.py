@@ -3,7 +3,7 @@
     attach(gpu_ids) ──the rank on those GPUs admitted to the world──> RankWorker: its
                       engine socket, connected (the executor drives it)
 
-Both backends start elastic ranks the same way (``python -m pearl_hpc.worker join``:
+Both backends start elastic ranks the same way (``python -m pearl_hpc.rank join``:
 Connect + Merge into the run's world, see :mod:`pearl_hpc.comm.members`) and reach
 their engines through :func:`attach_rank`.
 """

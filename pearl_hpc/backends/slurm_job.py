@@ -5,7 +5,7 @@ first node:
 
 It starts one engine rank per heterogeneous component, each in its own
 ``srun --mpi=pmi2 --het-group=K`` step (so ``scancel JOB+K`` ends only that component):
-``python -m pearl_hpc.worker join`` Connects to the master and Merges into the run's
+``python -m pearl_hpc.rank join`` Connects to the master and Merges into the run's
 world. It writes the job's preemption signal for the master (``elastic/JOB.signal``).
 
     master SIGKILLed ──> its ranks wait ──> a resumed master takes the lease ──> the old
@@ -59,7 +59,7 @@ def _launch(args: argparse.Namespace) -> int:
         # master's port (a Hydra-launched base world accepts it: verified here)
         argv = ["srun", "-n1", "--mpi=pmi2", *([f"--het-group={k}"] if het else [])]
         argv += [
-            sys.executable, "-m", "pearl_hpc.worker", "join",
+            sys.executable, "-m", "pearl_hpc.rank", "join",
             "--run-dir", str(args.run_dir), "--model-dir", args.model, "--group", f"{job}+{k}",
             "--gpus", str(gpus[k]),
         ]  # fmt: skip

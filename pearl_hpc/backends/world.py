@@ -1,7 +1,7 @@
 """Starting a run's MPI world: the run directory made ready, then ``mpiexec``.
 
     pearl-hpc run CONFIG ──prepare_run──> RUN_DIR (key, model, snapshots a resume trusts)
-                          ──mpiexec -n N python -m pearl_hpc.worker rank──> the world:
+                          ──mpiexec -n N python -m pearl_hpc.rank rank──> the world:
                              rank 0 master, trainer ranks, engine ranks (base_layout)
 
 Where the world runs:
@@ -60,7 +60,7 @@ def world_argv(
     else:
         placement = ["-launcher", "fork", "-hosts", "localhost"]
     return [
-        mpiexec, *placement, "-n", str(ranks), python, "-m", "pearl_hpc.worker", "rank",
+        mpiexec, *placement, "-n", str(ranks), python, "-m", "pearl_hpc.rank", "rank",
         "--run-dir", str(run_dir), "--model-dir", model_dir,
         *(["--resume"] if resume else []), *(["--live"] if live else []),
     ]  # fmt: skip

@@ -56,7 +56,8 @@ def _engine(conn: Any) -> None:
     from pearl_hpc.weights.shm import map_version
 
     params: dict[str, torch.Tensor] = {}
-    group = WeightGroup(*conn.recv(), rank=1, size=2)  # formed once, as for an epoch
+    host, port, prefix = conn.recv()
+    group = WeightGroup(host, port, prefix, rank=1, size=2)  # formed once, as for an epoch
     while (cmd := conn.recv()) is not None:
         how, args = cmd
         if how == "gloo":

@@ -59,7 +59,7 @@ def _submit_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from pearl_hpc.runview import format_status, run_status
+    from pearl_hpc.cli.view import format_status, run_status
 
     doc = run_status(Path(args.run_dir))
     print(json.dumps(doc, indent=1) if args.json else format_status(doc))
@@ -67,7 +67,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from pearl_hpc.runview import write_run_report
+    from pearl_hpc.cli.view import write_run_report
 
     for path in write_run_report(Path(args.run_dir), Path(args.out) if args.out else None):
         print(path)

@@ -117,9 +117,9 @@ def fluid_bound(
     """The bound for a window of ``duration_s`` (see the module)."""
     drawn = dataclasses.replace(workload, batch_size=min(workload.batch_size, SAMPLE_BATCH))
     gen = WorkloadGenerator(drawn, seed)
-    batches = [gen.batch(step) for step in range(-(-SAMPLE_TRAJECTORIES // drawn.batch_size))]
-    per_traj = batch_work(cost, [t for b in batches for t in b], workload.prefix_reuse)
-    scale = workload.batch_size / sum(len(b) for b in batches)
+    sample = [gen.batch(step) for step in range(-(-SAMPLE_TRAJECTORIES // drawn.batch_size))]
+    per_traj = batch_work(cost, [t for b in sample for t in b], workload.prefix_reuse)
+    scale = workload.batch_size / sum(len(b) for b in sample)
     w = per_traj.rollout_worker_s * scale
     tokens = (per_traj.generated_tokens + per_traj.trained_tokens) * scale
     t_train = cost.training_step_s(per_traj.trained_tokens * scale, training_gpus)

@@ -44,6 +44,7 @@ interrupt path), and every grant admitted at once.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from pearl_hpc.config.traces import AvailabilityTrace
 from pearl_hpc.core.policies import BorrowingName, ExpansionName, PDPolicyName, PolicyConfig
@@ -52,7 +53,7 @@ from pearl_hpc.sim.costmodel import SimConfigError
 from pearl_hpc.sim.entities import SimSetup
 
 SYSTEMS = ("roll", "roll-large", "rlboost+", "pd-only", "pd+toggle", "pearl", "pearl+")
-BEYOND = {  # pearl + the policies of issue 17, together and one at a time
+BEYOND: dict[str, dict[str, Any]] = {  # pearl + the policies beyond PEARL, with and apart
     # tail_dispatch and prewarm are not in pearl+: on the traces they move throughput by
     # about as much as the noise (README, beyond PEARL)
     "pearl+": {"tail_start": True, "local_prefill": True},

@@ -1,3 +1,3 @@
-"""What a process of the run's MPI world does: the rank entry (:mod:`.main`; rank 0 is
-the master, ``join`` an elastic job's engine rank), trainer ranks (:mod:`.trainer`) and
-engine ranks (:mod:`.engine`)."""
+"""What a member of the run's MPI world does: trainer ranks (:mod:`.trainer`), engine
+ranks (:mod:`.engine`), and where each runs (:mod:`.placement`). Their entry is
+:mod:`pearl_hpc.rank`."""

@@ -15,11 +15,14 @@ GPUs as ``cuda:0..k-1``:
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from pearl_hpc.comm.layout import MASTER, TRAINER, RankSpec
+from pearl_hpc.config.run import RunConfig
 from pearl_hpc.errors import ConfigError
 
 _NVIDIA_DEV = re.compile(r"nvidia(\d+)")
@@ -103,3 +106,26 @@ def cuda_works() -> bool:
     import torch
 
     return bool(torch.cuda.is_available())
+
+
+def place_rank(
+    me: RankSpec,
+    cfg: RunConfig,
+    env: MutableMapping[str, str] = os.environ,
+    cuda_check: Callable[[], bool] | None = None,
+) -> Placement:
+    """Narrow this process to its GPUs (before CUDA starts in it) and return its
+    :class:`Placement`; the master takes none."""
+    seen = gpus_seen(env)
+    if me.kind == MASTER:
+        return _narrow(env, place((), seen, "cpu", key="", who="the master"))
+    key = "train.device" if me.kind == TRAINER else "engine.device"
+    setting = cfg.train.device if me.kind == TRAINER else cfg.engine.device
+    placement = place(me.devices, seen, setting, key=key, who=f"{me.kind} rank {me.rank}")
+    _narrow(env, placement)
+    return usable(placement, setting, key, cuda_check or cuda_works)
+
+
+def _narrow(env: MutableMapping[str, str], placement: Placement) -> Placement:
+    env["CUDA_VISIBLE_DEVICES"] = placement.visible
+    return placement

@@ -1,12 +1,15 @@
 """The entry of every process of a run's MPI world.
 
-    mpiexec -n N python -m pearl_hpc.worker rank --run-dir RUN_DIR --model-dir M [--resume]
-    srun --mpi=pmi2 python -m pearl_hpc.worker join --run-dir RUN_DIR --model-dir M --group JOB+K
-    mpiexec -n 1 python -m pearl_hpc.worker join ... --group elJ+K --gpu-ids elJ+K:gpu0   (local)
+    mpiexec -n N python -m pearl_hpc.rank rank --run-dir RUN_DIR --model-dir M [--resume]
+    srun --mpi=pmi2 python -m pearl_hpc.rank join --run-dir RUN_DIR --model-dir M --group JOB+K
+    mpiexec -n 1 python -m pearl_hpc.rank join ... --group elJ+K --gpu-ids elJ+K:gpu0   (local)
 
 Every rank reads ``RUN_DIR/config.yaml`` and finds what it runs by its rank in the base
-layout (:func:`pearl_hpc.config.run.base_layout`): rank 0 the master, then the trainer
-ranks, then the engine ranks. Start-up is two collectives over the world, in this order
+layout (:func:`pearl_hpc.comm.layout.base_layout`): rank 0 the master (its loop:
+:mod:`pearl_hpc.master.loop`, with the backend :func:`pearl_hpc.backends.backend_factory`
+names), then the trainer ranks (:mod:`pearl_hpc.worker.trainer`), then the engine ranks
+(:mod:`pearl_hpc.worker.engine`). This module is the top of the house: it may import
+every layer, and none imports it. Start-up is two collectives over the world, in this order
 on every rank: one ``Split`` that gives the trainer ranks their own communicator, and the
 control plane's ``Dup``. mpi4py is imported before torch or vLLM.
 """
@@ -20,7 +23,6 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,7 @@ def _rank(args: argparse.Namespace) -> int:
     from pearl_hpc.engine.spec import check_vllm
     from pearl_hpc.errors import ConfigError
     from pearl_hpc.master.preflight import load_run_config
+    from pearl_hpc.worker.placement import place_rank
 
     run_dir: Path = args.run_dir
     run = RunDir(run_dir)
@@ -48,7 +51,7 @@ def _rank(args: argparse.Namespace) -> int:
     if world.Get_size() != len(layout):
         if world.Get_rank() == 0:
             print(
-                f"pearl_hpc.worker: the world has {world.Get_size()} ranks, the run's layout "
+                f"pearl_hpc.rank: the world has {world.Get_size()} ranks, the run's layout "
                 f"{len(layout)}; start it with `pearl-hpc run`",
                 file=sys.stderr,
             )
@@ -59,7 +62,7 @@ def _rank(args: argparse.Namespace) -> int:
         if me.kind not in (MASTER, TRAINER):
             check_vllm()
     except ConfigError as exc:
-        print(f"pearl_hpc.worker: rank {me.rank}: {exc}", file=sys.stderr, flush=True)
+        print(f"pearl_hpc.rank: rank {me.rank}: {exc}", file=sys.stderr, flush=True)
         world.Abort(2)
         return 2
     if me.kind != MASTER:  # the terminal is the master's: a member logs to the run directory
@@ -104,32 +107,6 @@ def _rank(args: argparse.Namespace) -> int:
     return serve_engine(lambda: plane_w, spec, engine_rank_id(me), run_dir, key, hello, host)
 
 
-def place_rank(
-    me: Any,
-    cfg: Any,
-    env: MutableMapping[str, str] = os.environ,
-    cuda_works: Callable[[], bool] | None = None,
-) -> Any:
-    """Narrow this process to its GPUs (before CUDA starts in it) and return its
-    :class:`~pearl_hpc.worker.placement.Placement`; the master takes none."""
-    from pearl_hpc.comm.layout import MASTER, TRAINER
-    from pearl_hpc.worker import placement as pl
-
-    seen = pl.gpus_seen(env)
-    if me.kind == MASTER:
-        return _narrow(env, pl.place((), seen, "cpu", key="", who="the master"))
-    key = "train.device" if me.kind == TRAINER else "engine.device"
-    setting = cfg.train.device if me.kind == TRAINER else cfg.engine.device
-    placement = pl.place(me.devices, seen, setting, key=key, who=f"{me.kind} rank {me.rank}")
-    _narrow(env, placement)
-    return pl.usable(placement, setting, key, cuda_works or pl.cuda_works)
-
-
-def _narrow(env: MutableMapping[str, str], placement: Any) -> Any:
-    env["CUDA_VISIBLE_DEVICES"] = placement.visible
-    return placement
-
-
 def _join(args: argparse.Namespace) -> int:
     """An elastic rank (a hetjob component's ``srun`` step, or a local ``mpiexec -n 1``):
     its engine socket up, then Connect + Merge with the master, then served like a base
@@ -172,7 +149,7 @@ def _join(args: argparse.Namespace) -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = placement.visible
         placement = usable(placement, cfg.engine.device, "engine.device", cuda_works)
     except ConfigError as exc:
-        print(f"pearl_hpc.worker: {exc}", file=sys.stderr, flush=True)
+        print(f"pearl_hpc.rank: {exc}", file=sys.stderr, flush=True)
         return 2
     host = "127.0.0.1" if cfg.backend == "local" else bind_address(cfg.slurm.engine_interface)
 
@@ -221,7 +198,7 @@ def _master(
         return 2
     live = None
     if args.live:
-        from pearl_hpc.master.live import LiveRollout
+        from pearl_hpc.cli.live import LiveRollout
 
         live = LiveRollout()
     try:
@@ -263,7 +240,7 @@ def _master(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pearl_hpc.worker", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m pearl_hpc.rank", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     rank = sub.add_parser("rank", help="a process of a run's world (pearl-hpc run starts them)")
     rank.add_argument("--run-dir", type=Path, required=True)
@@ -281,3 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("PEARL_LOG_LEVEL", "WARNING"))
     return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pearl_hpc.runview import format_pools
+from pearl_hpc.cli.view import format_pools
 
 
 class LiveRollout:
