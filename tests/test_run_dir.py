@@ -181,14 +181,3 @@ def test_status_of_a_running_run_says_how_long_its_steps_left_take(tmp_path: Pat
         _journal(status="finished", next_step=10, steps=10, controller={"table": {"slots": []}})
     )
     assert run_status(run_dir)["left_s"] is None
-
-
-def test_every_file_of_the_table_is_a_path_of_rundir(tmp_path: Path) -> None:
-    """The run directory's table (docs/running.md) and :class:`RunDir` name the same files."""
-    from pearl_hpc.rundir import FILES
-
-    run = RunDir(tmp_path)
-    for attr, name, _ in FILES:
-        if attr:
-            assert getattr(run, attr) == tmp_path / name.rstrip("/"), attr
-    assert run.rank_log(3, "engine") == tmp_path / "rank3-engine.log"

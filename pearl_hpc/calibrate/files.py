@@ -216,8 +216,8 @@ def iso_time(moment: datetime) -> str:
 def cluster_yaml_text(cluster: ClusterBandwidth, *, command: str) -> str:
     """The cluster bandwidth file: a comment saying how it was made, then the fields."""
     header = (
-        "# Cluster bandwidth, measured by `pearl-hpc calibrate` (README: Calibrate the\n"
-        "# cluster). Regenerate rather than edit.\n"
+        "# Cluster bandwidth, measured by `pearl-hpc calibrate` (docs/simulator.md: Cluster\n"
+        "# bandwidth). Regenerate rather than edit.\n"
         f"# command: {command}\n"
         "# Fields in bytes/s: p2p = sendrecv busbw (= algbw), allreduce = all_reduce busbw\n"
         "# (algbw * 2(n-1)/n), broadcast = broadcast busbw (= algbw); each the max over\n"

@@ -117,7 +117,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def load_profile(path: str | Path) -> WorkloadProfile:
-    """A workload profile file (keys: README "Configs")."""
+    """A workload profile file (keys: docs/configuration.md)."""
     return WorkloadProfile.from_dict(load_yaml(path), where=str(path))
 
 

@@ -301,7 +301,7 @@ class EngineSettings:
 @dataclass(frozen=True)
 class TrainSettings:
     """The trainer's device and weight transport, and the GRPO objective (formulas:
-    train/objective.py and the README)."""
+    train/objective.py and docs/design.md)."""
 
     device: str = spec_field(
         "the trainer ranks: auto (cuda where the rank is given a GPU, else cpu) | cpu | cuda",

@@ -75,7 +75,7 @@ def prefill_feasible(p: WorkloadProfile, num_prefill: N, num_decode: N) -> N:
     decode: at its throughput ``N_P / t_prefill`` (the fitted t_prefill) the pool's busy
     time for ``B*S-bar*dL`` tokens must fit inside the decode path's span
     ``T_decode + T_env``. (PEARL states the constraint in words; this is our reading of
-    it, documented in the README.)"""
+    it, documented in docs/architecture.md.)"""
     tokens = p.batch_size * prefill_turns(p) * p.new_tokens_per_turn
     busy_s = tokens * p.prefill_s_per_token / num_prefill
     return busy_s <= t_decode(p, num_decode) + p.env_s

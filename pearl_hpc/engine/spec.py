@@ -217,7 +217,7 @@ def vllm_version_problem(version: str | None) -> str:
     if version is None:
         return (
             "vLLM is not installed: pip install -e '.[engine]' (CPU) or -e '.[gpu]' (CUDA), "
-            "then the post-install steps of the README"
+            "then the post-install steps of docs/install.md"
         )
     release = version.split("+")[0]
     if release != SUPPORTED_VLLM and not release.startswith(SUPPORTED_VLLM + "."):

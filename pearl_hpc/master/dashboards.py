@@ -95,7 +95,7 @@ class Dashboards:
                 name=self.run_name,
                 id=re.sub(r"[^A-Za-z0-9_-]", "-", self.run_dir.name)[:64],
                 resume="allow",
-                dir=str(self.run_dir),
+                dir=str(RunDir(self.run_dir).wandb.parent),  # it makes wandb/ there
                 mode=self.settings.wandb_mode,  # type: ignore[arg-type]  # checked: WANDB_MODES
                 config=self.config,
                 settings=wandb.Settings(silent=True, console="off"),

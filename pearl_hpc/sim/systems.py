@@ -55,7 +55,7 @@ from pearl_hpc.sim.entities import SimSetup
 SYSTEMS = ("roll", "roll-large", "rlboost+", "pd-only", "pd+toggle", "pearl", "pearl+")
 BEYOND: dict[str, dict[str, Any]] = {  # pearl + the policies beyond PEARL, with and apart
     # tail_dispatch and prewarm are not in pearl+: on the traces they move throughput by
-    # about as much as the noise (README, beyond PEARL)
+    # about as much as the noise (docs/benchmarks.md, beyond PEARL)
     "pearl+": {"tail_start": True, "local_prefill": True},
     "pearl+tail": {"tail_start": True},
     "pearl+local": {"local_prefill": True},

@@ -1,6 +1,6 @@
 """GRPO trainer: group-relative advantages, a clipped token-level surrogate corrected
 for stale and mismatched samples, versioned snapshots. The objective's math is pure, in
-:mod:`pearl_hpc.train.objective` (formulas there and in the README).
+:mod:`pearl_hpc.train.objective` (formulas there and in docs/design.md).
 
 Data flow of one :meth:`GRPOTrainer.train_step`::
 
