@@ -104,7 +104,9 @@ def _rank(args: argparse.Namespace) -> int:
     spec = engine_spec(
         cfg, args.model_dir, device=placement.device, gpus=len(me.devices), host=host
     )
-    return serve_engine(lambda: plane_w, spec, engine_rank_id(me), run_dir, key, hello, host)
+    worker_id = engine_rank_id(me)
+    ready_file = run.engine_ready(worker_id)
+    return serve_engine(lambda: plane_w, spec, worker_id, ready_file, key, hello, host)
 
 
 def _join(args: argparse.Namespace) -> int:
@@ -159,11 +161,12 @@ def _join(args: argparse.Namespace) -> int:
     spec = engine_spec(
         cfg, args.model_dir, device=placement.device, gpus=placement.num_gpus, host=host
     )
+    worker_id = f"{args.group}-" + "-".join(info["gpu_ids"])
     return serve_engine(
         connect,
         spec,
-        f"{args.group}-" + "-".join(info["gpu_ids"]),
-        run.elastic,
+        worker_id,
+        run.engine_ready(worker_id, elastic=True),
         read_key(run.rpc_key),
         info,
         host,

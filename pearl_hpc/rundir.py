@@ -56,6 +56,10 @@ FILES: tuple[tuple[str, str, str], ...] = (
     ("lease", "elastic/master.lease", "`<host> <pid> <unix time>`, touched every second by "
      "the master: elastic ranks and batch steps end when it goes stale"),
     ("hostfile", "hostfile", "a world over several nodes: Hydra's `node:ranks` lines"),
+    ("mpi_port", "mpi-port", "the master's MPI port name (0600): elastic ranks `Connect` to it"),
+    ("joins", "joins/", "`GROUP.json`: an elastic component's announcement; `GROUP.go`: the "
+     "master's go to `Connect` (one at a time)"),
+    ("submitit", "submitit/", "the submitit job's folder (`pearl-hpc run --submit`)"),
     ("world_log", "world.log", "the world's output when a benchmark or test runs it"),
     ("tensorboard", "tensorboard/", "TensorBoard event files (`dashboards.tensorboard`)"),
     ("wandb", "wandb/", "Weights & Biases files (`dashboards.wandb_project`; offline: "
@@ -63,6 +67,8 @@ FILES: tuple[tuple[str, str, str], ...] = (
     ("report", "report/", "`pearl-hpc report`'s plots and step table"),
     ("", "rankR-KIND.log", "each member's output, KIND trainer or engine (the terminal is "
      "rank 0's)"),
+    ("", "WORKER.ready.json", "an engine rank's socket (host, port, pid) once it listens "
+     "(an elastic rank's: in `elastic/`)"),
 )
 
 
@@ -142,6 +148,22 @@ class RunDir:
         return self.path / "hostfile"
 
     @property
+    def mpi_port(self) -> Path:
+        return self.path / "mpi-port"
+
+    @property
+    def joins(self) -> Path:
+        return self.path / "joins"
+
+    def join_note(self, group: str) -> Path:
+        """An elastic component's announcement (its ``.go`` beside it: the master's go)."""
+        return self.joins / f"{group}.json"
+
+    @property
+    def submitit(self) -> Path:
+        return self.path / "submitit"
+
+    @property
     def tensorboard(self) -> Path:
         return self.path / "tensorboard"
 
@@ -156,6 +178,9 @@ class RunDir:
 
     def rank_log(self, rank: int, kind: str) -> Path:
         return self.path / f"rank{rank}-{kind}.log"
+
+    def engine_ready(self, worker_id: str, *, elastic: bool = False) -> Path:
+        return (self.elastic if elastic else self.path) / f"{worker_id}.ready.json"
 
     # -- lifecycle -------------------------------------------------------------------
 

@@ -67,7 +67,7 @@ def submit_run(
     """Submit the master of a new run; returns (submitit job, run directory)."""
     cfg = load_run_config(config)
     run_dir = RunDir.new(cfg.runs_dir, cfg.name, Path(config)).path.resolve()
-    executor = submitit.AutoExecutor(folder=str(run_dir / "submitit"), cluster="slurm")
+    executor = submitit.AutoExecutor(folder=str(RunDir(run_dir).submitit), cluster="slurm")
     params: dict[str, Any] = {
         "slurm_job_name": "pearl-run",
         "cpus_per_task": cpus,

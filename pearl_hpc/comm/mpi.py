@@ -46,11 +46,10 @@ from typing import Any
 from pearl_hpc.comm.membership import MASTER_ID, Member, Membership, MemberState
 from pearl_hpc.comm.messages import COLLECTIVE, TAG_COMMAND, TAG_REPORT, Command, Kind, Op, Report
 from pearl_hpc.errors import PearlError
+from pearl_hpc.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
-PORT_FILE = "mpi-port"
-JOINS_DIR = "joins"
 TAG_INTERCOMM = 21
 TAG_SHRINK = 22
 TAG_MEMBERS = 23
@@ -144,8 +143,8 @@ class MasterPlane:
         self.timings = Timings()
         self._last_poll_s = clock()
         self.port = MPI.Open_port()
-        (self.run_dir / JOINS_DIR).mkdir(parents=True, exist_ok=True)
-        write_private(self.run_dir / PORT_FILE, self.port)
+        RunDir(self.run_dir).joins.mkdir(parents=True, exist_ok=True)
+        write_private(RunDir(self.run_dir).mpi_port, self.port)
 
     # --------------------------------------------------------------- joining
     def start_base(self) -> list[Member]:
@@ -157,12 +156,12 @@ class MasterPlane:
         return members
 
     def joins_waiting(self) -> bool:
-        return any((self.run_dir / JOINS_DIR).glob("*.json"))
+        return any(RunDir(self.run_dir).joins.glob("*.json"))
 
     def poll_joins(self) -> list[str]:
         """Accept the components whose rank 0 announced itself; returns their groups."""
         joined = []
-        for path in sorted((self.run_dir / JOINS_DIR).glob("*.json")):
+        for path in sorted(RunDir(self.run_dir).joins.glob("*.json")):
             try:
                 note = json.loads(path.read_text())
             except (OSError, json.JSONDecodeError):
@@ -368,7 +367,7 @@ class MasterPlane:
         else:
             log.warning("no shutdown ack from %s", ", ".join(sorted(waiting | leaving)))
         self.MPI.Close_port(self.port)
-        (self.run_dir / PORT_FILE).unlink(missing_ok=True)
+        RunDir(self.run_dir).mpi_port.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------- member side
@@ -422,7 +421,7 @@ class WorkerPlane:
         MPI = _mpi()
         run_dir = Path(run_dir)
         local = MPI.COMM_WORLD
-        port_file = run_dir / PORT_FILE
+        port_file = RunDir(run_dir).mpi_port
         deadline = time.monotonic() + timeout_s
         while not port_file.exists():
             if time.monotonic() > deadline:
@@ -431,8 +430,8 @@ class WorkerPlane:
         port = port_file.read_text()
         if local.rank == 0:
             note = {"group": group, "size": local.size, "pid": os.getpid()}
-            write_private(run_dir / JOINS_DIR / f"{group}.json", json.dumps(note))
-            go = run_dir / JOINS_DIR / f"{group}.go"
+            write_private(RunDir(run_dir).join_note(group), json.dumps(note))
+            go = RunDir(run_dir).join_note(group).with_suffix(".go")
             while not go.exists():  # one component connects at a time (see module doc)
                 if time.monotonic() > deadline:
                     raise PlaneError(f"{group}: the master never accepted (no {go})")

@@ -8,7 +8,8 @@ The master reaches the engine on two channels:
         activate / set_role / drain / deactivate / weights / generate -- the per-turn
         request path, as vLLM's own API is a socket
 
-The rank announces the socket's address in its hello (and in RUN_DIR/<id>.ready.json).
+The rank announces the socket's address in its hello (and in its ready file,
+:meth:`pearl_hpc.rundir.RunDir.engine_ready`).
 A base rank is a member from the world's start; an elastic rank (a component of an
 elastic job) joins with Connect + Merge and leaves with LEAVE + Disconnect.
 """
@@ -40,7 +41,7 @@ def serve_engine(
     connect: Callable[[], WorkerPlane],
     spec: EngineSpec,
     worker_id: str,
-    run_dir: Path,
+    ready_file: Path,
     key: str,
     hello: dict[str, Any],
     host: str,
@@ -57,7 +58,7 @@ def serve_engine(
         # Slurm's --signal without B: reaches every process of the step: the master acts
         signal.signal(signal.SIGUSR2, signal.SIG_IGN)
         ready = await service.start(key, host=host, port=0, role="none")
-        write_ready(run_dir / f"{worker_id}.ready.json", ready)
+        write_ready(ready_file, ready)
         plane = await asyncio.to_thread(connect)
         plane.report(Kind.HELLO, **hello, host=ready["host"], port=ready["port"])
         loop = asyncio.get_running_loop()
