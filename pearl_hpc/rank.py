@@ -26,6 +26,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from pearl_hpc.rundir import RunDir, RunDirBusy
 
 STARTED_S = time.monotonic()  # this process's start, for the world's start latency
@@ -81,7 +83,7 @@ def _rank(args: argparse.Namespace) -> int:
         plane = MasterPlane(run_dir, hello_timeout_s=600.0, heartbeat_timeout_s=60.0, fresh_s=3.0)
         return _master(cfg, run_dir, plane, args, key, world)
     plane_w = WorkerPlane.base(heartbeat_interval_s=1.0)
-    hello = member_info({"process": me.kind, "gpu_ids": list(me.gpu_ids), "rank": me.rank})
+    hello = member_info(me.kind, gpu_ids=me.gpu_ids, rank=me.rank)
     if me.kind == TRAINER:
         from pearl_hpc.worker.trainer import TrainerRank
 
@@ -131,14 +133,13 @@ def _join(args: argparse.Namespace) -> int:
     run = RunDir(run_dir)
     cfg = load_run_config(run.config)
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # the job's batch step tells the master
-    info = member_info({"process": ENGINE, "group": args.group})
+    where = member_info(ENGINE, group=args.group)
     if args.gpu_ids:  # named by the local backend
-        info["gpu_ids"] = args.gpu_ids.split(",")
+        gpu_ids = tuple(args.gpu_ids.split(","))
     else:  # a job component's: its node's GPUs, split by local id
-        info["gpu_ids"] = gpu_ids_of(
-            args.group, str(info["node"]), int(info["local_id"]), args.gpus
-        )
-    first = 0 if args.gpu_ids else int(info["local_id"]) * args.gpus
+        gpu_ids = tuple(gpu_ids_of(args.group, where.node, where.local_id, args.gpus))
+    info = msgspec.structs.replace(where, gpu_ids=gpu_ids)
+    first = 0 if args.gpu_ids else info.local_id * args.gpus
     try:  # the step's GPUs (Slurm's CUDA_VISIBLE_DEVICES), this rank's share of them
         check_vllm()
         placement = place(
@@ -161,7 +162,7 @@ def _join(args: argparse.Namespace) -> int:
     spec = engine_spec(
         cfg, args.model_dir, device=placement.device, gpus=placement.num_gpus, host=host
     )
-    worker_id = f"{args.group}-" + "-".join(info["gpu_ids"])
+    worker_id = f"{args.group}-" + "-".join(info.gpu_ids)
     return serve_engine(
         connect,
         spec,

@@ -23,7 +23,7 @@ from pathlib import Path
 from mpi4py import MPI
 
 from pearl_hpc.comm.members import Members
-from pearl_hpc.comm.messages import COLLECTIVE, Kind, Op
+from pearl_hpc.comm.messages import COLLECTIVE, Ack, Op
 from pearl_hpc.comm.mpi import MasterPlane, PlaneError, WorkerPlane, member_info
 from pearl_hpc.comm.mpiexec import mpiexec_path
 from pearl_hpc.master.records import EventLog, read_jsonl
@@ -32,7 +32,7 @@ from pearl_hpc.slurm.client import FORK_LOCK
 
 def member(plane: WorkerPlane, slow_s: float) -> int:
     """A member's control loop: collectives, LEAVE, SHUTDOWN."""
-    plane.report(Kind.HELLO, **member_info({"process": "engine"}))
+    plane.report(member_info("engine"))
     while True:
         cmd = plane.next_command(0.02)
         if cmd is None:
@@ -40,9 +40,9 @@ def member(plane: WorkerPlane, slow_s: float) -> int:
         if cmd.op in COLLECTIVE:
             if cmd.op is Op.PARTITION:
                 time.sleep(slow_s)
-            plane.report(Kind.ACK, cmd.seq, op=cmd.op, **plane.take_part(cmd))
+            plane.report(plane.take_part(cmd), cmd.seq)
         elif cmd.op in (Op.LEAVE, Op.SHUTDOWN):
-            plane.report(Kind.ACK, cmd.seq, op=cmd.op)
+            plane.report(Ack(cmd.op), cmd.seq)
             if cmd.op is Op.LEAVE:
                 plane.disconnect()
             return 0

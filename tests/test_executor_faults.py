@@ -16,7 +16,7 @@ from pearl_hpc.rollout.router import Router
 class _DeadProc:
     def __init__(self) -> None:
         self.client: Any = None
-        self.ready: dict[str, Any] = {}
+        self.address = ("127.0.0.1", 0)
         self.kills = 0
 
     async def stop(self, timeout_s: float = 60.0) -> None:

@@ -304,14 +304,14 @@ def test_the_master_lends_a_trainers_gpu_and_counts_its_return() -> None:
     rank's onload, journalled, the slowest one kept for T_toggle's sample."""
     import asyncio
 
-    from pearl_hpc.comm.messages import Op
+    from pearl_hpc.comm.messages import Hello, Move, Op, Release, ReleaseAck, TrainAck
     from pearl_hpc.master.trainer import RemoteTrainer
 
     class Ranks:  # the two trainer ranks' side of Members, as a unit test stands it in
         def __init__(self) -> None:
             self.hellos = {
-                1: {"version": 3, "gpu_ids": ["train0"]},
-                2: {"version": 3, "gpu_ids": ["train1"]},
+                1: Hello("trainer", "n", 1, version=3, gpu_ids=("train0",)),
+                2: Hello("trainer", "n", 2, version=3, gpu_ids=("train1",)),
             }
             self.journal: list[tuple[str, dict]] = []
             self.calls: list[tuple[int, Op]] = []
@@ -319,12 +319,12 @@ def test_the_master_lends_a_trainers_gpu_and_counts_its_return() -> None:
         def of_kind(self, kind: str) -> list[int]:
             return [1, 2]
 
-        async def call(self, rank: int, op: Op, **args: object) -> dict:
-            self.calls.append((rank, op))
-            if op is Op.RELEASE:
-                return {"offload_s": 1.5, "offload_free_before": 1, "offload_free_after": 9}
-            figures = {"mean_reward": 0.5, "max_staleness": 0, "loss": 0.1, "wall_s": 4.0}
-            return {"onload_s": 0.5 if rank == 1 else 0.25, "version": 4, **figures}
+        async def call(self, rank: int, body: object, ack: type) -> object:
+            self.calls.append((rank, Op.RELEASE if isinstance(body, Release) else Op.TRAIN))
+            if isinstance(body, Release):
+                return ReleaseAck(Move("offload", 1.5, 1, 9))
+            onload = Move("onload", 0.5 if rank == 1 else 0.25, 0, 0)
+            return TrainAck(7, 4, 0.5, 0, 0.1, 10, 4.0, onload=onload)
 
         def events(self, kind: str, **fields: object) -> None:
             self.journal.append((kind, fields))

@@ -1,83 +1,128 @@
-"""Control-plane messages: frozen records that survive pickling (what mpi4py does)."""
+"""Control-plane messages: typed records, msgpack on the wire, never pickled; what does not
+decode into them is refused."""
 
 from __future__ import annotations
 
-import dataclasses
 import pickle
 
+import msgspec
 import pytest
 
 from pearl_hpc.comm.messages import (
     COLLECTIVE,
     TAG_COMMAND,
     TAG_REPORT,
+    Ack,
+    Admit,
+    CatchUp,
+    CatchUpAck,
+    CollectiveAck,
     Command,
-    Kind,
+    Failed,
+    Heartbeat,
+    Hello,
+    Leave,
+    Move,
     Op,
+    Partition,
+    Prepare,
+    Publish,
+    PublishAck,
+    Release,
+    ReleaseAck,
     Report,
+    Shrink,
+    Shutdown,
+    Train,
+    TrainAck,
+    decode_command,
+    decode_report,
+    encode,
 )
+from pearl_hpc.rollout.types import Segment, Trajectory, TurnStats
+
+COMMANDS = [
+    Prepare(),
+    Release(),
+    Train(3, b"\x90"),
+    Publish(4, {"g0": ("10.0.0.1", 5000)}),
+    CatchUp("g1", "10.0.0.2", 5001),
+    Leave(),
+    Shutdown(),
+    Admit("123+1"),
+    Shrink([0, 2, 3]),
+    Partition(7, [0, 1, 1, 2]),
+]
+REPORTS = [
+    Hello("engine", "n1", 99, gpu_ids=("rsv:0",), host="10.0.0.1", port=5000),
+    Heartbeat(),
+    Ack(Op.LEAVE),
+    CollectiveAck(Op.PARTITION, 0.25, 7, 2),
+    TrainAck(3, 4, 0.5, 1, 0.1, 900, 2.0, onload=Move("onload", 0.3, 1, 9)),
+    ReleaseAck(Move("offload", 1.5, 9, 1)),
+    ReleaseAck(),
+    PublishAck(4, 0.2, 0.0, 2, 1, ["g1"]),
+    CatchUpAck(0.1),
+    Failed("trainer: boom"),
+]
 
 
-def test_command_is_frozen() -> None:
-    cmd = Command(Op.ROLE, 3, {"slot": 1, "role": "decode"})
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        cmd.seq = 4  # type: ignore[misc]
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        cmd.op = Op.TRAIN  # type: ignore[misc]
+@pytest.mark.parametrize("body", COMMANDS, ids=lambda b: type(b).__name__)
+def test_every_command_round_trips_as_its_own_type(body: object) -> None:
+    back = decode_command(encode(Command(42, body)))  # type: ignore[arg-type]
+    assert back == Command(42, body) and type(back.body) is type(body)  # type: ignore[arg-type]
+    assert back.op is Op(str(type(body).__struct_config__.tag))  # type: ignore[attr-defined]
 
 
-def test_report_is_frozen() -> None:
-    rep = Report(Kind.ACK, "base:1", 3)
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        rep.member_id = "base:2"  # type: ignore[misc]
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        rep.kind = Kind.ERROR  # type: ignore[misc]
+@pytest.mark.parametrize("body", REPORTS, ids=lambda b: type(b).__name__)
+def test_every_report_round_trips_as_its_own_type(body: object) -> None:
+    back = decode_report(encode(Report("123+1:0", 7, body)))  # type: ignore[arg-type]
+    assert back == Report("123+1:0", 7, body) and type(back.body) is type(body)  # type: ignore[arg-type]
 
 
-def test_defaults() -> None:
-    assert Command(Op.SHUTDOWN, 0).args == {}
-    rep = Report(Kind.HEARTBEAT, "12+1:0")
-    assert rep.seq == -1
-    assert rep.args == {}
-    # default args are not shared between instances
-    assert Command(Op.LEAVE, 1).args is not Command(Op.LEAVE, 2).args
-    assert Report(Kind.HELLO, "a").args is not Report(Kind.HELLO, "b").args
+def test_the_wire_is_msgpack_not_pickle() -> None:
+    """A pickle (what an attacker joining the plane would send to run code) is refused,
+    and so is a record of the wrong shape: decoding never runs anything."""
+    evil = pickle.dumps(Command(1, Leave()))
+    with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
+        decode_command(evil)
+    wrong = msgspec.msgpack.encode({"seq": 1, "body": {"type": "train", "step": "x"}})
+    with pytest.raises(msgspec.ValidationError, match="step"):
+        decode_command(wrong)
+    unknown = msgspec.msgpack.encode({"seq": 1, "body": {"type": "role", "role": "decode"}})
+    with pytest.raises(msgspec.ValidationError):
+        decode_command(unknown)
+    with pytest.raises(msgspec.ValidationError):
+        decode_report(msgspec.msgpack.encode({"member_id": "a", "seq": 1, "body": {"type": "x"}}))
 
 
-@pytest.mark.parametrize("op", list(Op))
-def test_command_pickle_round_trip(op: Op) -> None:
-    cmd = Command(op, 42, {"slot": 2, "members": ["master", "base:1"], "colors": {"x": 1}})
-    back = pickle.loads(pickle.dumps(cmd))
-    assert back == cmd
-    assert back is not cmd
-    assert type(back) is Command
-    assert back.op is op  # the enum member, not a bare string
-    assert isinstance(back.op, Op)
-
-
-@pytest.mark.parametrize("kind", list(Kind))
-def test_report_pickle_round_trip(kind: Kind) -> None:
-    rep = Report(kind, "123+1:0", 7, {"op": Op.ADMIT, "seconds": 0.25, "gpu_ids": ("g0", "g1")})
-    back = pickle.loads(pickle.dumps(rep, protocol=pickle.HIGHEST_PROTOCOL))
-    assert back == rep
-    assert type(back) is Report
-    assert back.kind is kind
-    assert back.args["op"] is Op.ADMIT
+def test_a_train_batch_travels_as_trajectories() -> None:
+    """The TRAIN batch is the trajectories themselves, encoded once by the master and
+    decoded by the trainer with rollout's own type."""
+    traj = Trajectory(
+        "t0",
+        "g0",
+        [Segment((1, 2), False), Segment((3,), True, (-0.5,), 2)],
+        reward=1.0,
+        done=True,
+        weight_versions={2},
+        turns=[TurnStats(0, 2, 1, 3, 0.1, ("s1",))],
+        info={"correct": True},
+    )
+    cmd = decode_command(encode(Command(1, Train(5, msgspec.msgpack.encode([traj])))))
+    assert isinstance(cmd.body, Train)
+    assert msgspec.msgpack.decode(cmd.body.trajectories, type=list[Trajectory]) == [traj]
 
 
 def test_collective_is_exactly_admit_shrink_partition() -> None:
-    assert isinstance(COLLECTIVE, frozenset)
     assert {Op.ADMIT, Op.SHRINK, Op.PARTITION} == COLLECTIVE
-    assert {str(op) for op in COLLECTIVE} == {"admit", "shrink", "partition"}
-    point_to_point = set(Op) - COLLECTIVE
-    assert point_to_point == {
-        Op.ROLE, Op.DRAIN, Op.RELEASE, Op.TRAIN, Op.PUBLISH, Op.CATCH_UP, Op.LEAVE, Op.SHUTDOWN,
-        Op.PREPARE,
-    }  # fmt: skip
-
-
-def test_ops_and_kinds_are_their_wire_strings() -> None:
-    assert Op("admit") is Op.ADMIT
-    assert Kind("heartbeat") is Kind.HEARTBEAT
-    assert Op.PARTITION == "partition"
+    assert {op.value for op in Op} == {
+        str(type(b).__struct_config__.tag) for b in COMMANDS  # type: ignore[attr-defined]
+    }  # one body per op, no op without one
     assert TAG_COMMAND != TAG_REPORT
+
+
+def test_a_move_is_logged_under_its_direction() -> None:
+    assert Move("offload", 1.23456, 1, 9).fields() == {
+        "offload_s": 1.2346, "offload_free_before": 1, "offload_free_after": 9,
+    }  # fmt: skip

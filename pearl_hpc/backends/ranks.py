@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
 
 from pearl_hpc.comm.members import Members
 from pearl_hpc.engine.client import EngineClient
@@ -29,12 +28,12 @@ class RankWorker:
         self,
         worker_id: str,
         client: EngineClient,
-        ready: dict[str, Any],
+        address: tuple[str, int],
         kill: Callable[[], None],
     ) -> None:
         self.worker_id = worker_id
         self.client = client
-        self.ready = ready
+        self.address = address
         self._kill = kill
 
     async def stop(self, timeout_s: float = 60.0) -> None:
@@ -58,19 +57,19 @@ async def attach_rank(
     admitted to the world. ``ended()`` says why the rank can no longer come (its job or
     launch ended), None while it may; ``release`` gives its capacity back."""
     deadline = time.monotonic() + timeout_s
-    while (hello := members.engine_on(gpu_ids)) is None:
+    while (joined := members.engine_on(gpu_ids)) is None:
         why = ended()
         if why is not None:
             raise EngineError(f"elastic component {tag} ended before its rank joined: {why}")
         if time.monotonic() > deadline:
             raise EngineError(f"the rank of {tag} did not join within {timeout_s:.0f} s")
         await asyncio.sleep(0.2)
+    member, hello = joined
     client = EngineClient(tag)
-    await client.connect(str(hello["host"]), int(hello["port"]), key)
-    member = str(hello["member"])
+    await client.connect(hello.host, hello.port, key)
 
     def kill() -> None:  # its engine socket died: so did the rank, or it will
         members.fail(member, "its engine socket died")
         release()
 
-    return RankWorker(tag, client, hello, kill)
+    return RankWorker(tag, client, (hello.host, hello.port), kill)

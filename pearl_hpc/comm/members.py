@@ -30,14 +30,25 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeVar
 
 from pearl_hpc.comm.membership import Member, MemberState
-from pearl_hpc.comm.messages import Kind, Op, Report
+from pearl_hpc.comm.messages import (
+    Ack,
+    CollectiveAck,
+    CommandBody,
+    Failed,
+    Hello,
+    Op,
+    Prepare,
+    Report,
+    ReportBody,
+)
 from pearl_hpc.comm.mpi import COLLECTIVE_TIMEOUT_S, MasterPlane, PlaneError
 from pearl_hpc.slurm.client import FORK_LOCK
 
 log = logging.getLogger(__name__)
+_A = TypeVar("_A", bound=ReportBody)
 
 POLL_S = 0.005
 LEAVE_TIMEOUT_S = 15.0  # members that do not ack LEAVE by then are cancelled anyway
@@ -85,10 +96,10 @@ class Members:
         self.plane = plane
         self.events = events
         self.split_timeout_s = split_timeout_s  # a re-partition not acked by then: fatal
-        self.hellos: dict[str, dict[str, Any]] = {}  # member id -> what its hello said
+        self.hellos: dict[str, Hello] = {}  # member id -> what its hello said
         self.roles = roles
         self.on_failed = on_failed
-        self._waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._waiting: dict[int, asyncio.Future[ReportBody]] = {}
         self._expected: dict[int, dict[str, int]] = {}  # epoch -> member -> group size
         self._to_admit: list[str] = []  # linked groups waiting to enter the universe
         self._given_back: set[str] = set()  # groups told to leave (one joining late too)
@@ -101,13 +112,13 @@ class Members:
         ``since_s``: when this rank started (``time.monotonic``), for the world's start
         latency."""
         for member in self.plane.start_base():
-            self.hellos[member.member_id] = member.info
+            self.hellos[member.member_id] = _hello_of(member)
         self.events(
             "world",
             ranks=1 + len(self.hellos),
             trainers=len(self.of_kind("trainer")),
             engines=len(self.of_kind("engine")),
-            nodes={str(self.rank(m)): str(h.get("node", "")) for m, h in self.hellos.items()},
+            nodes={str(self.rank(m)): h.node for m, h in self.hellos.items()},
             start_s=round(time.monotonic() - since_s, 3),
         )
 
@@ -123,18 +134,19 @@ class Members:
             (
                 m
                 for m, h in self.hellos.items()
-                if h.get("process") == kind
+                if h.process == kind
                 and m in membership.universe
                 and membership.members[m].state is MemberState.MEMBER
             ),
             key=self.rank,
         )
 
-    def engine_on(self, gpu_ids: tuple[str, ...]) -> dict[str, Any] | None:
-        """The hello of the admitted engine rank on ``gpu_ids`` (None: none yet)."""
+    def engine_on(self, gpu_ids: tuple[str, ...]) -> tuple[str, Hello] | None:
+        """The admitted engine rank on ``gpu_ids``: its member id and hello (None: none
+        yet)."""
         for member_id in self.of_kind("engine"):
-            if tuple(self.hellos[member_id].get("gpu_ids", ())) == gpu_ids:
-                return {"member": member_id, **self.hellos[member_id]}
+            if self.hellos[member_id].gpu_ids == gpu_ids:
+                return member_id, self.hellos[member_id]
         return None
 
     def group_state(self, group: str) -> set[MemberState]:
@@ -199,7 +211,7 @@ class Members:
         prep = self._prepare
         stale = prep is not None and prep.answered_s is not None and now - prep.answered_s > READY_S
         if prep is None or prep.members != key or stale:
-            seqs = {self.plane.send(m, Op.PREPARE) for m in members}
+            seqs = {self.plane.send(m, Prepare()) for m in members}
             self._prepare = _Prepare(key, seqs, set(members), None if members else now)
             return not members
         if prep.waiting:
@@ -219,9 +231,9 @@ class Members:
         for group in groups:
             members = self.plane.membership.group(group)
             for member in members:
-                self.hellos[member.member_id] = member.info
+                self.hellos[member.member_id] = _hello_of(member)
             self.events(
-                "joined", group=group, members={m.member_id: m.info.get("pid") for m in members}
+                "joined", group=group, members={m.member_id: _hello_of(m).pid for m in members}
             )
             if group in self._given_back:  # its capacity went back before it joined
                 self.leave(group)
@@ -240,23 +252,22 @@ class Members:
             self._split_wanted = True  # the newcomers take their group (idle until placed)
 
     def _on_report(self, report: Report) -> None:
-        if report.kind is Kind.ACK and report.args.get("op") == Op.PARTITION:
-            self._check_split(report)
-            self._split_acked(report.member_id, float(report.args.get("seconds", 0.0)))
+        body = report.body
+        if isinstance(body, CollectiveAck) and body.op is Op.PARTITION:
+            self._check_split(report.member_id, body)
+            self._split_acked(report.member_id, body.seconds)
         prep = self._prepare
-        if prep is not None and report.kind is Kind.ACK and report.seq in prep.seqs:
+        if prep is not None and isinstance(body, Ack) and report.seq in prep.seqs:
             prep.waiting.discard(report.member_id)
             if not prep.waiting:
                 prep.answered_s = time.monotonic()
         future = self._waiting.pop(report.seq, None)
         if future is None or future.done():
             return
-        if report.kind is Kind.ERROR:
-            future.set_exception(
-                PlaneError(f"{report.member_id}: {report.args.get('message', 'failed')}")
-            )
+        if isinstance(body, Failed):
+            future.set_exception(PlaneError(f"{report.member_id}: {body.message}"))
         else:
-            future.set_result(dict(report.args))
+            future.set_result(body)
 
     # ------------------------------------------------------------ failures, leaving
     def fail(self, member_id: str, reason: str) -> None:
@@ -301,12 +312,16 @@ class Members:
             time.sleep(POLL_S)
 
     # ------------------------------------------------------------ commands, split
-    async def call(self, member_id: str, op: Op, **args: Any) -> dict[str, Any]:
-        """Send one command; its ack's arguments (a PlaneError if the member failed it)."""
-        seq = self.plane.send(member_id, op, **args)
-        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+    async def call(self, member_id: str, body: CommandBody, ack: type[_A]) -> _A:
+        """Send one command; its ack, of type ``ack`` (a PlaneError if the member failed
+        the command or answered it with something else)."""
+        seq = self.plane.send(member_id, body)
+        future: asyncio.Future[ReportBody] = asyncio.get_running_loop().create_future()
         self._waiting[seq] = future
-        return await future
+        answer = await future
+        if not isinstance(answer, ack):
+            raise PlaneError(f"{member_id}: {type(body).__name__} answered with {answer!r}"[:300])
+        return answer
 
     def split(self) -> None:
         """Ask for a re-partition of the members into role groups (``Comm.Split``), made
@@ -363,17 +378,22 @@ class Members:
         seconds = self.plane.shrink()
         self.events("shrink", ranks=len(self.plane.membership.universe), s=round(seconds, 4))
 
-    def _check_split(self, report: Report) -> None:
-        expected = self._expected.get(int(report.args.get("epoch", -1)), {})
-        want = expected.get(report.member_id)
-        if want is not None and int(report.args.get("group_size", -1)) != want:
+    def _check_split(self, member_id: str, ack: CollectiveAck) -> None:
+        want = self._expected.get(ack.epoch, {}).get(member_id)
+        if want is not None and ack.group_size != want:
             self.events(
                 "split_mismatch",
-                member=report.member_id,
-                epoch=report.args.get("epoch"),
-                group_size=report.args.get("group_size"),
+                member=member_id,
+                epoch=ack.epoch,
+                group_size=ack.group_size,
                 expected=want,
             )
 
     def shutdown(self) -> None:
         self.plane.shutdown()
+
+
+def _hello_of(member: Member) -> Hello:
+    if member.hello is None:  # the plane links a member only with its hello
+        raise PlaneError(f"{member.member_id}: linked without a hello")
+    return member.hello

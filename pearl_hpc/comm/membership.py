@@ -17,9 +17,10 @@ first, then the base job's ranks, then each joined group in the order it was adm
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 
+from pearl_hpc.comm.messages import Hello
 from pearl_hpc.errors import TransitionError
 
 MASTER_ID = "master"
@@ -52,7 +53,7 @@ class Member:
     state: MemberState = MemberState.LINKED
     last_seen_s: float = 0.0
     joined_s: float = 0.0
-    info: dict[str, object] = field(default_factory=dict)
+    hello: Hello | None = None  # what it said when it joined (None: not yet)
 
 
 class Membership:

@@ -35,20 +35,43 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+import msgspec
 
 from pearl_hpc.comm.membership import MASTER_ID, Member, Membership, MemberState
-from pearl_hpc.comm.messages import COLLECTIVE, TAG_COMMAND, TAG_REPORT, Command, Kind, Op, Report
+from pearl_hpc.comm.messages import (
+    COLLECTIVE,
+    TAG_COMMAND,
+    TAG_REPORT,
+    Ack,
+    Admit,
+    CollectiveAck,
+    Command,
+    CommandBody,
+    Heartbeat,
+    Hello,
+    Leave,
+    Op,
+    Partition,
+    Report,
+    ReportBody,
+    Shrink,
+    Shutdown,
+    decode_command,
+    decode_report,
+    encode,
+)
 from pearl_hpc.errors import PearlError
 from pearl_hpc.rundir import RunDir
 
 log = logging.getLogger(__name__)
+_M = TypeVar("_M", Command, Report)
 
 TAG_INTERCOMM = 21
 TAG_SHRINK = 22
@@ -175,7 +198,7 @@ class MasterPlane:
             self.timings.accept_s.append(time.perf_counter() - t0)
             # the connection accepted may be another announcer's: its hellos say whose
             hellos = self._collect_hellos(link, str(note["group"]), range(1, link.size))
-            group = str(hellos[1].args.get("group", note["group"]))
+            group = _hello(hellos[1]).group or str(note["group"])
             self.links[group] = link
             now = self.clock()
             for rank, report in sorted(hellos.items()):
@@ -191,8 +214,8 @@ class MasterPlane:
         status = self.MPI.Status()
         while wanted - hellos.keys():
             if link.iprobe(source=self.MPI.ANY_SOURCE, tag=TAG_REPORT, status=status):
-                report = link.recv(source=status.Get_source(), tag=TAG_REPORT)
-                if report.kind is Kind.HELLO:
+                report = _receive(link, status, decode_report, group)
+                if report is not None and isinstance(report.body, Hello):
                     hellos[status.Get_source()] = report
                 continue
             if time.monotonic() > deadline:
@@ -203,23 +226,18 @@ class MasterPlane:
 
     @staticmethod
     def _member(report: Report, group: str, link_rank: int) -> Member:
-        args = report.args
+        hello = _hello(report)
         return Member(
-            report.member_id,
-            group,
-            link_rank,
-            node=str(args.get("node", "")),
-            gpu_ids=tuple(args.get("gpu_ids", ())),
-            info=dict(args),
+            report.member_id, group, link_rank, node=hello.node, gpu_ids=hello.gpu_ids, hello=hello
         )
 
     # --------------------------------------------------------------- messages
-    def send(self, member_id: str, op: Op, **args: Any) -> int:
+    def send(self, member_id: str, body: CommandBody) -> int:
+        """Send ``body`` to one member; returns the command's seq (its ack echoes it)."""
         member = self.membership.members[member_id]
         self.seq += 1
-        self.links[member.group].send(
-            Command(op, self.seq, args), dest=member.link_rank, tag=TAG_COMMAND
-        )
+        data = encode(Command(self.seq, body))
+        self.links[member.group].Send([data, self.MPI.BYTE], dest=member.link_rank, tag=TAG_COMMAND)
         return self.seq
 
     def poll(self) -> list[Report]:
@@ -236,11 +254,13 @@ class MasterPlane:
             while group in self.links and link.iprobe(
                 source=self.MPI.ANY_SOURCE, tag=TAG_REPORT, status=status
             ):
-                report = link.recv(source=status.Get_source(), tag=TAG_REPORT)
+                report = _receive(link, status, decode_report, group)
+                if report is None or report.member_id not in self.membership.members:
+                    continue
                 self.membership.heard(report.member_id, now)
-                if report.kind is not Kind.HEARTBEAT:
+                if not isinstance(report.body, Heartbeat):
                     reports.append(report)
-                if report.kind is Kind.ACK and report.args.get("op") == Op.LEAVE:
+                if isinstance(report.body, Ack) and report.body.op is Op.LEAVE:
                     self._left(group, report.member_id)
         return reports
 
@@ -276,7 +296,7 @@ class MasterPlane:
             m.member_id for m in self.membership.group(group) if m.state is MemberState.LINKED
         ]
         for member_id in old + joining:
-            self.send(member_id, Op.ADMIT, group=group)
+            self.send(member_id, Admit(group))
         with hang_guard(f"admitting {group}"):
             intercomm = self.universe.Create_intercomm(0, self.links[group], 1, TAG_INTERCOMM)
             universe = intercomm.Merge(high=False)
@@ -299,7 +319,7 @@ class MasterPlane:
         survivors = self.membership.shrink()
         keep = [old.index(i) for i in survivors]
         for member_id in survivors[1:]:
-            self.send(member_id, Op.SHRINK, keep=keep)
+            self.send(member_id, Shrink(keep))
         group = self.universe.Get_group().Incl(keep)
         with hang_guard("shrinking the universe"):
             universe = self.universe.Create_group(group, TAG_SHRINK)
@@ -321,7 +341,7 @@ class MasterPlane:
         by_rank = [colors[i] for i in self.membership.universe]
         members = list(self.membership.universe[1:])
         for member_id in members:
-            self.send(member_id, Op.PARTITION, epoch=self.epoch, colors=by_rank)
+            self.send(member_id, Partition(self.epoch, by_rank))
         return self.epoch, members
 
     # ---------------------------------------------------------------- leaving
@@ -329,7 +349,7 @@ class MasterPlane:
         """The group's job is given back: its members leave the plane."""
         leaving = self.membership.leave(group)
         for member in leaving:
-            self.send(member.member_id, Op.LEAVE)
+            self.send(member.member_id, Leave())
         return leaving
 
     def _left(self, group: str, member_id: str) -> None:
@@ -349,12 +369,12 @@ class MasterPlane:
         already leaving have acknowledged."""
         waiting = set()
         for member in self.membership.live():
-            self.send(member.member_id, Op.SHUTDOWN)
+            self.send(member.member_id, Shutdown())
             waiting.add(member.member_id)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for report in self.poll():
-                if report.kind is Kind.ACK and report.args.get("op") == Op.SHUTDOWN:
+                if isinstance(report.body, Ack) and report.body.op is Op.SHUTDOWN:
                     waiting.discard(report.member_id)
             leaving = {
                 m.member_id
@@ -393,8 +413,6 @@ class WorkerPlane:
         self.epoch = 0
         self.heartbeat_interval_s = heartbeat_interval_s
         self._last_beat = 0.0
-        self.signalled: int | None = None
-        self._signal_reported = False
 
     @classmethod
     def base(cls, *, heartbeat_interval_s: float = 1.0) -> WorkerPlane:
@@ -448,35 +466,29 @@ class WorkerPlane:
             heartbeat_interval_s=heartbeat_interval_s,
         )
 
-    def report(self, kind: Kind, seq: int = -1, **args: Any) -> None:
-        self.link.send(Report(kind, self.member_id, seq, args), dest=0, tag=TAG_REPORT)
-
-    def catch_signals(self, signums: Iterable[int] = (signal.SIGUSR2, signal.SIGTERM)) -> None:
-        def handler(signum: int, _frame: Any) -> None:
-            self.signalled = signum
-
-        for signum in signums:
-            signal.signal(signum, handler)
+    def report(self, body: ReportBody, seq: int = -1) -> None:
+        """Send ``body`` to the master (``seq``: the command it acknowledges)."""
+        data = encode(Report(self.member_id, seq, body))
+        self.link.Send([data, self.MPI.BYTE], dest=0, tag=TAG_REPORT)
 
     def next_command(self, timeout_s: float) -> Command | None:
-        """Wait up to ``timeout_s`` for a command, heartbeating (and reporting a caught
-        signal once) meanwhile."""
+        """Wait up to ``timeout_s`` for a command, heartbeating meanwhile."""
         deadline = time.monotonic() + timeout_s
+        status = self.MPI.Status()
         while True:
             now = time.monotonic()
-            if self.signalled is not None and not self._signal_reported:
-                self._signal_reported = True
-                self.report(Kind.SIGNAL, signum=int(self.signalled))
             if now - self._last_beat >= self.heartbeat_interval_s:
                 self._last_beat = now
-                self.report(Kind.HEARTBEAT)
-            if self.link.iprobe(source=0, tag=TAG_COMMAND):
-                cmd: Command = self.link.recv(source=0, tag=TAG_COMMAND)
+                self.report(Heartbeat())
+            if self.link.iprobe(source=0, tag=TAG_COMMAND, status=status):
+                cmd = _receive(self.link, status, decode_command, "the master")
+                if cmd is None:
+                    continue
                 if cmd.op is not Op.PREPARE:
                     return cmd
                 # this thread is responsive: the collective call the master makes next
                 # is entered as soon as its command arrives (see comm.members)
-                self.report(Kind.ACK, cmd.seq, op=Op.PREPARE)
+                self.report(Ack(Op.PREPARE), cmd.seq)
                 continue
             if now >= deadline:
                 return None
@@ -486,6 +498,7 @@ class WorkerPlane:
         """Take part in a collective command; returns the seconds it took."""
         if cmd.op not in COLLECTIVE:
             raise PlaneError(f"{cmd.op} is not a collective command")
+        body = cmd.body
         t0 = time.perf_counter()
         if cmd.op is not Op.PARTITION and self.members is not None:
             # the universe changes, its members' communicator with it (after a shrink
@@ -503,12 +516,12 @@ class WorkerPlane:
                 self.universe.Free()
                 self.universe = universe
             intercomm.Free()
-        elif cmd.op is Op.SHRINK:
-            group = self.universe.Get_group().Incl(cmd.args["keep"])
+        elif isinstance(body, Shrink):
+            group = self.universe.Get_group().Incl(body.keep)
             self.universe = self.universe.Create_group(group, TAG_SHRINK)
             group.Free()
-        elif cmd.op is Op.PARTITION:
-            colors = cmd.args["colors"]
+        elif isinstance(body, Partition):
+            colors = body.colors
             if self.members is None:  # collective over the members: the master stays out
                 others = self.universe.Get_group().Excl([0])
                 self.members = self.universe.Create_group(others, TAG_MEMBERS)
@@ -517,16 +530,16 @@ class WorkerPlane:
                 self.role_comm.Free()
             rank = self.universe.rank
             self.role_comm = self.members.Split(colors[rank], rank)
-            self.epoch = int(cmd.args["epoch"])
+            self.epoch = body.epoch
         return time.perf_counter() - t0
 
-    def take_part(self, cmd: Command) -> dict[str, Any]:
-        """Enter a collective command; returns the ack's arguments: the seconds inside
-        it, the epoch and (a re-partition) the new role group's size as the group
-        counts itself (the master checks it)."""
+    def take_part(self, cmd: Command) -> CollectiveAck:
+        """Enter a collective command; returns its ack: the seconds inside it, the
+        epoch and (a re-partition) the new role group's size as the group counts itself
+        (the master checks it)."""
         seconds = self.enter(cmd)
         size = self.role_comm.allreduce(1) if cmd.op is Op.PARTITION else 0
-        return {"seconds": seconds, "epoch": self.epoch, "group_size": size}
+        return CollectiveAck(cmd.op, seconds, self.epoch, size)
 
     def disconnect(self) -> None:
         """Leave the plane: free the shared communicators, disconnect from the master."""
@@ -539,16 +552,36 @@ class WorkerPlane:
             self.link.Disconnect()
 
 
-def member_info(extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """What a member says in its hello: where it runs."""
-    info: dict[str, Any] = {
-        "node": os.environ.get("SLURMD_NODENAME") or os.uname().nodename,
-        "pid": os.getpid(),
-        "local_id": int(os.environ.get("SLURM_LOCALID", "0")),
-        "job_id": os.environ.get("SLURM_JOB_ID", ""),
-    }
-    info.update(extra or {})
-    return info
+def member_info(process: str, **fields: Any) -> Hello:
+    """What a member says in its hello: where it runs, and ``fields`` of :class:`Hello`."""
+    return Hello(
+        process=process,
+        node=os.environ.get("SLURMD_NODENAME") or os.uname().nodename,
+        pid=os.getpid(),
+        local_id=int(os.environ.get("SLURM_LOCALID", "0")),
+        job_id=os.environ.get("SLURM_JOB_ID", ""),
+        **fields,
+    )
+
+
+def _receive(link: Any, status: Any, decode: Callable[[bytearray], _M], sender: str) -> _M | None:
+    """The message ``status`` (of a probe) found on ``link``, as raw bytes decoded into
+    its type; one that does not decode is logged and dropped (None): nothing is
+    unpickled, whoever sent it."""
+    MPI = _mpi()
+    data = bytearray(status.Get_count(MPI.BYTE))
+    link.Recv([data, MPI.BYTE], source=status.Get_source(), tag=status.Get_tag())
+    try:
+        return decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        log.warning("control plane: dropped a malformed message from %s: %s", sender, exc)
+        return None
+
+
+def _hello(report: Report) -> Hello:
+    if not isinstance(report.body, Hello):
+        raise PlaneError(f"{report.member_id}: expected its hello, got {report.body!r}"[:300])
+    return report.body
 
 
 __all__ = ["MASTER_ID", "MasterPlane", "PlaneError", "WorkerPlane", "member_info"]

@@ -52,7 +52,7 @@ class EngineWorkerHandle(Protocol):
     """An engine rank's socket, as the master drives it."""
 
     client: Any  # pearl_hpc.engine.client.EngineClient
-    ready: dict[str, Any]  # what it announced: host, port (its engine socket), pid...
+    address: tuple[str, int]  # its engine socket (host, port)
 
     async def stop(self, timeout_s: float = 60.0) -> None: ...
 

@@ -63,7 +63,7 @@ class RankEngine:
     """The engine socket of an engine rank (the rank lives as long as the world)."""
 
     client: EngineClient
-    ready: dict[str, Any]
+    address: tuple[str, int]  # its engine socket
 
     async def stop(self, timeout_s: float = 60.0) -> None:
         await self.client.close()
@@ -197,8 +197,8 @@ class WorkerExecutor:
         engine) until the controller places a worker on its GPUs."""
         client = EngineClient("rank-" + "-".join(gpu_ids))
         await client.connect(host, port, self.key)
-        ready = {"host": host, "port": port}
-        self.workers[gpu_ids] = _Worker(RankEngine(client, ready), gpu_ids, persistent=True)
+        rank = RankEngine(client, (host, port))
+        self.workers[gpu_ids] = _Worker(rank, gpu_ids, persistent=True)
 
     # ------------------------------------------------------------------ executor
     def start_workers(self, adds: Sequence[WorkerAdd]) -> None:
@@ -367,4 +367,4 @@ class WorkerExecutor:
 
 
 def _address(worker: _Worker) -> tuple[str, int]:
-    return str(worker.proc.ready["host"]), int(worker.proc.ready["port"])
+    return worker.proc.address

@@ -337,8 +337,7 @@ class MasterRun:
         rollout workers: the engine ranks of the world, connected, released."""
         for member_id in self.members.of_kind(ENGINE):
             hello = self.members.hellos[member_id]
-            gpu_ids = tuple(hello["gpu_ids"])
-            await self.executor.add_engine_rank(gpu_ids, str(hello["host"]), int(hello["port"]))
+            await self.executor.add_engine_rank(hello.gpu_ids, hello.host, hello.port)
         layout = base_layout(self.cfg.workers, self.cfg.layout)
         train_gpus = tuple(g for r in layout if r.kind == TRAINER for g in r.gpu_ids)
         overlap_sets = [r.gpu_ids for r in layout if r.overlap]
@@ -430,7 +429,7 @@ class MasterRun:
         }
         roles = {m: "training" for m in self.members.of_kind(TRAINER)}
         for member_id in self.members.of_kind(ENGINE):
-            gpu_ids = tuple(self.members.hellos[member_id]["gpu_ids"])
+            gpu_ids = self.members.hellos[member_id].gpu_ids
             roles[member_id] = in_service.get(gpu_ids, "idle")
         return roles
 

@@ -7,8 +7,19 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import msgspec
+
 from pearl_hpc.comm.members import Members
-from pearl_hpc.comm.messages import OFF_POLICY_FIGURES, Op
+from pearl_hpc.comm.messages import (
+    CatchUp,
+    CatchUpAck,
+    Publish,
+    PublishAck,
+    Release,
+    ReleaseAck,
+    Train,
+    TrainAck,
+)
 from pearl_hpc.comm.mpi import PlaneError
 from pearl_hpc.rollout.types import Trajectory
 
@@ -40,35 +51,37 @@ class RemoteTrainer:
         self.ranks = members.of_kind("trainer")
         if not self.ranks:
             raise PlaneError("the run's world has no trainer rank")
-        versions = {int(members.hellos[r]["version"]) for r in self.ranks}
+        versions = {members.hellos[r].version for r in self.ranks}
         if len(versions) != 1:
             raise PlaneError(f"trainer ranks resumed different versions: {sorted(versions)}")
         self.version = versions.pop()
         self.lead = self.ranks[0]
 
     async def train(self, step: int, trajectories: list[Trajectory]) -> TrainResult:
-        batch = [t.to_dict() for t in trajectories]
-        acks = await asyncio.gather(
-            *[self.members.call(r, Op.TRAIN, step=step, trajectories=batch) for r in self.ranks]
-        )
+        batch = Train(step, msgspec.msgpack.encode(trajectories))  # once, for every rank
+        acks = await asyncio.gather(*[self.members.call(r, batch, TrainAck) for r in self.ranks])
         handover_s = 0.0
         for rank, ack in zip(self.ranks, acks, strict=True):  # GPU hand-overs, measured
-            moved = {k: v for k, v in ack.items() if k.startswith(("offload_", "onload_"))}
-            if moved:
-                self.members.events("handover", rank=rank, step=step, **moved)
-                handover_s = max(handover_s, float(moved.get("onload_s", 0.0)))
+            if ack.onload is not None:
+                self.members.events("handover", rank=rank, step=step, **ack.onload.fields())
+                handover_s = max(handover_s, ack.onload.wall_s)
         lead = acks[0]
-        if any(a["version"] != lead["version"] for a in acks):
-            raise PlaneError(f"trainer ranks disagree on the version after step {step}: {acks}")
-        self.version = int(lead["version"])
+        if any(a.version != lead.version for a in acks):
+            versions = [a.version for a in acks]
+            raise PlaneError(f"trainer ranks disagree on the version after step {step}: {versions}")
+        self.version = lead.version
         return TrainResult(
-            version=self.version,
-            mean_reward=float(lead["mean_reward"]),
-            max_staleness=int(lead["max_staleness"]),
-            loss=float(lead["loss"]),
-            wall_s=float(lead["wall_s"]),
+            version=lead.version,
+            mean_reward=lead.mean_reward,
+            max_staleness=lead.max_staleness,
+            loss=lead.loss,
+            wall_s=lead.wall_s,
+            clip_frac=lead.clip_frac,
+            mismatch_mean=lead.mismatch_mean,
+            mismatch_max=lead.mismatch_max,
+            capped_frac=lead.capped_frac,
+            behaviour_coverage=lead.behaviour_coverage,
             handover_s=handover_s,
-            **{k: float(lead.get(k, 0.0)) for k in OFF_POLICY_FIGURES},
         )
 
     async def publish(
@@ -76,34 +89,31 @@ class RemoteTrainer:
     ) -> tuple[float, list[str]]:
         """The weights of ``version`` to every serving engine; returns the broadcast's
         seconds (on trainer 0) and the engines trainer 0 could not reach (dead)."""
-        members = {name: [host, port] for name, (host, port) in serving.items()}
-        ack = await self.members.call(self.lead, Op.PUBLISH, version=version, members=members)
+        ack = await self.members.call(self.lead, Publish(version, dict(serving)), PublishAck)
         self.members.events(
             "publish",
             version=version,
-            members=len(members),
-            mapped=int(ack.get("mapped", 0)),  # of them, on trainer 0's node: shared memory
-            s=round(float(ack["seconds"]), 4),
-            form_s=round(float(ack["form_s"]), 4),
-            unreachable=ack.get("unreachable", []),
+            members=len(serving),
+            mapped=ack.mapped,  # of them, on trainer 0's node: shared memory
+            s=round(ack.seconds, 4),
+            form_s=round(ack.form_s, 4),
+            unreachable=ack.unreachable,
         )
-        return float(ack["seconds"]), list(ack.get("unreachable", []))
+        return ack.seconds, list(ack.unreachable)
 
     async def lend(self, gpu_ids: Sequence[str]) -> None:
         """The trainer ranks on ``gpu_ids`` move their tensors to host memory, so an
         overlap engine can wake there (measured, journalled; nothing moves on cpu). They
         come back with the next step."""
-        ranks = [
-            r for r in self.ranks if set(self.members.hellos[r].get("gpu_ids", ())) & set(gpu_ids)
-        ]
-        acks = await asyncio.gather(*[self.members.call(r, Op.RELEASE) for r in ranks])
+        ranks = [r for r in self.ranks if set(self.members.hellos[r].gpu_ids) & set(gpu_ids)]
+        acks = await asyncio.gather(*[self.members.call(r, Release(), ReleaseAck) for r in ranks])
         for rank, ack in zip(ranks, acks, strict=True):
-            if ack.get("offload_s") is not None:
-                moved = {k: v for k, v in ack.items() if k.startswith("offload_")}
-                self.members.events("handover", rank=rank, gpus=list(gpu_ids), **moved)
+            if ack.offload is not None:
+                fields = ack.offload.fields()
+                self.members.events("handover", rank=rank, gpus=list(gpu_ids), **fields)
 
     async def catch_up(self, name: str, address: tuple[str, int]) -> float:
         """The latest weights to one engine (point to point)."""
         host, port = address
-        ack = await self.members.call(self.lead, Op.CATCH_UP, name=name, host=host, port=port)
-        return float(ack["seconds"])
+        ack = await self.members.call(self.lead, CatchUp(name, host, port), CatchUpAck)
+        return ack.seconds

@@ -22,31 +22,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from pearl_hpc.comm.messages import Move
+
 ON_DEVICE, IN_HOST = "device", "host"
-
-
-@dataclass(frozen=True)
-class Handover:
-    """One move: its direction, wall time and the device's free bytes around it."""
-
-    op: str  # "offload" | "onload"
-    wall_s: float
-    free_before: int  # bytes free on the device (0 on cpu)
-    free_after: int
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            f"{self.op}_s": round(self.wall_s, 4),
-            f"{self.op}_free_before": self.free_before,
-            f"{self.op}_free_after": self.free_after,
-        }
 
 
 class Residency:
@@ -69,13 +52,13 @@ class Residency:
         """Whether there is a device to hand over (a CUDA trainer)."""
         return self.device.type == "cuda"
 
-    def offload(self) -> Handover | None:
+    def offload(self) -> Move | None:
         """Everything to host memory (None: nothing moved, already there or on cpu)."""
         if not self.moves or self.where == IN_HOST:
             return None
         return self._move(IN_HOST)
 
-    def onload(self) -> Handover | None:
+    def onload(self) -> Move | None:
         """Everything back on the device (None: nothing moved)."""
         if not self.moves or self.where == ON_DEVICE:
             return None
@@ -117,7 +100,7 @@ class Residency:
         ]
         return params + grads + buffers + state
 
-    def _move(self, to: str) -> Handover:
+    def _move(self, to: str) -> Move:
         free_before = _free_bytes(self.device)
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -133,7 +116,7 @@ class Residency:
         self.where = to
         wall_s = time.perf_counter() - t0
         op = "offload" if to == IN_HOST else "onload"
-        return Handover(op, wall_s, free_before, _free_bytes(self.device))
+        return Move(op, wall_s, free_before, _free_bytes(self.device))
 
 
 def _storages(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.UntypedStorage]:

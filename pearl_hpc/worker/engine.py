@@ -23,10 +23,11 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+
+import msgspec
 
 from pearl_hpc.comm.layout import RankSpec
-from pearl_hpc.comm.messages import COLLECTIVE, Kind, Op
+from pearl_hpc.comm.messages import COLLECTIVE, Ack, Failed, Hello, Op
 from pearl_hpc.comm.mpi import WorkerPlane
 from pearl_hpc.engine.server import EngineService, write_ready
 from pearl_hpc.engine.spec import EngineSpec
@@ -43,7 +44,7 @@ def serve_engine(
     worker_id: str,
     ready_file: Path,
     key: str,
-    hello: dict[str, Any],
+    hello: Hello,
     host: str,
     master_alive: Callable[[], bool] = lambda: True,
 ) -> int:
@@ -60,7 +61,7 @@ def serve_engine(
         ready = await service.start(key, host=host, port=0, role="none")
         write_ready(ready_file, ready)
         plane = await asyncio.to_thread(connect)
-        plane.report(Kind.HELLO, **hello, host=ready["host"], port=ready["port"])
+        plane.report(msgspec.structs.replace(hello, host=ready["host"], port=int(ready["port"])))
         loop = asyncio.get_running_loop()
         control = threading.Thread(
             target=_control, args=(plane, loop, service, master_alive), name="control", daemon=True
@@ -91,17 +92,17 @@ def _control(
         if cmd is None:
             continue
         if cmd.op in COLLECTIVE:
-            plane.report(Kind.ACK, cmd.seq, op=cmd.op, **plane.take_part(cmd))
+            plane.report(plane.take_part(cmd), cmd.seq)
         elif cmd.op is Op.LEAVE:
             # an elastic rank whose job is reclaimed or given back: out of the world (and
             # of its collective calls) at once; the engine socket serves on while the
             # master drains it, and the job's end (scancel) ends the process
-            plane.report(Kind.ACK, cmd.seq, op=cmd.op)
+            plane.report(Ack(cmd.op), cmd.seq)
             plane.disconnect()
             return
         elif cmd.op is Op.SHUTDOWN:
-            plane.report(Kind.ACK, cmd.seq, op=cmd.op)
+            plane.report(Ack(cmd.op), cmd.seq)
             loop.call_soon_threadsafe(service.stop)
             return
         else:
-            plane.report(Kind.ERROR, cmd.seq, message=f"engine rank: unexpected {cmd.op}")
+            plane.report(Failed(f"engine rank: unexpected {cmd.op}"), cmd.seq)

@@ -23,8 +23,27 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from pearl_hpc.comm.layout import RankSpec
-from pearl_hpc.comm.messages import COLLECTIVE, OFF_POLICY_FIGURES, Command, Kind, Op
+from pearl_hpc.comm.messages import (
+    COLLECTIVE,
+    Ack,
+    CatchUp,
+    CatchUpAck,
+    Command,
+    Failed,
+    Hello,
+    Leave,
+    Publish,
+    PublishAck,
+    Release,
+    ReleaseAck,
+    ReportBody,
+    Shutdown,
+    Train,
+    TrainAck,
+)
 from pearl_hpc.comm.mpi import WorkerPlane
 from pearl_hpc.config.run import RunConfig
 from pearl_hpc.engine.spec import engine_spec
@@ -105,33 +124,34 @@ class TrainerRank:
             if self.sync is not None and self.latest is not None:
                 self.sync.seed(self.latest)  # engines catch up
         self.clients: dict[str, Any] = {}  # engine name -> EngineClient (trainer 0)
-        self.pending: list[tuple[Command, concurrent.futures.Future[dict[str, Any]]]] = []
+        self.pending: list[tuple[Command, concurrent.futures.Future[ReportBody]]] = []
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="train")
         if cfg.workers.overlap and self.residency.moves:  # while the first rollout runs
             self.pool.submit(self._reserve)
         self.loop = asyncio.new_event_loop()  # engine clients and the weight sync
         threading.Thread(target=self.loop.run_forever, name="weights", daemon=True).start()
 
-    def serve(self, hello: dict[str, Any]) -> int:
+    def serve(self, hello: Hello) -> int:
         plane = self.plane
-        plane.report(Kind.HELLO, **hello, version=self.trainer.version, index=self.index)
+        plane.report(msgspec.structs.replace(hello, version=self.trainer.version, index=self.index))
         while True:
             cmd = plane.next_command(0.02)
             self._report_finished()
             if cmd is None:
                 continue
+            body = cmd.body
             if cmd.op in COLLECTIVE:
-                self._ack(cmd, **plane.take_part(cmd))
-            elif cmd.op is Op.TRAIN:
-                self.pending.append((cmd, self.pool.submit(self._train, cmd.args)))
-            elif cmd.op is Op.RELEASE:  # after any step in flight: one thread trains
+                plane.report(plane.take_part(cmd), cmd.seq)
+            elif isinstance(body, Train):
+                self.pending.append((cmd, self.pool.submit(self._train, body)))
+            elif isinstance(body, Release):  # after any step in flight: one thread trains
                 self.pending.append((cmd, self.pool.submit(self._lend)))
-            elif cmd.op is Op.PUBLISH and self.sync is not None:
-                self.pending.append((cmd, self._on_loop(self._publish(cmd.args))))
-            elif cmd.op is Op.CATCH_UP and self.sync is not None:
-                self.pending.append((cmd, self._on_loop(self._catch_up(cmd.args))))
-            elif cmd.op in (Op.SHUTDOWN, Op.LEAVE):
-                self._ack(cmd)
+            elif isinstance(body, Publish) and self.sync is not None:
+                self.pending.append((cmd, self._on_loop(self._publish(body))))
+            elif isinstance(body, CatchUp) and self.sync is not None:
+                self.pending.append((cmd, self._on_loop(self._catch_up(body))))
+            elif isinstance(body, Shutdown | Leave):
+                plane.report(Ack(cmd.op), cmd.seq)
                 self.pool.shutdown(wait=True)
                 asyncio.run_coroutine_threadsafe(self._close_clients(), self.loop).result(10)
                 self.loop.call_soon_threadsafe(self.loop.stop)
@@ -139,14 +159,12 @@ class TrainerRank:
                     self.sync.close()  # its files in shared memory too
                 return 0
             else:
-                plane.report(Kind.ERROR, cmd.seq, message=f"trainer: unexpected {cmd.op}")
+                plane.report(Failed(f"trainer: unexpected {cmd.op}"), cmd.seq)
 
     # ------------------------------------------------------------------ commands
-    def _train(self, args: dict[str, Any]) -> dict[str, Any]:
-        trajectories = [Trajectory.from_dict(t) for t in args["trajectories"]]
-        handover: dict[str, Any] = {}
-        if (onload := self.residency.onload()) is not None:
-            handover.update(onload.as_dict())
+    def _train(self, cmd: Train) -> TrainAck:
+        trajectories = msgspec.msgpack.decode(cmd.trajectories, type=list[Trajectory])
+        onload = self.residency.onload()
         stats = self.trainer.train_step(trajectories)
         if self.trainer.sharded or self.index == 0:  # trainer 0 writes (FSDP: a gather)
             full = self.trainer.state_dict()  # one gather: the snapshot and the engines'
@@ -154,17 +172,21 @@ class TrainerRank:
             self._copy_weights(full)
         if self.index == 0:
             self.run.prune_snapshots(keep=2)
-        return {
-            **handover,
-            "step": int(args["step"]),
-            "version": stats.version,
-            "mean_reward": stats.mean_reward,
-            "max_staleness": stats.max_staleness,
-            "loss": stats.loss,
-            "num_tokens": stats.num_tokens,
-            "wall_s": stats.wall_s,
-            **{k: getattr(stats, k) for k in OFF_POLICY_FIGURES},
-        }
+        return TrainAck(
+            step=cmd.step,
+            version=stats.version,
+            mean_reward=stats.mean_reward,
+            max_staleness=stats.max_staleness,
+            loss=stats.loss,
+            num_tokens=stats.num_tokens,
+            wall_s=stats.wall_s,
+            clip_frac=stats.clip_frac,
+            mismatch_mean=stats.mismatch_mean,
+            mismatch_max=stats.mismatch_max,
+            capped_frac=stats.capped_frac,
+            behaviour_coverage=stats.behaviour_coverage,
+            onload=onload,
+        )
 
     def _copy_weights(self, full: dict[str, Any] | None = None) -> None:
         """Trainer 0's copy of the weights the engines get next, in their dtype (in
@@ -191,11 +213,10 @@ class TrainerRank:
             return
         log.info("trainer %d: a lend's host memory pinned in %.1f s", self.index, took)
 
-    def _lend(self) -> dict[str, Any]:
+    def _lend(self) -> ReleaseAck:
         """The master lends this rank's GPU to an overlap engine: the trainer's tensors
         move to host memory before the ack (the engine wakes after it)."""
-        offload = self.residency.offload()
-        return offload.as_dict() if offload is not None else {}
+        return ReleaseAck(self.residency.offload())
 
     async def _client(self, name: str, host: str, port: int) -> Any:
         from pearl_hpc.engine.client import EngineClient
@@ -208,20 +229,20 @@ class TrainerRank:
         self.clients[name] = ((host, port), client)
         return client
 
-    async def _publish(self, args: dict[str, Any]) -> dict[str, Any]:
+    async def _publish(self, cmd: Publish) -> PublishAck:
         assert self.sync is not None
         from pearl_hpc.engine.types import EngineError
 
         members, unreachable = {}, []
-        for name, (host, port) in sorted(args["members"].items()):
+        for name, (host, port) in sorted(cmd.members.items()):
             try:
-                members[name] = await self._client(name, host, int(port))
+                members[name] = await self._client(name, host, port)
             except (EngineError, OSError) as exc:  # died since the master listed it
                 log.warning("weights to %s: %s", name, exc)
                 self.clients.pop(name, None)
                 unreachable.append(name)
         try:
-            out = await self._broadcast(members, int(args["version"]))
+            out = await self._broadcast(members, cmd.version)
         except EngineError as exc:  # one died during the broadcast: again without it
             dead = next((n for n in members if str(exc).startswith(f"{n}:")), None)
             if dead is None:
@@ -231,10 +252,10 @@ class TrainerRank:
             members.pop(dead)
             unreachable.append(dead)
             self.sync.members = {}  # re-formed without it
-            out = await self._broadcast(members, int(args["version"]))
-        return {**out, "unreachable": unreachable}
+            out = await self._broadcast(members, cmd.version)
+        return msgspec.structs.replace(out, unreachable=unreachable)
 
-    async def _broadcast(self, members: dict[str, Any], version: int) -> dict[str, Any]:
+    async def _broadcast(self, members: dict[str, Any], version: int) -> PublishAck:
         assert self.sync is not None
         latest = self.latest  # once: the training thread may stage the next meanwhile
         if latest is None or latest.version < version:  # a newer one goes instead
@@ -246,19 +267,25 @@ class TrainerRank:
             await self.sync.form(members)
             form_s = time.perf_counter() - t0
         seconds = await self.sync.publish(latest)
-        return {"seconds": seconds, "form_s": form_s, "members": len(members),
-                "mapped": len(self.sync.nearby), "version": latest.version}  # fmt: skip
+        return PublishAck(
+            version=latest.version,
+            seconds=seconds,
+            form_s=form_s,
+            members=len(members),
+            mapped=len(self.sync.nearby),
+            unreachable=[],
+        )
 
-    async def _catch_up(self, args: dict[str, Any]) -> dict[str, Any]:
+    async def _catch_up(self, cmd: CatchUp) -> CatchUpAck:
         assert self.sync is not None
-        client = await self._client(args["name"], args["host"], int(args["port"]))
-        return {"seconds": await self.sync.catch_up(args["name"], client)}
+        client = await self._client(cmd.name, cmd.host, cmd.port)
+        return CatchUpAck(await self.sync.catch_up(cmd.name, client))
 
     async def _close_clients(self) -> None:
         for _, client in self.clients.values():
             await client.close()
 
-    def _on_loop(self, coro: Any) -> concurrent.futures.Future[dict[str, Any]]:
+    def _on_loop(self, coro: Any) -> concurrent.futures.Future[ReportBody]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def _report_finished(self) -> None:
@@ -266,13 +293,10 @@ class TrainerRank:
             self.pending.remove(item)
             cmd, future = item
             try:
-                self._ack(cmd, **future.result())
+                self.plane.report(future.result(), cmd.seq)
             except Exception as exc:
                 log.exception("trainer %d: %s failed", self.index, cmd.op)
-                self.plane.report(Kind.ERROR, cmd.seq, message=f"{type(exc).__name__}: {exc}")
-
-    def _ack(self, cmd: Command, **args: Any) -> None:
-        self.plane.report(Kind.ACK, cmd.seq, op=cmd.op, **args)
+                self.plane.report(Failed(f"{type(exc).__name__}: {exc}"), cmd.seq)
 
 
 def grpo_config(cfg: RunConfig, device: str = "cpu") -> Any:
