@@ -40,7 +40,7 @@ def test_a_worker_failing_many_turns_is_one_failure_event(tmp_path: Path) -> Non
         table=RoleTable(),
     )
     proc = _DeadProc()
-    executor.workers[("el1:0",)] = _Worker(proc, ("el1:0",), slot_id=3)  # type: ignore[arg-type]
+    executor.workers["el1+0:0"] = _Worker(proc, "el1+0:0", ("el1:0",), slot_id=3)  # type: ignore[arg-type]
     for _ in range(64):  # every turn in flight on it fails
         router.on_failure("s3", "connection lost")  # type: ignore[misc]
     assert queue.qsize() == 1

@@ -27,11 +27,13 @@ class RankWorker:
     def __init__(
         self,
         worker_id: str,
+        member_id: str,
         client: EngineClient,
         address: tuple[str, int],
         kill: Callable[[], None],
     ) -> None:
         self.worker_id = worker_id
+        self.member_id = member_id
         self.client = client
         self.address = address
         self._kill = kill
@@ -72,4 +74,4 @@ async def attach_rank(
         members.fail(member, "its engine socket died")
         release()
 
-    return RankWorker(tag, client, (hello.host, hello.port), kill)
+    return RankWorker(tag, member, client, (hello.host, hello.port), kill)

@@ -6,7 +6,6 @@ launcher and the master read the same list.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from pearl_hpc.config.run import LayoutConfig, WorkersConfig
@@ -26,16 +25,7 @@ class RankSpec:
     index: int  # among the ranks of its kind
     node: int = 0  # which node of the base job (0: the first; the local backend: this one)
     devices: tuple[int, ...] = ()  # its GPUs' device numbers on that node
-
-    @property
-    def overlap(self) -> bool:
-        """An engine rank on training GPUs (time-shared with the trainer ranks there)."""
-        return self.kind == ENGINE and on_training_gpus(self.gpu_ids)
-
-
-def on_training_gpus(gpu_ids: Sequence[str]) -> bool:
-    """GPUs the role table names as a trainer's (``train:N``): an engine there borrows them."""
-    return bool(gpu_ids) and gpu_ids[0].startswith("train")
+    overlap: bool = False  # an engine rank on training GPUs (time-shared with the trainers)
 
 
 def base_layout(workers: WorkersConfig, layout: LayoutConfig = _ONE_NODE) -> list[RankSpec]:
@@ -62,6 +52,6 @@ def base_layout(workers: WorkersConfig, layout: LayoutConfig = _ONE_NODE) -> lis
         node, devices = place(k * gpw)
         gpu_ids = tuple(f"train:{k * gpw + d}" for d in range(gpw))
         index = workers.reserved_rollout + k
-        ranks.append(RankSpec(len(ranks), ENGINE, gpu_ids, index, node, devices))
+        ranks.append(RankSpec(len(ranks), ENGINE, gpu_ids, index, node, devices, overlap=True))
     by_node = sorted(ranks, key=lambda r: r.node)  # stable: rank 0 stays first
     return [replace(r, rank=i) for i, r in enumerate(by_node)]

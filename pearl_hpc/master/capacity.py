@@ -52,6 +52,7 @@ class EngineWorkerHandle(Protocol):
     """An engine rank's socket, as the master drives it."""
 
     client: Any  # pearl_hpc.engine.client.EngineClient
+    member_id: str  # its rank in the world
     address: tuple[str, int]  # its engine socket (host, port)
 
     async def stop(self, timeout_s: float = 60.0) -> None: ...

@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pearl_hpc.comm.layout import on_training_gpus
 from pearl_hpc.core.controller import (
     Event,
     WorkerFailed,
@@ -33,7 +32,7 @@ from pearl_hpc.core.controller import (
 )
 from pearl_hpc.core.orchestrator import WorkerAdd
 from pearl_hpc.core.table import ElasticSource, RoleTable
-from pearl_hpc.core.types import Mode, Role, Status
+from pearl_hpc.core.types import Mode, Role, Status, Zone
 from pearl_hpc.engine.client import EngineClient
 from pearl_hpc.engine.types import EngineError
 from pearl_hpc.master.capacity import CapacityBackend, EngineWorkerHandle
@@ -51,17 +50,20 @@ class _Worker:
     """An engine rank and the slot it serves (None while idle)."""
 
     proc: EngineWorkerHandle  # its engine socket
+    member_id: str  # its rank in the world (base or elastic)
     gpu_ids: tuple[str, ...]
     slot_id: int | None = None
     role: Role | None = None  # None: released (no engine)
     remote: bool = False  # an elastic rank, started by the backend
     persistent: bool = False  # a base rank: released when idle, never stopped
+    overlap: bool = False  # on a trainer's GPUs (borrowed while it serves)
 
 
 @dataclass
 class RankEngine:
     """The engine socket of an engine rank (the rank lives as long as the world)."""
 
+    member_id: str
     client: EngineClient
     address: tuple[str, int]  # its engine socket
 
@@ -70,6 +72,11 @@ class RankEngine:
 
     def kill(self) -> None:
         """A rank is not killed from here: its slot is dropped, the world ends it."""
+
+
+def router_id(slot_id: int) -> str:
+    """The router's name of the worker serving ``slot_id`` (in metrics and events)."""
+    return f"s{slot_id}"
 
 
 def weight_member(gpu_ids: tuple[str, ...]) -> str:
@@ -98,7 +105,7 @@ class WorkerExecutor:
         self.log_event = events
         self.key = key  # engine workers' RPC key (elastic job steps read it too)
         self.table = table
-        self.workers: dict[tuple[str, ...], _Worker] = {}  # by GPU set
+        self.workers: dict[str, _Worker] = {}  # engine ranks, by member id
         self.tasks: set[asyncio.Task[None]] = set()
         self.starting: dict[int, asyncio.Task[None]] = {}  # slot -> its start / activation
         self.training_started = asyncio.Event()
@@ -111,19 +118,21 @@ class WorkerExecutor:
     def router_failed(self, worker_id: str, reason: str) -> None:
         """A worker the router sent turns to failed: reported once (every turn in flight
         on it fails too, and says so), its process dropped with the slot."""
-        if not (worker_id.startswith("s") and worker_id[1:].isdigit()):
-            return
-        worker = self._worker_of(int(worker_id[1:]))
+        worker = next(
+            (w for w in self.workers.values()
+             if w.slot_id is not None and router_id(w.slot_id) == worker_id),
+            None,
+        )  # fmt: skip
         if worker is not None:  # else already reported: the other turns it had in flight
             self._died(worker, reason)
 
-    def member_failed(self, gpu_ids: tuple[str, ...], reason: str) -> None:
+    def member_failed(self, member_id: str, reason: str) -> None:
         """A rank of the world failed (silent, or its job ended): its worker with it."""
-        worker = self.workers.get(tuple(gpu_ids))
+        worker = self.workers.get(member_id)
         if worker is None:
             return
         if worker.slot_id is None:  # placed nowhere: forgotten
-            self.workers.pop(worker.gpu_ids, None)
+            self.workers.pop(member_id, None)
             return
         self._died(worker, reason)
 
@@ -137,7 +146,7 @@ class WorkerExecutor:
         assert worker.slot_id is not None
         slot_id = worker.slot_id
         self.log_event("worker_failed", slot=slot_id, reason=reason[:200])
-        self.workers.pop(worker.gpu_ids, None)  # first: killing it may report it again
+        self.workers.pop(worker.member_id, None)  # first: killing it may report it again
         worker.proc.kill()
         self.queue.put_nowait(WorkerFailed(slot_id, reason))
 
@@ -161,7 +170,7 @@ class WorkerExecutor:
         for slot in self.table.rollout_slots():
             w = self._worker_of(slot.slot_id)
             if slot.status is Status.ACTIVE and w is not None and w.role is not None:
-                wid = f"s{slot.slot_id}"
+                wid = router_id(slot.slot_id)
                 clients[wid], roles[wid] = w.proc.client, w.role
         mode = Mode.DISAGGREGATED if Role.PREFILL in roles.values() else Mode.COLOCATED
         self.router.set_workers(clients, roles, mode)
@@ -184,21 +193,28 @@ class WorkerExecutor:
 
     def slot_roles(self) -> tuple[dict[str, int], dict[str, Role]]:
         """Router worker id -> slot and -> role, of the workers placed on a slot now."""
-        slots = {f"s{w.slot_id}": w.slot_id for w in self.workers.values() if w.slot_id}
+        slots = {router_id(w.slot_id): w.slot_id for w in self.workers.values() if w.slot_id}
         roles = {
-            f"s{w.slot_id}": w.role
+            router_id(w.slot_id): w.role
             for w in self.workers.values()
             if w.slot_id is not None and w.role is not None
         }
         return slots, roles
 
-    async def add_engine_rank(self, gpu_ids: tuple[str, ...], host: str, port: int) -> None:
-        """An engine rank of the world (reserved or overlap): connected, released (no
-        engine) until the controller places a worker on its GPUs."""
+    async def add_engine_rank(
+        self, member_id: str, gpu_ids: tuple[str, ...], address: tuple[str, int], *, overlap: bool
+    ) -> None:
+        """An engine rank of the world (reserved, or ``overlap`` on a trainer's GPUs):
+        connected, released (no engine) until the controller places a worker on its GPUs."""
         client = EngineClient("rank-" + "-".join(gpu_ids))
-        await client.connect(host, port, self.key)
-        rank = RankEngine(client, (host, port))
-        self.workers[gpu_ids] = _Worker(rank, gpu_ids, persistent=True)
+        await client.connect(*address, self.key)
+        rank = RankEngine(member_id, client, address)
+        worker = _Worker(rank, member_id, gpu_ids, persistent=True, overlap=overlap)
+        self.workers[member_id] = worker
+
+    def _on(self, gpu_ids: tuple[str, ...]) -> _Worker | None:
+        """The engine rank on ``gpu_ids`` (the table's slots are bound to GPU sets)."""
+        return next((w for w in self.workers.values() if w.gpu_ids == gpu_ids), None)
 
     # ------------------------------------------------------------------ executor
     def start_workers(self, adds: Sequence[WorkerAdd]) -> None:
@@ -220,11 +236,11 @@ class WorkerExecutor:
                 worker.slot_id, worker.role = add.slot_id, role
         except Exception as exc:
             log.exception("slot %s failed to start", add.slot_id)
-            failed = self.workers.get(add.gpu_ids)
+            failed = self._on(add.gpu_ids)
             gone = failed is not None and (failed.remote or isinstance(exc, TimeoutError))
             if failed is not None and gone and not failed.persistent:
                 failed.proc.kill()
-                self.workers.pop(add.gpu_ids, None)
+                self.workers.pop(failed.member_id, None)
             await self.queue.put(WorkerFailed(add.slot_id, f"{type(exc).__name__}: {exc}"))
             return
         took = time.perf_counter() - t0
@@ -245,8 +261,8 @@ class WorkerExecutor:
         activated, one the backend runs is attached and activated, else a new process.
         A hung engine start (seen: NIXL's listener dying on a taken port) fails the
         slot instead of stalling admission of its whole group."""
-        worker = self.workers.get(add.gpu_ids)
-        if on_training_gpus(add.gpu_ids):  # a trainer's GPU: its tensors leave first
+        worker = self._on(add.gpu_ids)
+        if add.zone is Zone.OVERLAP:  # a trainer's GPU: its tensors leave first
             await self.weights.lend(add.gpu_ids)
         if worker is not None:
             worker.slot_id = add.slot_id
@@ -260,8 +276,8 @@ class WorkerExecutor:
         if remote is None:
             raise EngineError(f"{add.source.tag} was given back before its rank joined")
         # an elastic rank that joined the world, serving no engine yet
-        worker = _Worker(remote, add.gpu_ids, slot_id=add.slot_id, remote=True)
-        self.workers[add.gpu_ids] = worker
+        worker = _Worker(remote, remote.member_id, add.gpu_ids, slot_id=add.slot_id, remote=True)
+        self.workers[remote.member_id] = worker
         await asyncio.wait_for(remote.client.activate(add.role), timeout=self.start_timeout_s)
         return worker
 
@@ -276,7 +292,7 @@ class WorkerExecutor:
     def change_roles(self, changes: Sequence[tuple[int, Role]]) -> None:
         for slot_id, role in changes:
             self.counters.role_changes += 1
-            self.router.remove(f"s{slot_id}")
+            self.router.remove(router_id(slot_id))
             self.spawn(self._rerole(slot_id, role))
 
     async def _rerole(self, slot_id: int, role: Role) -> None:
@@ -296,7 +312,7 @@ class WorkerExecutor:
 
     def stop_workers(self, slot_ids: Sequence[int], deadline_s: float | None) -> None:
         for slot_id in slot_ids:
-            self.router.remove(f"s{slot_id}")
+            self.router.remove(router_id(slot_id))
             self.spawn(self._stop(slot_id, deadline_s))
 
     async def _stop(self, slot_id: int, deadline_s: float | None = None) -> None:
@@ -313,7 +329,7 @@ class WorkerExecutor:
             await self.queue.put(WorkerReleased(slot_id))
             return
         t0 = time.perf_counter()
-        overlap = on_training_gpus(worker.gpu_ids)
+        overlap = worker.overlap
         async with self.weights_lock:
             worker.role = None  # out of the next broadcast group
         freed: dict[str, int] = {}  # cuda: the device's free bytes before and after
@@ -323,11 +339,11 @@ class WorkerExecutor:
             self.counters.moved_turns += len(partial)
             if not worker.persistent:
                 await worker.proc.stop()
-                del self.workers[worker.gpu_ids]
+                del self.workers[worker.member_id]
         except Exception:
             log.exception("slot %s did not stop cleanly; killing it", slot_id)
             worker.proc.kill()
-            self.workers.pop(worker.gpu_ids, None)
+            self.workers.pop(worker.member_id, None)
         worker.slot_id, worker.role = None, None
         took = time.perf_counter() - t0
         if overlap:
@@ -343,7 +359,7 @@ class WorkerExecutor:
         await asyncio.gather(starting, return_exceptions=True)
         worker = self._worker_of(slot_id)
         if worker is not None and not worker.persistent:
-            self.workers.pop(worker.gpu_ids, None)
+            self.workers.pop(worker.member_id, None)
             with contextlib.suppress(Exception):
                 await worker.proc.stop()
         self.log_event("released", slot=slot_id, s=0.0, overlap=False, abandoned=True)

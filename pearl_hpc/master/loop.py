@@ -310,7 +310,7 @@ class MasterRun:
 
     def _member_failed(self, member: Member) -> None:
         """A member declared failed: its engine slot (if any) is replaced."""
-        self.executor.member_failed(member.gpu_ids, "rank failed")
+        self.executor.member_failed(member.member_id, "rank failed")
 
     def _restore(self) -> None:
         """A resumed master continues the dead one's tracker, toggle estimate, counters
@@ -335,10 +335,13 @@ class MasterRun:
     async def _register_base_workers(self) -> None:
         """The training GPUs (with their overlap engines, released) and the reserved
         rollout workers: the engine ranks of the world, connected, released."""
+        layout = base_layout(self.cfg.workers, self.cfg.layout)
+        overlap = {r.gpu_ids for r in layout if r.overlap}
         for member_id in self.members.of_kind(ENGINE):
             hello = self.members.hellos[member_id]
-            await self.executor.add_engine_rank(hello.gpu_ids, hello.host, hello.port)
-        layout = base_layout(self.cfg.workers, self.cfg.layout)
+            await self.executor.add_engine_rank(
+                member_id, hello.gpu_ids, (hello.host, hello.port), overlap=hello.gpu_ids in overlap
+            )
         train_gpus = tuple(g for r in layout if r.kind == TRAINER for g in r.gpu_ids)
         overlap_sets = [r.gpu_ids for r in layout if r.overlap]
         self.controller.register_training(train_gpus, overlap_gpu_sets=overlap_sets)
