@@ -22,6 +22,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import IO, Any
 
@@ -70,6 +71,16 @@ FILES: tuple[tuple[str, str, str], ...] = (
     ("", "WORKER.ready.json", "an engine rank's socket (host, port, pid) once it listens "
      "(an elastic rank's: in `elastic/`)"),
 )
+
+
+class RunStatus(StrEnum):
+    """A run's status in its journal (``dead``: ``running`` whose master is gone, as
+    ``pearl-hpc status`` finds it; never written)."""
+
+    RUNNING = "running"
+    FAILED = "failed"  # the master ended with an error (``--resume`` continues it)
+    FINISHED = "finished"
+    DEAD = "dead"
 
 
 class JournalError(PearlError):

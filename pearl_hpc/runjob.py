@@ -22,7 +22,7 @@ import submitit
 
 from pearl_hpc.backends.world import run_world
 from pearl_hpc.master.preflight import load_run_config
-from pearl_hpc.rundir import RunDir, read_journal
+from pearl_hpc.rundir import RunDir, RunStatus, read_journal
 
 
 class RunJob(submitit.helpers.Checkpointable):
@@ -33,7 +33,7 @@ class RunJob(submitit.helpers.Checkpointable):
         path = run.path
         cfg = load_run_config(run.config)
         status = read_journal(run.journal).get("status") if run.journal.exists() else None
-        if status == "finished" and run.summary.exists():
+        if status == RunStatus.FINISHED and run.summary.exists():
             # requeued after its last step (the preemption came late): nothing to do
             print(f"pearl-hpc run: {path} already finished", flush=True)
             done: dict[str, Any] = json.loads(run.summary.read_text())

@@ -19,6 +19,7 @@ from pearl_hpc import calibrate as cal
 from pearl_hpc.cli import main
 from pearl_hpc.config import REPO_CONFIGS, load_profile
 from pearl_hpc.errors import CalibrationError, ConfigError
+from pearl_hpc.slurm.parse import expand_hostlist
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "slurm" / "nccl-tests.sh"
@@ -266,8 +267,8 @@ def test_unusable_output_is_an_error(text: str, message: str) -> None:
 
 
 def test_first_host_and_srun_rendezvous() -> None:
-    assert cal.first_host("gpu[03-04,9],cpu1") == "gpu03"
-    assert cal.first_host("node7") == "node7"
+    assert expand_hostlist("gpu[03-04,9],cpu1")[0] == "gpu03"
+    assert expand_hostlist("node7") == ["node7"]
     env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_JOB_ID": "1234"}
     env["SLURM_STEP_NODELIST"] = "n[2-3]"
     assert cal.srun_rendezvous(env) == (3, 8, "tcp://n2:21234")

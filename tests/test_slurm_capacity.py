@@ -15,11 +15,10 @@ from pearl_hpc.slurm.capacity import (
     CapacityManager,
     Component,
     ComponentState,
-    expand_hostlist,
     gpu_ids_of,
 )
 from pearl_hpc.slurm.client import SlurmClient
-from pearl_hpc.slurm.parse import JobRow
+from pearl_hpc.slurm.parse import JobRow, expand_hostlist
 from pearl_hpc.slurm.scripts import HetComponent, JobSpec
 
 

@@ -107,7 +107,7 @@ def hostfile_text(layout: list[RankSpec], nodes: list[str]) -> str:
 def _write_hostfile(cfg: RunConfig, run_dir: Path) -> Path:
     """The allocation's nodes, one line per rank; a job without enough nodes is one
     clear error naming the sbatch options it needs."""
-    from pearl_hpc.slurm.capacity import expand_hostlist
+    from pearl_hpc.slurm.parse import expand_hostlist
 
     nodes = expand_hostlist(os.environ.get("SLURM_JOB_NODELIST", ""))
     if "SLURM_JOB_ID" not in os.environ or len(nodes) < cfg.layout.nodes:

@@ -30,7 +30,6 @@ from pearl_hpc.calibrate.files import (
     write_text,
 )
 from pearl_hpc.calibrate.gloo import (
-    first_host,
     measure_gloo_local,
     run_calibration,
     run_gloo_rank,
@@ -47,7 +46,6 @@ __all__ = [
     "cluster_from_nccl",
     "cluster_yaml_text",
     "default_profile_out",
-    "first_host",
     "measure_gloo_local",
     "parse_nccl_tests",
     "profile_with_transfer",

@@ -7,7 +7,6 @@ import argparse
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from pearl_hpc.calibrate.files import (
 from pearl_hpc.calibrate.nccl import FIELD_OF_TEST, GB, MiB
 from pearl_hpc.config.files import read_user_text
 from pearl_hpc.errors import CalibrationError, ConfigError
+from pearl_hpc.slurm.parse import expand_hostlist
 
 # --------------------------------------------------------------------------- gloo
 GLOO_TESTS = ("sendrecv", "broadcast", "all_reduce")
@@ -217,17 +217,6 @@ def _read_rank_result(path: Path) -> list[TestSummary]:
     ]
 
 
-def first_host(nodelist: str) -> str:
-    """The first host of a Slurm hostlist: ``gpu[03-04,9],cpu1`` -> ``gpu03``."""
-    depth, end = 0, len(nodelist)
-    for i, char in enumerate(nodelist):
-        depth += {"[": 1, "]": -1}.get(char, 0)
-        if char == "," and depth == 0:
-            end = i
-            break
-    return re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[,-]", m.group(1))[0], nodelist[:end])
-
-
 def srun_rendezvous(env: Mapping[str, str]) -> tuple[int, int, str]:
     """(rank, world size, init method) for a process started by ``srun``: SLURM_PROCID,
     SLURM_NTASKS and tcp://MASTER_ADDR:MASTER_PORT, where MASTER_ADDR defaults to the
@@ -239,7 +228,7 @@ def srun_rendezvous(env: Mapping[str, str]) -> tuple[int, int, str]:
             "(srun -n N pearl-hpc calibrate --gloo --srun ...)"
         )
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
-    addr = env.get("MASTER_ADDR") or (first_host(nodelist) if nodelist else None)
+    addr = env.get("MASTER_ADDR") or (expand_hostlist(nodelist)[0] if nodelist else None)
     if not addr:
         raise ConfigError("--srun: set MASTER_ADDR (no SLURM_STEP_NODELIST to take it from)")
     port = env.get("MASTER_PORT") or str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 10000)

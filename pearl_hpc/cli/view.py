@@ -19,7 +19,7 @@ from typing import Any
 from pearl_hpc.core.window import run_end_s
 from pearl_hpc.errors import PearlError
 from pearl_hpc.master.records import StepMetrics, read_jsonl, read_metrics, read_tables
-from pearl_hpc.rundir import JournalError, RunDir
+from pearl_hpc.rundir import JournalError, RunDir, RunStatus
 
 _ROLE_LETTER = {"prefill": "P", "decode": "D", "colocated": "C"}
 
@@ -55,13 +55,13 @@ def run_status(run_dir: Path) -> dict[str, Any]:
 
 def _status_of(run_dir: Path, state: dict[str, Any]) -> dict[str, Any]:
     status = state["status"]
-    if status == "running" and not _master_alive(run_dir, int(state["pid"])):
-        status = "dead"
+    if status == RunStatus.RUNNING and not _master_alive(run_dir, int(state["pid"])):
+        status = RunStatus.DEAD
     slots = state["controller"]["table"]["slots"]
     rollout = [s for s in slots if s["role"] != "training"]
     metrics = read_metrics(run_dir)
     left_s = None  # the steps left at the pace of the last ones (the expansion gate's too)
-    if status == "running" and metrics:
+    if status == RunStatus.RUNNING and metrics:
         end_s = run_end_s([m.t_s for m in metrics], state["steps"] - state["next_step"])
         left_s = round(end_s - metrics[-1].t_s) if math.isfinite(end_s) else None
     return {
@@ -125,7 +125,7 @@ def format_status(doc: dict[str, Any]) -> str:
 
     hint = ""
     left = "" if doc.get("left_s") is None else f" (~{_duration(doc['left_s'])} left)"
-    if doc["status"] in ("dead", "failed"):
+    if doc["status"] in (RunStatus.DEAD, RunStatus.FAILED):
         hint = f"  (continue it: pearl-hpc run --resume {doc['run_dir']})"
     lines = [
         f"{doc['run_dir']}: {doc['status']}{hint}",

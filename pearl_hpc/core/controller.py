@@ -39,7 +39,7 @@ from pearl_hpc.core.policies import (
 from pearl_hpc.core.profile import WorkloadProfile
 from pearl_hpc.core.table import IN_SERVICE, ElasticSource, RoleTable
 from pearl_hpc.core.tracker import IterationRecord, RuntimeTracker, TurnRecord
-from pearl_hpc.core.types import ROLLOUT_ROLES, PDConfig, Role, Status, Zone
+from pearl_hpc.core.types import ROLLOUT_ROLES, PDConfig, Role, Status, TrainingState, Zone
 from pearl_hpc.core.window import CapacityWindow, usable_window_s
 from pearl_hpc.errors import SpecError
 
@@ -213,7 +213,7 @@ class Controller:
         self.table = table if table is not None else RoleTable()
         self.check = check_invariants
         self.free_units: list[CapacityUnit] = []  # granted dedicated GPU sets, unbound
-        self.training_state = "idle"  # idle | waiting (for returns) | running
+        self.training_state = TrainingState.IDLE
         self.training_step: int | None = None
         self.training_wait_started_s: float | None = None
         self.unfinished_trajectories: int | None = None
@@ -318,7 +318,7 @@ class Controller:
         return result
 
     def _on_training_begin(self, step: int) -> Reconfiguration | None:
-        self.training_state = "waiting"
+        self.training_state = TrainingState.WAITING
         self.training_step = step
         self.training_wait_started_s = self.clock()
         borrowed = [s.slot_id for s in self.table.overlap_workers() if s.status in IN_SERVICE]
@@ -335,7 +335,7 @@ class Controller:
         for slot in self.table.training_slots():
             if slot.status is Status.ACTIVE:
                 self.table.transition(slot.slot_id, Status.INACTIVE, now_s=now)
-        self.training_state = "idle"
+        self.training_state = TrainingState.IDLE
         self.unfinished_trajectories = unfinished
         return self._reconfigure(f"training step {step} finished")
 
@@ -486,7 +486,7 @@ class Controller:
             for s in self.table.overlap_workers()
             if s.slot_id not in forced and (s.status in IN_SERVICE or s.status is Status.INACTIVE)
         ]
-        if lendable and self.training_state == "idle":
+        if lendable and self.training_state is TrainingState.IDLE:
             borrow_gate = gate_borrowing_of(
                 self.policies,
                 profile,
@@ -580,14 +580,14 @@ class Controller:
             self.executor.start_workers(list(plan.add))
 
     def _maybe_start_training(self) -> None:
-        if self.training_state != "waiting":
+        if self.training_state is not TrainingState.WAITING:
             return
         if any(s.status is not Status.INACTIVE for s in self.table.overlap_workers()):
             return
         now = self.clock()
         for slot in self.table.training_slots():
             self.table.transition(slot.slot_id, Status.ACTIVE, now_s=now)
-        self.training_state = "running"
+        self.training_state = TrainingState.RUNNING
         assert self.training_step is not None
         self.executor.start_training(self.training_step)
 
@@ -674,7 +674,7 @@ class Controller:
         self.toggle.restore(data["toggle"])
         if "window" in data:
             self.window.restore(data["window"])
-        self.training_state = str(data["training_state"])
+        self.training_state = TrainingState(data["training_state"])
         self.training_step = data["training_step"]
         self.unfinished_trajectories = data["unfinished_trajectories"]
         self._groups = {

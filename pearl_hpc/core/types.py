@@ -51,6 +51,21 @@ class Zone(StrEnum):
     OVERLAP = "overlap"
 
 
+class TrainingState(StrEnum):
+    """Where the training side is in a step (the controller's; journalled).
+
+        IDLE ──TrainingBegin──> WAITING ──borrowed GPUs all returned──> RUNNING
+          ^                                                               │
+          └──────────────────────────TrainingFinished─────────────────────┘
+
+    Borrowing is allowed only while IDLE; WAITING holds the step until every overlap
+    worker is INACTIVE (the mandatory return)."""
+
+    IDLE = "idle"
+    WAITING = "waiting"  # for the borrowed GPUs to come back
+    RUNNING = "running"
+
+
 class Mode(StrEnum):
     COLOCATED = "colocated"
     DISAGGREGATED = "disaggregated"

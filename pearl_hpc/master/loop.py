@@ -62,7 +62,7 @@ from pearl_hpc.master.records import (
 from pearl_hpc.master.steps import StepPipeline, Workload
 from pearl_hpc.master.trainer import RemoteTrainer
 from pearl_hpc.rollout.router import Router, RoutingTable
-from pearl_hpc.rundir import RunDir, write_journal, write_lines
+from pearl_hpc.rundir import RunDir, RunStatus, write_journal, write_lines
 
 
 async def run_master(
@@ -218,7 +218,7 @@ class MasterRun:
             await self.backend.start()
             await self._register_base_workers()
             self._request_capacity()
-            self.save_state(self.first_step, "running")
+            self.save_state(self.first_step, RunStatus.RUNNING)
             # what the backend makes available over time (after the base workers are in)
             replay_task = asyncio.create_task(self.backend.follow_trace(self._pump_stop))
             # 6. the steps (a control plane that fails ends them: nothing could go on)
@@ -226,7 +226,7 @@ class MasterRun:
             await self._settle(executor)
         except BaseException:
             with contextlib.suppress(Exception):
-                self.save_state(self._next_step(), "failed")
+                self.save_state(self._next_step(), RunStatus.FAILED)
             raise
         finally:
             # 7. everything stops: rollouts ahead, the trace, the pump, engines, jobs
@@ -358,7 +358,7 @@ class MasterRun:
             except TimeoutError:
                 continue
             self.decide_now(event)
-            self.save_state(self._next_step(), "running")
+            self.save_state(self._next_step(), RunStatus.RUNNING)
 
     def decide_now(self, first: Event | None = None) -> None:
         """Apply ``first`` and every queued event, in order, to the controller, then make
@@ -445,7 +445,7 @@ class MasterRun:
         self.metrics.append(m)
         with self.paths.metrics.open("a") as f:
             f.write(json.dumps(asdict(m)) + "\n")
-        self.save_state(m.step + 1, "running")
+        self.save_state(m.step + 1, RunStatus.RUNNING)
         self._expect_end()
         self._request_capacity()
         try:
@@ -477,7 +477,7 @@ class MasterRun:
         c.grows = self._before_capacity[0] + self.backend.counts["granted"]
         c.reclaims = self._before_capacity[1] + self.backend.counts["reclaimed"]
 
-    def save_state(self, next_step: int, status: str) -> None:
+    def save_state(self, next_step: int, status: RunStatus) -> None:
         """The journal: what a restarted master needs, and what ``status`` shows."""
         self._count()
         write_journal(
@@ -521,5 +521,5 @@ class MasterRun:
         if backend is not None:
             summary["slurm"] = backend
         self.paths.summary.write_text(json.dumps(summary, indent=1))
-        self.save_state(self.cfg.run.steps, "finished")
+        self.save_state(self.cfg.run.steps, RunStatus.FINISHED)
         return summary

@@ -20,7 +20,6 @@ deadline. Joining the MPI control plane and admission are the controller's busin
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -28,7 +27,7 @@ from enum import StrEnum
 from pearl_hpc.core.controller import CapacityGranted, CapacityReclaimed
 from pearl_hpc.core.table import ElasticSource
 from pearl_hpc.errors import TransitionError
-from pearl_hpc.slurm.parse import JobRow
+from pearl_hpc.slurm.parse import JobRow, expand_hostlist
 from pearl_hpc.slurm.scripts import JobSpec
 
 _ACTIVE_STATES = {"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED"}
@@ -54,24 +53,6 @@ _LEGAL = {
     ComponentState.RELEASING: {ComponentState.GONE},
     ComponentState.GONE: set(),
 }
-
-
-def expand_hostlist(text: str) -> list[str]:
-    """``n[1-3,5],gpu7`` -> ``n1 n2 n3 n5 gpu7`` (one bracket group per name, as squeue
-    prints node lists)."""
-    hosts: list[str] = []
-    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?", text.strip()):
-        m = re.fullmatch(r"([^\[]*)\[([^\]]*)\]", part)
-        if not m:
-            hosts.append(part)
-            continue
-        prefix, ranges = m.groups()
-        for item in ranges.split(","):
-            lo, _, hi = item.partition("-")
-            width = len(lo)
-            for i in range(int(lo), int(hi or lo) + 1):
-                hosts.append(f"{prefix}{i:0{width}d}")
-    return hosts
 
 
 @dataclass

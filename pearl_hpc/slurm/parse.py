@@ -143,3 +143,21 @@ def parse_squeue_json(stdout: str) -> list[JobRow]:
             )
         )
     return rows
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """``n[1-3,5],gpu7`` -> ``n1 n2 n3 n5 gpu7`` (one bracket group per name, as squeue
+    prints node lists)."""
+    hosts: list[str] = []
+    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?", text.strip()):
+        m = re.fullmatch(r"([^\[]*)\[([^\]]*)\]", part)
+        if not m:
+            hosts.append(part)
+            continue
+        prefix, ranges = m.groups()
+        for item in ranges.split(","):
+            lo, _, hi = item.partition("-")
+            width = len(lo)
+            for i in range(int(lo), int(hi or lo) + 1):
+                hosts.append(f"{prefix}{i:0{width}d}")
+    return hosts
