@@ -94,7 +94,7 @@ def _cmd_calibrate_sim(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from pearl_hpc.sim.calibrate import run
+    from pearl_hpc.sim.validation import run
 
     console = Console(stderr=True)
     workload = resolve_workload(args.workload)

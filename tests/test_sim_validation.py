@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pearl_hpc.sim.calibrate import Difference, _config, _hysteresis
+from pearl_hpc.sim.validation import Difference, _config, _hysteresis
 
 
 def test_static_names_give_their_configuration() -> None:
