@@ -256,7 +256,14 @@ class Controller:
         the expected window (estimated from this run's grants and reclaims, from when the
         scheduler expects to start it, ``starts_in_s``, to at most the run's predicted
         end) exceeds preparation + finalisation, on top of the reserved workers and
-        ``k`` elastic ones; at most ``max_workers``."""
+        ``k`` elastic ones; at most ``max_workers``.
+
+        NOTE: the gate runs when capacity is *requested*, not only when it is granted.
+        On Slurm a request waits in the queue for minutes; gated only at grant time, the
+        run would hold requests it cannot use by the time they start (and an elastic job
+        on a preemptible partition preempts other users' work to start). A grant that
+        no longer passes when it arrives (the window shrank meanwhile) is still given
+        straight back (``expansions_rejected``)."""
         reserved = sum(
             1
             for s in self.table.rollout_slots()

@@ -261,6 +261,13 @@ class WorkerExecutor:
         activated, one the backend runs is attached and activated, else a new process.
         A hung engine start (seen: NIXL's listener dying on a taken port) fails the
         slot instead of stalling admission of its whole group."""
+        # NOTE: three cases, in this order. (1) A trainer's GPU (the overlap zone): the
+        # trainer rank there moves its tensors to host memory first, or the engine waking
+        # beside it runs out of device memory. (2) An engine rank already on these GPUs
+        # (every base rank, and an elastic one placed before): activated in place, with
+        # no process start; its weights are caught up by the caller. (3) Otherwise the
+        # GPUs are an elastic component's: the backend waits for its rank to join the
+        # world, and it is activated like (2).
         worker = self._on(add.gpu_ids)
         if add.zone is Zone.OVERLAP:  # a trainer's GPU: its tensors leave first
             await self.weights.lend(add.gpu_ids)

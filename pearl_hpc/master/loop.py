@@ -478,7 +478,17 @@ class MasterRun:
         c.reclaims = self._before_capacity[1] + self.backend.counts["reclaimed"]
 
     def save_state(self, next_step: int, status: RunStatus) -> None:
-        """The journal: what a restarted master needs, and what ``status`` shows."""
+        """The journal: what a restarted master needs, and what ``status`` shows.
+
+        NOTE: the journal's contract. A step is done when the journal says so
+        (``next_step`` past it, ``version`` its weights), and the journal is written
+        only after the step's metrics line and after the trainer's snapshot of those
+        weights (trainer ranks snapshot before they ack TRAIN). Whatever is newer than
+        the journal is discarded by a resumed master: a snapshot of a step trained but
+        not recorded (``RunDir.drop_unrecorded_snapshots``), metrics lines past
+        ``next_step`` (:meth:`_restore`); that step is trained again from its trajectory
+        log, whose finished trajectories are kept. The file is replaced atomically, so a
+        crash leaves the old journal or the new one."""
         self._count()
         write_journal(
             self.paths.journal,
