@@ -26,20 +26,14 @@ from pearl_hpc.rollout.types import Trajectory
 
 @dataclass(frozen=True)
 class TrainResult:
-    """What the trainer ranks report of a step (trainer 0's numbers)."""
+    """What the trainer ranks report of a step."""
 
-    version: int
-    mean_reward: float
-    max_staleness: int
-    loss: float
-    wall_s: float
-    # the step's off-policy figures (train/objective.py)
-    clip_frac: float = 0.0
-    mismatch_mean: float = 0.0
-    mismatch_max: float = 0.0
-    capped_frac: float = 0.0
-    behaviour_coverage: float = 0.0
+    lead: TrainAck  # trainer 0's ack (every rank's version agrees)
     handover_s: float = 0.0  # the slowest rank's onload of its lent GPU in this step
+
+    @property
+    def version(self) -> int:
+        return self.lead.version
 
 
 class RemoteTrainer:
@@ -70,19 +64,7 @@ class RemoteTrainer:
             versions = [a.version for a in acks]
             raise PlaneError(f"trainer ranks disagree on the version after step {step}: {versions}")
         self.version = lead.version
-        return TrainResult(
-            version=lead.version,
-            mean_reward=lead.mean_reward,
-            max_staleness=lead.max_staleness,
-            loss=lead.loss,
-            wall_s=lead.wall_s,
-            clip_frac=lead.clip_frac,
-            mismatch_mean=lead.mismatch_mean,
-            mismatch_max=lead.mismatch_max,
-            capped_frac=lead.capped_frac,
-            behaviour_coverage=lead.behaviour_coverage,
-            handover_s=handover_s,
-        )
+        return TrainResult(lead, handover_s)
 
     async def publish(
         self, version: int, serving: Mapping[str, tuple[str, int]]
