@@ -20,9 +20,9 @@ def _events() -> list[dict]:
             "source": "7+0",
             "also": ["7+1"],
         },
-        {"t_s": 25.0, "kind": "ready", "slot": 3, "gpus": ["7+0:n1:gpu0"]},
-        {"t_s": 28.0, "kind": "ready", "slot": 4, "gpus": ["7+1:n2:gpu0"]},
-        {"t_s": 28.0, "kind": "ready", "slot": 1, "gpus": ["gpu0"]},  # a base worker
+        {"t_s": 25.0, "kind": "ready", "slot": 3, "gpus": ["7+0:n1:gpu0"], "source": "7+0"},
+        {"t_s": 28.0, "kind": "ready", "slot": 4, "gpus": ["7+1:n2:gpu0"], "source": "7+1"},
+        {"t_s": 28.0, "kind": "ready", "slot": 1, "gpus": ["gpu0"], "source": None},  # base
         {"t_s": 30.0, "kind": "admit", "slots": [3, 4, 1]},
         {"t_s": 60.0, "kind": "event", "event": "CapacityReclaimed", "source": "7+0"},
         {"t_s": 60.0, "kind": "event", "event": "CapacityReclaimed", "source": "7+1"},

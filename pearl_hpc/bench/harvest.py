@@ -57,8 +57,8 @@ def worker_intervals(events: list[dict[str, Any]], end_s: float) -> dict[str, di
         if kind == "event" and e.get("event") == "CapacityGranted":
             for tag in [e["source"], *e.get("also", [])]:  # a hetjob's components together
                 comps.setdefault(str(tag), {})["granted"] = t
-        elif kind == "ready" and "gpus" in e and "+" in e["gpus"][0]:
-            slot_comp[int(e["slot"])] = e["gpus"][0].split(":", 1)[0]
+        elif kind == "ready" and e.get("source"):
+            slot_comp[int(e["slot"])] = str(e["source"])
         elif kind == "admit":
             for slot in e["slots"]:
                 comp = slot_comp.get(int(slot))

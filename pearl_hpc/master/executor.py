@@ -250,6 +250,7 @@ class WorkerExecutor:
             "ready",
             slot=add.slot_id,
             gpus=list(add.gpu_ids),
+            source=None if add.source is None else add.source.tag,  # its elastic component
             role=str(add.role),
             s=round(took, 2),
             reactivate=add.reactivate,
