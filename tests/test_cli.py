@@ -158,6 +158,17 @@ def test_bench_prints_every_size() -> None:
     assert all(r["median_ms"] > 0 for r in rows)
 
 
+def test_bench_messages_round_trips_a_train_batch_both_ways() -> None:
+    """The TRAIN message of a small batch, pickled and as the plane sends it: each
+    decodes to the same trajectories (the benchmark asserts it), the figures printed."""
+    from pearl_hpc.bench import messages
+
+    rows = messages.run(trajectories=4, tokens=512, turns=4, ranks=2)
+    assert [r["encoding"].split()[0] for r in rows] == ["pickle", "msgpack"]
+    assert all(r["encode_vs_pickle"] > 0 and r["decode_vs_pickle"] > 0 for r in rows)
+    assert rows[0]["encode_vs_pickle"] == 1.0
+
+
 def test_bench_weights_times_both_paths_and_the_engine_gets_the_weights() -> None:
     """A 32 MiB model through the gloo group and through shared memory to a second
     process (the figures are printed, not judged here)."""

@@ -24,6 +24,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         extra = ["--model", args.model] if args.model else []
         return engines.main(extra + (["--json"] if args.json else []))
+    if args.messages:
+        from pearl_hpc.bench import messages
+
+        return messages.main(["--json"] if args.json else [])
     if args.weights:
         from pearl_hpc.bench import weights
 
@@ -66,6 +70,12 @@ def add_parsers(sub: Any) -> None:
         action="store_true",
         help="real vLLM engines: start, role change, weight load, (de)activation, memory, "
         "tokens/s colocated vs disaggregated",
+    )
+    bench.add_argument(
+        "--messages",
+        action="store_true",
+        help="the control plane's TRAIN message at PEARL's shape (64 x 32K tokens, 16 "
+        "trainer ranks): msgpack of typed records vs mpi4py's pickle",
     )
     bench.add_argument(
         "--weights",
