@@ -255,7 +255,11 @@ class MasterPlane:
                 source=self.MPI.ANY_SOURCE, tag=TAG_REPORT, status=status
             ):
                 report = _receive(link, status, decode_report, group)
-                if report is None or report.member_id not in self.membership.members:
+                if report is None:
+                    continue
+                sender = self.membership.members.get(report.member_id)
+                if sender is None or sender.group != group:  # one speaks for its own link only
+                    log.warning("control plane: %s on %s's link: dropped", report.member_id, group)
                     continue
                 self.membership.heard(report.member_id, now)
                 if not isinstance(report.body, Heartbeat):
