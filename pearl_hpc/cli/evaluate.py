@@ -44,8 +44,9 @@ def _target(args: argparse.Namespace) -> Target:
         return _run_target(path, args)
     if args.target != "tiny" and not (path / "config.json").is_file():
         raise ConfigError(
-            f"{args.target}: neither a run directory (no config.yaml) nor a model directory "
-            "(no config.json); give the directory `pearl-hpc run` printed, a model, or tiny"
+            f"{args.target}: neither a run directory (no {RunDir(path).config.name}) nor a "
+            "model directory (no config.json); give the directory `pearl-hpc run` printed, a "
+            "model, or tiny"
         )
     env = args.env or "code"
     name = path.name if args.target != "tiny" else "tiny"

@@ -49,7 +49,7 @@ def run_status(run_dir: Path) -> dict[str, Any]:
         return _status_of(run_dir, state)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise JournalError(
-            f"{run_dir}/journal.json: corrupt journal ({type(exc).__name__}: {exc})"[:400]
+            f"{RunDir(run_dir).journal}: corrupt journal ({type(exc).__name__}: {exc})"[:400]
         ) from None
 
 
@@ -199,11 +199,12 @@ def write_run_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     metrics = read_metrics(run_dir)
     if not metrics:
-        raise PearlError(f"{run_dir}: no finished step in metrics.jsonl yet; nothing to plot")
+        raise PearlError(f"{RunDir(run_dir).metrics}: no finished step yet; nothing to plot")
     timeline = role_timeline(read_jsonl(RunDir(run_dir).events))
     duration = max([m.t_s for m in metrics] + [t for t, *_ in timeline])
     if not math.isfinite(duration):
-        raise PearlError(f"{run_dir}: metrics.jsonl or events.jsonl has a time of {duration}")
+        paths = f"{RunDir(run_dir).metrics} or {RunDir(run_dir).events.name}"
+        raise PearlError(f"{paths} has a time of {duration}")
     written = []
 
     # step throughput over time, active rollout workers (dedicated, borrowed) behind it
