@@ -45,3 +45,14 @@ def test_journal_errors_are_clear(tmp_path: Path) -> None:
     bad.write_text(json.dumps({"format": "other/9", "state": {}}))
     with pytest.raises(JournalError, match="is not 'pearl-hpc-journal/1'"):
         read_journal(bad)
+
+
+def test_counters_continue_from_a_journal_and_refuse_a_corrupt_one() -> None:
+    from pearl_hpc.master.records import Counters
+
+    counters = Counters()
+    counters.load_state_dict({"grows": 2, "activation_s": [1.5], "a_key_of_later": 1})
+    assert counters.grows == 2 and counters.activation_s == [1.5]
+    assert not hasattr(counters, "a_key_of_later")  # only the fields, typed
+    with pytest.raises(JournalError, match=r"counters: Expected `int`, got `str` - at `\$.grows`"):
+        counters.load_state_dict({"grows": "two"})

@@ -319,8 +319,7 @@ class MasterRun:
         if self.state is not None:
             self.controller.tracker.restore(self.state["controller"]["tracker"])
             self.controller.toggle.restore(self.state["controller"]["toggle"])
-            for key, value in self.state["counters"].items():
-                setattr(counters, key, value)
+            counters.load_state_dict(self.state["counters"])
             # one return latency per training step: the steps the journal recorded (the
             # dead master may have begun training the step this one trains again)
             counters.return_latency_s = counters.return_latency_s[: self.first_step]

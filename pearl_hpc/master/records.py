@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import astuple, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,7 @@ import msgspec
 
 from pearl_hpc.core.controller import Event
 from pearl_hpc.core.table import ElasticSource
-from pearl_hpc.rundir import RunDir
+from pearl_hpc.rundir import JournalError, RunDir
 
 
 @dataclass
@@ -40,6 +40,14 @@ class Counters:
     # per step that onloaded a lent GPU, the slowest trainer rank's onload (its offload is
     # inside the overlap engine's activation): part of the GPU's return
     handover_s: list[float] = field(default_factory=list)
+
+    def load_state_dict(self, data: Mapping[str, Any]) -> None:
+        """Continue from a journal's counters (checked against the fields' types)."""
+        try:
+            restored = msgspec.convert(dict(data), Counters)
+        except msgspec.ValidationError as exc:
+            raise JournalError(f"corrupt journal (counters: {exc})") from None
+        self.__dict__.update(restored.__dict__)
 
 
 @dataclass
