@@ -1,4 +1,4 @@
-"""Decision + plan latency for 64 .. 4096 rollout workers.
+"""Decision + plan latency for 64 .. 50,000 rollout workers.
 
 For each size N it times, in one process, ``decide()`` + ``plan_transition()`` on three
 events — a cold start (no current configuration, N free units), a grow by N/8 units on
@@ -26,7 +26,7 @@ from pearl_hpc.core.profile import WorkloadProfile
 from pearl_hpc.core.table import RoleTable
 from pearl_hpc.core.types import PDConfig, Status, Zone
 
-SIZES = (64, 256, 1024, 4096)
+SIZES = (64, 256, 1024, 4096, 50_000)
 
 
 def _table(config: PDConfig) -> RoleTable:

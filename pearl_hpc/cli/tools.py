@@ -48,8 +48,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         requests = tuple(args.requests.split(","))
         steps = 40 if args.steps is None else args.steps
         return harvest.main(config, args.segment, args.speedup, steps, args.json, requests)
-    module = sim_speed if args.sim else decision_speed
-    return module.main(["--json"] if args.json else [])
+    if args.sim:
+        return sim_speed.main(["--json"] if args.json else [])
+    return decision_speed.main(["--repeats", str(args.repeats)] + (["--json"] if args.json else []))
 
 
 def add_parsers(sub: Any) -> None:
@@ -121,6 +122,9 @@ def add_parsers(sub: Any) -> None:
         "--config",
         help="with --local: run YAML (default: configs/runs/local.yaml); with --harvest: "
         "a slurm run YAML (default: configs/runs/slurm-local.yaml)",
+    )
+    bench.add_argument(
+        "--repeats", type=int, default=30, help="decision + plan: timed runs of each event"
     )
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(func=_cmd_bench)

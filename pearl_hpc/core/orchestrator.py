@@ -20,6 +20,7 @@ Greedy (optimal):
 
 from __future__ import annotations
 
+from collections import defaultdict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -99,14 +100,33 @@ def _removal_key(slot: WorkerSlot) -> tuple[int, int, int, int]:
     )
 
 
-def _take_unit(units: list[CapacityUnit], role: Role) -> CapacityUnit:
-    """The unit a new ``role`` worker goes to: one shaped for that role, else one shaped
-    for none, else the first (in the order offered; removed from ``units``)."""
-    for wanted in (role, None):
+class _Units:
+    """The units offered for new workers, taken in amortised O(1) each (a plan is linear
+    in its new workers): the unit a new ``role`` worker goes to is the first offered
+    that is shaped for that role, else the first shaped for none, else the first left."""
+
+    def __init__(self, units: Sequence[CapacityUnit]) -> None:
+        self.units = units
+        self.by_shape: dict[Role | None, deque[int]] = defaultdict(deque)  # offered order
         for i, unit in enumerate(units):
-            if unit.role is wanted:
-                return units.pop(i)
-    return units.pop(0)
+            self.by_shape[unit.role].append(i)
+        self.taken = [False] * len(units)
+        self.first = 0  # no unit before this index is left
+
+    def take(self, role: Role) -> CapacityUnit:
+        for wanted in (role, None):
+            queue = self.by_shape.get(wanted)
+            while queue and self.taken[queue[0]]:
+                queue.popleft()
+            if queue:
+                return self._take(queue.popleft())
+        while self.taken[self.first]:
+            self.first += 1
+        return self._take(self.first)
+
+    def _take(self, i: int) -> CapacityUnit:
+        self.taken[i] = True
+        return self.units[i]
 
 
 def plan_transition(
@@ -160,8 +180,9 @@ def plan_transition(
             f"target {target} needs {num_new} new worker(s) but only {len(available)} "
             "capacity unit(s) are available: lower the target or grant more capacity"
         )
-    units = list(available[: max(0, num_new)])
-    new_ids = iter(table.next_slot_ids(sum(1 for u in units if u.slot_id is None)))
+    offered = available[: max(0, num_new)]
+    units = _Units(offered)
+    new_ids = iter(table.next_slot_ids(sum(1 for u in offered if u.slot_id is None)))
     role_changes: list[tuple[int, Role]] = []
     adds: list[WorkerAdd] = []
     spare_iter = iter(spare)
@@ -171,7 +192,7 @@ def plan_transition(
             if survivor is not None:
                 role_changes.append((survivor.slot_id, r))
                 continue
-            unit = _take_unit(units, r)
+            unit = units.take(r)
             slot_id = unit.slot_id if unit.slot_id is not None else next(new_ids)
             adds.append(
                 WorkerAdd(
