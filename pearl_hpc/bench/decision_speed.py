@@ -72,11 +72,10 @@ def _events(profile: WorkloadProfile, n: int) -> dict[str, Callable[[], Any]]:
     best = decide(profile, n).target
     empty, current = RoleTable(), _table(best)
     reclaimed = [s.slot_id for s in current.in_service()[:step]]
+    cold, grown = _units(0, n), _units(n, step)  # the controller holds its units already
     return {
-        "cold": lambda: plan_transition(empty, decide(profile, n).target, _units(0, n)),
-        "grow": lambda: plan_transition(
-            current, decide(profile, n + step, best).target, _units(n, step)
-        ),
+        "cold": lambda: plan_transition(empty, decide(profile, n).target, cold),
+        "grow": lambda: plan_transition(current, decide(profile, n + step, best).target, grown),
         "shrink": lambda: plan_transition(
             current, decide(profile, n - step, best).target, (), reclaimed
         ),
