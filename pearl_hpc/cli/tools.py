@@ -63,7 +63,7 @@ def add_parsers(sub: Any) -> None:
     tiny.set_defaults(func=_cmd_tiny_model)
 
     bench = sub.add_parser(
-        "bench", help="benchmarks: decision + plan speed (64 .. 4096 workers), or --sim"
+        "bench", help="benchmarks: decision + plan speed (64 .. 50,000 workers), or --sim"
     )
     bench.add_argument("--sim", action="store_true", help="simulator speed instead")
     bench.add_argument(
