@@ -158,7 +158,7 @@ def test_bench_prints_every_size() -> None:
     assert all(r["median_ms"] > 0 for r in rows)
 
 
-def test_bench_messages_round_trips_a_train_batch_both_ways() -> None:
+def test_bench_messages_round_trips_a_train_batch_and_a_log_both_ways() -> None:
     """The TRAIN message of a small batch, pickled and as the plane sends it: each
     decodes to the same trajectories (the benchmark asserts it), the figures printed."""
     from pearl_hpc.bench import messages
@@ -167,6 +167,9 @@ def test_bench_messages_round_trips_a_train_batch_both_ways() -> None:
     assert [r["encoding"].split()[0] for r in rows] == ["pickle", "msgpack"]
     assert all(r["encode_vs_pickle"] > 0 and r["decode_vs_pickle"] > 0 for r in rows)
     assert rows[0]["encode_vs_pickle"] == 1.0
+    # the trajectory log both ways (each reads back to the batch: the bench asserts it)
+    whole, appended = messages.log_rows(trajectories=4, tokens=512, turns=4)
+    assert 0 < appended["bytes_vs_whole"] < 1 == whole["bytes_vs_whole"]
 
 
 def test_bench_weights_times_both_paths_and_the_engine_gets_the_weights() -> None:

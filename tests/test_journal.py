@@ -56,3 +56,71 @@ def test_counters_continue_from_a_journal_and_refuse_a_corrupt_one() -> None:
     assert not hasattr(counters, "a_key_of_later")  # only the fields, typed
     with pytest.raises(JournalError, match=r"counters: Expected `int`, got `str` - at `\$.grows`"):
         counters.load_state_dict({"grows": "two"})
+
+
+def _turn(traj, n: int, version: int = 1) -> None:  # type: ignore[no-untyped-def]
+    """One more turn of ``traj``: a response of ``n`` tokens and an observation."""
+    from pearl_hpc.rollout.types import Segment, TurnStats
+
+    traj.segments.append(Segment(tuple(range(n)), True, tuple([-0.5] * n), version))
+    traj.segments.append(Segment((7, 8), False))
+    traj.turns.append(TurnStats(len(traj.turns), 2, n, len(traj.token_ids()), 0.1, ("s1",)))
+    traj.weight_versions.add(version)
+
+
+def _new(trajectory_id: str):  # type: ignore[no-untyped-def]
+    from pearl_hpc.rollout.types import Segment, Trajectory
+
+    return Trajectory(trajectory_id, "s0-g0", [Segment((1, 2, 3), False)], info={"task_id": 4})
+
+
+def test_the_trajectory_log_appends_each_turn_and_folds_back(tmp_path: Path) -> None:
+    """Two steps' rollouts interleaved (the rollout ahead); each trajectory reads back
+    whole from its step's log, and the log holds each token once."""
+    import json
+
+    from pearl_hpc.master.journal import TrajectoryLog
+
+    log = TrajectoryLog(tmp_path)
+    a, b = _new("s0-g0-k0"), _new("s1-g0-k0")
+    for _ in range(30):
+        _turn(a, 100)
+        log.record(0, a)
+        _turn(b, 50, version=2)
+        log.record(1, b)
+    a.done, a.reward = True, 1.0
+    log.record(0, a)
+    log.close()
+    assert TrajectoryLog(tmp_path).load(0) == {a.trajectory_id: a}
+    assert TrajectoryLog(tmp_path).load(1) == {b.trajectory_id: b}
+    whole = len(json.dumps(a.to_dict()))
+    assert log.path(0).stat().st_size < 1.5 * whole  # a whole record per turn: ~15x
+
+
+def test_a_resumed_master_continues_the_log_and_reads_an_older_one(
+    tmp_path: Path,
+) -> None:
+    """An earlier release's log (a whole trajectory per record) still reads; a resumed
+    master's records continue what it loaded; a torn line, or a record that does not
+    continue what came before, is skipped."""
+    import json
+
+    from pearl_hpc.master.journal import TrajectoryLog
+
+    a = _new("s3-g0-k1")
+    _turn(a, 10)
+    log = TrajectoryLog(tmp_path)
+    log.path(3).write_text(json.dumps(a.to_dict()) + "\n")  # the earlier release's record
+    resumed = TrajectoryLog(tmp_path)
+    (loaded,) = resumed.load(3).values()
+    assert loaded == a
+    _turn(loaded, 20)
+    resumed.record(3, loaded)
+    resumed.close()
+    with log.path(3).open("a") as f:
+        gap = {"trajectory_id": a.trajectory_id, "group_id": "s3-g0", "from_segment": 99,
+               "segments": [], "from_turn": 9, "turns": [], "reward": None, "done": True,
+               "weight_versions": [], "info": {}}  # fmt: skip
+        f.write(json.dumps(gap) + "\n" + '{"trajectory_id": "s3-g0-k1", "from_seg')
+    assert TrajectoryLog(tmp_path).load(3) == {a.trajectory_id: loaded}
+    assert len(loaded.turns) == 2 and not loaded.done

@@ -1,11 +1,15 @@
-"""The control plane's biggest message: one step's TRAIN batch, at PEARL's shape.
+"""The master's biggest per-step writes, at PEARL's shape: the TRAIN batch and the
+trajectory log.
 
-The master sends every trainer rank the step's trajectories (a TRAIN command); each rank
-decodes them. This measures, for a synthetic batch of ``--trajectories`` trajectories of
-``--tokens`` tokens (half of them generated, with their log-probabilities) over
-``--turns`` turns, the bytes of the message and the seconds the master spends encoding
-it for ``--ranks`` trainer ranks and one rank decoding it: msgpack of the typed records
-(what the plane sends) against mpi4py's default, a pickle of plain dicts per rank.
+For a synthetic batch of ``--trajectories`` trajectories of ``--tokens`` tokens (half
+generated, with their log-probabilities) over ``--turns`` turns:
+
+- TRAIN: the bytes of the message and the seconds the master spends encoding it for
+  ``--ranks`` trainer ranks and one rank decoding it: msgpack of the typed records (what
+  the plane sends) against mpi4py's default, a pickle of plain dicts per rank;
+- the trajectory log: the bytes and the master's seconds to log every trajectory after
+  each of its turns, as the log appends it (what a turn added) against a whole record of
+  the trajectory after every turn (the log's earlier format, which it still reads).
 
 Run: ``pearl-hpc bench --messages`` (or ``python -m pearl_hpc.bench.messages``).
 """
@@ -16,13 +20,16 @@ import argparse
 import json
 import pickle
 import random
+import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from pearl_hpc.comm.messages import Command, Train, decode_command, encode
+from pearl_hpc.master.journal import TrajectoryLog
 from pearl_hpc.rollout.types import Segment, Trajectory, TurnStats
 
 VOCAB = 151_936  # Qwen3's vocabulary: token ids above 65,535 take 5 bytes in msgpack
@@ -89,6 +96,54 @@ def run(trajectories: int, tokens: int, turns: int, ranks: int) -> list[dict[str
     return rows
 
 
+def log_rows(trajectories: int, tokens: int, turns: int) -> list[dict[str, Any]]:
+    """The step's trajectory log written turn by turn, both ways (into a temporary run
+    directory); each reads back to the batch."""
+    batch = [trajectory(i, tokens, turns) for i in range(trajectories)]
+    rows: list[dict[str, Any]] = []
+    first: tuple[int, float] | None = None  # the whole records' bytes and seconds
+    with tempfile.TemporaryDirectory(prefix="pearl-bench-log-") as tmp:
+        whole_path = Path(tmp) / "whole.jsonl"
+
+        def whole(traj: Trajectory) -> None:  # the earlier format: all of it, every turn
+            with whole_path.open("a") as f:
+                f.write(json.dumps(traj.to_dict()) + "\n")
+
+        log = TrajectoryLog(Path(tmp))
+        for name, record, path in (
+            ("whole trajectory per turn", whole, whole_path),
+            ("what the turn added (the log)", lambda t: log.record(0, t), log.path(0)),
+        ):
+            seconds = 0.0
+            for turn in range(turns + 1):  # turn 0: the prompt alone is not logged
+                grown = [_after_turns(t, turn) for t in batch]
+                t0 = time.perf_counter()
+                for traj in grown if turn else ():
+                    record(traj)
+                seconds += time.perf_counter() - t0
+            log.close()
+            size = path.stat().st_size
+            first = first or (size, seconds)
+            rows.append({
+                "log": name,
+                "mib": round(size / 2**20, 1),
+                "master_s": round(seconds, 3),
+                "bytes_vs_whole": round(size / first[0], 3),
+                "seconds_vs_whole": round(seconds / first[1], 3),
+            })  # fmt: skip
+        assert TrajectoryLog(Path(tmp)).load(0) == {t.trajectory_id: t for t in batch}
+    return rows
+
+
+def _after_turns(traj: Trajectory, turns: int) -> Trajectory:
+    """``traj`` as it stood after ``turns`` turns (its prompt, then two segments a turn)."""
+    return Trajectory(
+        traj.trajectory_id, traj.group_id, traj.segments[: 1 + 2 * turns],
+        traj.reward if turns == len(traj.turns) else None, turns == len(traj.turns),
+        traj.weight_versions, traj.turns[:turns], traj.info,
+    )  # fmt: skip
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pearl-hpc bench --messages", description=__doc__)
     parser.add_argument("--trajectories", type=int, default=64)
@@ -98,8 +153,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     rows = run(args.trajectories, args.tokens, args.turns, args.ranks)
+    logged = log_rows(args.trajectories, args.tokens, args.turns)
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps({"train": rows, "trajectory_log": logged}, indent=1))
         return 0
     print(f"TRAIN of {args.trajectories} trajectories x {args.tokens} tokens "
           f"({args.turns} turns) to {args.ranks} trainer ranks")  # fmt: skip
@@ -108,6 +164,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(" | ".join(cols))
     for row in rows:
         print(" | ".join(str(row[c]) for c in cols))
+    print(f"\nthe step's trajectory log, each trajectory after each of its {args.turns} turns")
+    log_cols = ("log", "mib", "master_s", "bytes_vs_whole", "seconds_vs_whole")
+    print(" | ".join(log_cols))
+    for row in logged:
+        print(" | ".join(str(row[c]) for c in log_cols))
     return 0
 
 

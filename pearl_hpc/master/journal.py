@@ -6,7 +6,9 @@ this module holds what needs the rollout's types.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -16,39 +18,82 @@ from pearl_hpc.rundir import RunDir
 
 
 class TrajectoryLog:
-    """Every trajectory of a step after each of its turns, one JSON line per record
-    (``trajectories/step-NNNNN.jsonl``): a restarted master keeps the finished ones and
-    resumes the unfinished ones from their last turn. Lines are flushed as written, so a
-    killed master loses at most the turn in flight."""
+    """Every trajectory of a step as it grows, one JSON line per turn, appended and
+    flushed (``trajectories/step-NNNNN.jsonl``): a restarted master keeps the finished
+    trajectories and resumes the unfinished ones from their last turn; a killed master
+    loses at most the turn in flight.
+
+    A record carries what the turn added (``from_segment``/``segments``,
+    ``from_turn``/``turns``) and the trajectory's small fields (reward, done, versions,
+    info); a trajectory is the fold of its records, so the log grows linearly with the
+    tokens (a record of the whole trajectory after each turn grows with turns x tokens:
+    ~15x the final size at 30 turns). A record without ``from_segment`` is a whole
+    trajectory (the log of an earlier release): it replaces what came before."""
 
     def __init__(self, run_dir: Path) -> None:
         self.run = RunDir(run_dir)
         self.run.trajectories.mkdir(parents=True, exist_ok=True)
         self._file: Any = None
         self._step = -1
+        # (step, trajectory id) -> (segments, turns) already in the log
+        self._written: dict[tuple[int, str], tuple[int, int]] = {}
 
     def path(self, step: int) -> Path:
         return self.run.trajectory_log(step)
 
     def record(self, step: int, traj: Trajectory) -> None:
+        """Append what ``traj`` gained since its last record (all of it the first time)."""
         if step != self._step:
             self.close()
             self._file, self._step = self.path(step).open("a"), step
-        self._file.write(json.dumps(traj.to_dict()) + "\n")
+        key = (step, traj.trajectory_id)
+        segments, turns = self._written.get(key, (0, 0))
+        record = {
+            "trajectory_id": traj.trajectory_id,
+            "group_id": traj.group_id,
+            "from_segment": segments,
+            "segments": [s.to_list() for s in traj.segments[segments:]],
+            "from_turn": turns,
+            "turns": [asdict(t) for t in traj.turns[turns:]],
+            "reward": traj.reward,
+            "done": traj.done,
+            "weight_versions": sorted(traj.weight_versions),
+            "info": traj.info,
+        }
+        self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        self._written[key] = (len(traj.segments), len(traj.turns))
 
     def load(self, step: int) -> dict[str, Trajectory]:
-        """The last record of each trajectory of ``step`` (a torn last line is skipped)."""
+        """Each trajectory of ``step`` as its records fold (a torn last line, or a record
+        that does not continue what came before, is skipped); the next records of these
+        trajectories continue from them."""
         out: dict[str, Trajectory] = {}
         for record in read_jsonl(self.path(step)):
-            try:
-                traj = Trajectory.from_dict(record)
-            except (KeyError, TypeError):
-                continue
-            out[traj.trajectory_id] = traj
+            with contextlib.suppress(KeyError, TypeError, ValueError):
+                traj = _fold(out.get(str(record["trajectory_id"])), record)
+                if traj is not None:
+                    out[traj.trajectory_id] = traj
+        for traj in out.values():
+            self._written[(step, traj.trajectory_id)] = (len(traj.segments), len(traj.turns))
         return out
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _fold(before: Trajectory | None, record: dict[str, Any]) -> Trajectory | None:
+    """``before`` with ``record`` applied (None: the record does not continue it)."""
+    if "from_segment" not in record:  # a whole trajectory
+        return Trajectory.from_dict(record)
+    segments, turns = int(record["from_segment"]), int(record["from_turn"])
+    have = (0, 0) if before is None else (len(before.segments), len(before.turns))
+    if have != (segments, turns):
+        return None
+    traj = Trajectory.from_dict(record)  # the new part, with the current small fields
+    if before is not None:
+        traj.segments = before.segments + traj.segments
+        traj.turns = before.turns + traj.turns
+    return traj
