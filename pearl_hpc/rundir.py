@@ -41,8 +41,9 @@ FILES: tuple[tuple[str, str, str], ...] = (
      "lock, and `pearl-hpc status` reads it"),
     ("snapshots", "snapshots/", "`vNNNNNN/`: the trainer's weights and optimizer after step "
      "N-1 (the newest two kept)"),
-    ("trajectories", "trajectories/", "`step-NNNNN.jsonl`: each trajectory after each of its "
-     "turns (token ids, masks, versions)"),
+    ("trajectories", "trajectories/", "`step-NNNNN.jsonl`: a line per turn of each "
+     "trajectory, what the turn added (token ids, masks, log-probs, versions); a "
+     "trajectory is the fold of its lines"),
     ("metrics", "metrics.jsonl", "one line per step: tokens/s, reward, rollout / train / "
      "sync time, return latency, the serving config, the predicted rollout time, the "
      "batch's tail and idle worker-seconds, the off-policy figures"),
