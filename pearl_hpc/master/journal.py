@@ -1,4 +1,4 @@
-"""The trajectory log: every trajectory of a step after each of its turns.
+"""The trajectory log: what each turn of a step's trajectories added, appended and flushed.
 
 The run directory's names, its lock and the journal file are :mod:`pearl_hpc.rundir`'s;
 this module holds what needs the rollout's types.
