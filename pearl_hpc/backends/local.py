@@ -97,7 +97,7 @@ class LocalBackend:
             first_step=ctx.first_step,
             resume=ctx.resume,
             clock=ctx.clock,
-            log_event=lambda kind, **fields: ctx.on_event(kind, fields),
+            on_event=ctx.on_event,
             decide_now=ctx.decide_now,
         )
         self.dir = RunDir(run_dir).elastic

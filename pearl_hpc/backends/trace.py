@@ -38,17 +38,17 @@ def resumed_points(trace: list[TracePoint], first_step: int) -> dict[int, TraceP
 
 class TraceDriver:
     """Applies ``elastic.trace`` per step and replays ``elastic.replay`` over time, as
-    ``offer(workers, regrant=)`` (the local backend's; None: no trace, as on Slurm)."""
+    ``offer(workers, regrant=)`` (the local backend's)."""
 
     def __init__(
         self,
         elastic: ElasticConfig,
-        offer: Callable[..., Awaitable[None]] | None,
+        offer: Callable[..., Awaitable[None]],
         *,
         first_step: int,
         resume: bool,
         clock: Callable[[], float],
-        log_event: Callable[..., None],
+        on_event: Callable[[str, dict[str, Any]], None],
         decide_now: Callable[[], None],
     ) -> None:
         self.elastic = elastic
@@ -56,7 +56,7 @@ class TraceDriver:
         self.first_step = first_step
         self.resume = resume
         self.clock = clock
-        self.log_event = log_event
+        self.on_event = on_event
         self.decide_now = decide_now  # the queued capacity events reach the controller
         self.points = resumed_points(elastic.trace, first_step)
 
@@ -64,7 +64,7 @@ class TraceDriver:
         """The step's trace point: applied now, or ``after_s`` into its rollout (a
         reclaim notice arriving mid-rollout drains turns in flight)."""
         point = self.points.get(step)
-        if point is None or self.offer is None:
+        if point is None:
             return
         if point.after_s:
             spawn(self._apply(step, point))
@@ -75,7 +75,6 @@ class TraceDriver:
         if point.after_s:
             await asyncio.sleep(point.after_s)
         regrant = step == self.first_step and self.resume
-        assert self.offer is not None
         await self.offer(point.workers, regrant=regrant)
         if not point.after_s:
             self.decide_now()  # decided before the rollout starts
@@ -83,8 +82,6 @@ class TraceDriver:
     async def replay(self, stop: asyncio.Event) -> None:
         """The real trace over the run's clock (resumed runs continue where it was)."""
         replay = self.elastic.replay
-        if self.offer is None:
-            return
         real = replay.load()
         current = -1
         while not stop.is_set():
@@ -92,7 +89,7 @@ class TraceDriver:
             workers = replay_workers(real, replay, run_s)
             if workers != current:
                 trace_s = real.start_s + run_s * replay.speedup  # where in the trace
-                self.log_event("trace", workers=workers, trace_s=trace_s)
+                self.on_event("trace", {"workers": workers, "trace_s": trace_s})
                 await self.offer(workers, regrant=current < 0 and self.resume)
                 current = workers
             with contextlib.suppress(TimeoutError):
