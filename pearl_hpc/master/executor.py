@@ -106,6 +106,7 @@ class WorkerExecutor:
         self.key = key  # engine workers' RPC key (elastic job steps read it too)
         self.table = table
         self.workers: dict[str, _Worker] = {}  # engine ranks, by member id
+        self._on_gpus: dict[tuple[str, ...], str] = {}  # a GPU set -> its rank's member id
         self.tasks: set[asyncio.Task[None]] = set()
         self.starting: dict[int, asyncio.Task[None]] = {}  # slot -> its start / activation
         self.training_started = asyncio.Event()
@@ -132,7 +133,7 @@ class WorkerExecutor:
         if worker is None:
             return
         if worker.slot_id is None:  # placed nowhere: forgotten
-            self.workers.pop(member_id, None)
+            self._drop(worker)
             return
         self._died(worker, reason)
 
@@ -146,7 +147,7 @@ class WorkerExecutor:
         assert worker.slot_id is not None
         slot_id = worker.slot_id
         self.log_event("worker_failed", slot=slot_id, reason=reason[:200])
-        self.workers.pop(worker.member_id, None)  # first: killing it may report it again
+        self._drop(worker)  # first: killing it may report it again
         worker.proc.kill()
         self.queue.put_nowait(WorkerFailed(slot_id, reason))
 
@@ -209,12 +210,21 @@ class WorkerExecutor:
         client = EngineClient("rank-" + "-".join(gpu_ids))
         await client.connect(*address, self.key)
         rank = RankEngine(member_id, client, address)
-        worker = _Worker(rank, member_id, gpu_ids, persistent=True, overlap=overlap)
-        self.workers[member_id] = worker
+        self._keep(_Worker(rank, member_id, gpu_ids, persistent=True, overlap=overlap))
+
+    def _keep(self, worker: _Worker) -> None:
+        self.workers[worker.member_id] = worker
+        self._on_gpus[worker.gpu_ids] = worker.member_id
+
+    def _drop(self, worker: _Worker) -> None:
+        self.workers.pop(worker.member_id, None)
+        if self._on_gpus.get(worker.gpu_ids) == worker.member_id:
+            del self._on_gpus[worker.gpu_ids]
 
     def _on(self, gpu_ids: tuple[str, ...]) -> _Worker | None:
         """The engine rank on ``gpu_ids`` (the table's slots are bound to GPU sets)."""
-        return next((w for w in self.workers.values() if w.gpu_ids == gpu_ids), None)
+        member_id = self._on_gpus.get(gpu_ids)
+        return None if member_id is None else self.workers.get(member_id)
 
     # ------------------------------------------------------------------ executor
     def start_workers(self, adds: Sequence[WorkerAdd]) -> None:
@@ -240,7 +250,7 @@ class WorkerExecutor:
             gone = failed is not None and (failed.remote or isinstance(exc, TimeoutError))
             if failed is not None and gone and not failed.persistent:
                 failed.proc.kill()
-                self.workers.pop(failed.member_id, None)
+                self._drop(failed)
             await self.queue.put(WorkerFailed(add.slot_id, f"{type(exc).__name__}: {exc}"))
             return
         took = time.perf_counter() - t0
@@ -285,7 +295,7 @@ class WorkerExecutor:
             raise EngineError(f"{add.source.tag} was given back before its rank joined")
         # an elastic rank that joined the world, serving no engine yet
         worker = _Worker(remote, remote.member_id, add.gpu_ids, slot_id=add.slot_id, remote=True)
-        self.workers[remote.member_id] = worker
+        self._keep(worker)
         await asyncio.wait_for(remote.client.activate(add.role), timeout=self.start_timeout_s)
         return worker
 
@@ -347,11 +357,11 @@ class WorkerExecutor:
             self.counters.moved_turns += len(partial)
             if not worker.persistent:
                 await worker.proc.stop()
-                del self.workers[worker.member_id]
+                self._drop(worker)
         except Exception:
             log.exception("slot %s did not stop cleanly; killing it", slot_id)
             worker.proc.kill()
-            self.workers.pop(worker.member_id, None)
+            self._drop(worker)
         worker.slot_id, worker.role = None, None
         took = time.perf_counter() - t0
         if overlap:
@@ -367,7 +377,7 @@ class WorkerExecutor:
         await asyncio.gather(starting, return_exceptions=True)
         worker = self._worker_of(slot_id)
         if worker is not None and not worker.persistent:
-            self.workers.pop(worker.member_id, None)
+            self._drop(worker)
             with contextlib.suppress(Exception):
                 await worker.proc.stop()
         self.log_event("released", slot=slot_id, s=0.0, overlap=False, abandoned=True)
