@@ -62,7 +62,10 @@ class TrajectoryLog:
         }
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        self._written[key] = (len(traj.segments), len(traj.turns))
+        if traj.done:  # its last record: forget it (the run's steps would pile up here)
+            self._written.pop(key, None)
+        else:
+            self._written[key] = (len(traj.segments), len(traj.turns))
 
     def load(self, step: int) -> dict[str, Trajectory]:
         """Each trajectory of ``step`` as its records fold (a torn last line, or a record
@@ -75,7 +78,8 @@ class TrajectoryLog:
                 if traj is not None:
                     out[traj.trajectory_id] = traj
         for traj in out.values():
-            self._written[(step, traj.trajectory_id)] = (len(traj.segments), len(traj.turns))
+            if not traj.done:  # a finished one is kept as it is, never recorded again
+                self._written[(step, traj.trajectory_id)] = (len(traj.segments), len(traj.turns))
         return out
 
     def close(self) -> None:
