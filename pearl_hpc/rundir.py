@@ -74,6 +74,9 @@ FILES: tuple[tuple[str, str, str], ...] = (
 )
 
 
+_NAMES = {attr: name.rstrip("/") for attr, name, _ in FILES if attr}
+
+
 class RunStatus(StrEnum):
     """A run's status in its journal (``dead``: ``running`` whose master is gone, as
     ``pearl-hpc status`` finds it; never written)."""
@@ -104,68 +107,72 @@ class RunDir:
     def __fspath__(self) -> str:
         return str(self.path)
 
+    def _named(self, attr: str) -> Path:
+        """The file :data:`FILES` names for ``attr`` (every name is written there only)."""
+        return self.path / _NAMES[attr]
+
     @property
     def config(self) -> Path:
-        return self.path / "config.yaml"
+        return self._named("config")
 
     @property
     def lock_file(self) -> Path:
-        return self.path / "lock"
+        return self._named("lock_file")
 
     @property
     def journal(self) -> Path:
-        return self.path / "journal.json"
+        return self._named("journal")
 
     @property
     def metrics(self) -> Path:
-        return self.path / "metrics.jsonl"
+        return self._named("metrics")
 
     @property
     def events(self) -> Path:
-        return self.path / "events.jsonl"
+        return self._named("events")
 
     @property
     def summary(self) -> Path:
-        return self.path / "summary.json"
+        return self._named("summary")
 
     @property
     def trajectories(self) -> Path:
-        return self.path / "trajectories"
+        return self._named("trajectories")
 
     def trajectory_log(self, step: int) -> Path:
         return self.trajectories / f"step-{step:05d}.jsonl"
 
     @property
     def snapshots(self) -> Path:
-        return self.path / "snapshots"
+        return self._named("snapshots")
 
     @property
     def elastic(self) -> Path:
-        return self.path / "elastic"
+        return self._named("elastic")
 
     @property
     def lease(self) -> Path:
-        return self.elastic / "master.lease"
+        return self._named("lease")
 
     @property
     def rpc_key(self) -> Path:
-        return self.path / "rpc.key"
+        return self._named("rpc_key")
 
     @property
     def world_log(self) -> Path:
-        return self.path / "world.log"
+        return self._named("world_log")
 
     @property
     def hostfile(self) -> Path:
-        return self.path / "hostfile"
+        return self._named("hostfile")
 
     @property
     def mpi_port(self) -> Path:
-        return self.path / "mpi-port"
+        return self._named("mpi_port")
 
     @property
     def joins(self) -> Path:
-        return self.path / "joins"
+        return self._named("joins")
 
     def join_note(self, group: str) -> Path:
         """An elastic component's announcement (its ``.go`` beside it: the master's go)."""
@@ -173,20 +180,20 @@ class RunDir:
 
     @property
     def submitit(self) -> Path:
-        return self.path / "submitit"
+        return self._named("submitit")
 
     @property
     def tensorboard(self) -> Path:
-        return self.path / "tensorboard"
+        return self._named("tensorboard")
 
     @property
     def wandb(self) -> Path:
         """W&B's own folder: it makes ``wandb/`` under the directory it is given."""
-        return self.path / "wandb"
+        return self._named("wandb")
 
     @property
     def report(self) -> Path:
-        return self.path / "report"
+        return self._named("report")
 
     def rank_log(self, rank: int, kind: str) -> Path:
         return self.path / f"rank{rank}-{kind}.log"
