@@ -373,7 +373,9 @@ def test_a_master_killed_mid_step_resumes_without_losing_anything(
     assert [m["trajectories"] for m in metrics] == [16] * 3
     assert all(m["max_staleness"] <= staleness for m in metrics)  # the bound held
     assert metrics[1]["resumed"] == len(before) > 0
-    assert metrics[1]["tokens_per_s"] > 0  # the tokens this master generated, counted
+    # the tokens this master generated, counted: none when every trajectory of step 1 had
+    # finished before the kill (its turns end in bursts: the kill can land after the last)
+    assert (metrics[1]["tokens_per_s"] > 0) == (len(done_before) < 16)
     after = {k: t.to_dict() for k, t in TrajectoryLog(run_dir).load(1).items()}
     assert len(after) == 16
     for tid, rec in done_before.items():  # finished before the kill: kept as they were
