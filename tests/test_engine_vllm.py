@@ -304,7 +304,6 @@ def test_behaviour_logprobs_equal_the_trainers_across_drain_pd_and_resume(
 
     from pearl_hpc.rollout.types import Trajectory
     from pearl_hpc.train.grpo import GRPOConfig, GRPOTrainer
-    from pearl_hpc.train.objective import token_logprobs
 
     col, other = fleet.client("col"), fleet.client("pre")
 
@@ -344,12 +343,10 @@ def test_behaviour_logprobs_equal_the_trainers_across_drain_pd_and_resume(
     )
     assert resumed.segments[: cut + 1] == pd.segments[: cut + 1]  # the prefix's mu kept
 
-    trainer = GRPOTrainer(tiny_model_dir, GRPOConfig())
+    trainers = {t: GRPOTrainer(tiny_model_dir, GRPOConfig(temperature=t)) for t in (1.0, 0.7)}
     runs = (("drained", drained, 1.0), ("pd", pd, 0.7), ("pd resumed", resumed, 0.7))
     for name, traj, temperature in runs:
-        ids = torch.tensor([traj.token_ids()])
-        with torch.no_grad():
-            recomputed = token_logprobs(trainer.model, ids, torch.ones_like(ids), temperature)[0]
+        recomputed = trainers[temperature].logprobs(traj.token_ids())
         mu = torch.tensor(traj.behaviour_logprobs()[1:])
         policy = torch.tensor(traj.loss_mask()[1:], dtype=torch.bool)
         assert torch.isfinite(mu[policy]).all(), "a generated token without the engine's log-prob"

@@ -21,13 +21,13 @@ from hypothesis import strategies as st  # noqa: E402
 from pearl_hpc.engine.tinymodel import build_tiny_model  # noqa: E402
 from pearl_hpc.errors import ConfigError  # noqa: E402
 from pearl_hpc.rollout.types import Segment, Trajectory  # noqa: E402
-from pearl_hpc.train.grpo import GRPOConfig, GRPOTrainer, latest_snapshot  # noqa: E402
+from pearl_hpc.train.grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from pearl_hpc.train.objective import (  # noqa: E402
     TrainError,
     group_advantages,
     grpo_loss,
-    token_logprobs,
 )
+from pearl_hpc.train.snapshot import latest_snapshot  # noqa: E402
 from tests.factories import run_reporting  # noqa: E402
 
 
@@ -70,10 +70,8 @@ def make_batch(
 
 def policy_logprob(trainer: GRPOTrainer, trajectory: Trajectory) -> float:
     """Summed log-probability of the trajectory's generated tokens under the trainer."""
-    ids = torch.tensor([trajectory.token_ids()])
     mask = torch.tensor(trajectory.loss_mask()[1:], dtype=torch.float32)
-    with torch.no_grad():
-        return float((token_logprobs(trainer.model, ids, torch.ones_like(ids))[0] * mask).sum())
+    return float((trainer.logprobs(trajectory.token_ids()) * mask).sum())
 
 
 # --------------------------------------------------------------------------- advantages
@@ -137,38 +135,40 @@ def test_loss_at_ratio_one_is_minus_the_token_mean_advantage() -> None:
     logprobs = torch.log(torch.rand(2, 4) * 0.9 + 0.05)
     mask = torch.tensor([[0, 1, 1, 1], [0, 0, 1, 0]], dtype=torch.float32)
     adv = torch.tensor([0.5, -2.0])
-    loss, metrics = grpo_loss(logprobs, logprobs.clone(), adv, mask, clip_eps=0.2)
+    loss, metrics = grpo_loss(logprobs, logprobs.clone(), adv, mask, clip_low=0.2, clip_high=0.2)
     assert float(loss) == pytest.approx(-(3 * 0.5 + 1 * -2.0) / 4)
     assert metrics["clip_frac"] == 0.0 and metrics["ratio_mean"] == pytest.approx(1.0)
     assert metrics["num_tokens"] == 4 and metrics["kl"] == 0.0
 
 
-def test_clipping_stops_the_gradient_beyond_clip_eps() -> None:
+def test_clipping_stops_the_gradient_beyond_the_clip_range() -> None:
     old = torch.zeros(1, 3)
     mask = torch.ones(1, 3)
     # ratio 1.5 > 1.2 with a positive advantage: the clipped branch, no gradient
     new = torch.full((1, 3), math.log(1.5), requires_grad=True)
-    loss, metrics = grpo_loss(new, old, torch.tensor([1.0]), mask, clip_eps=0.2)
+    loss, metrics = grpo_loss(new, old, torch.tensor([1.0]), mask, clip_low=0.2, clip_high=0.2)
     loss.backward()
     assert loss.item() == pytest.approx(-1.2)
     assert metrics["clip_frac"] == 1.0
     assert new.grad is not None and float(new.grad.abs().sum()) == 0.0
     # the same ratio with a negative advantage is not clipped (pessimistic bound)
     new.grad = None
-    loss, metrics = grpo_loss(new, old, torch.tensor([-1.0]), mask, clip_eps=0.2)
+    loss, metrics = grpo_loss(new, old, torch.tensor([-1.0]), mask, clip_low=0.2, clip_high=0.2)
     loss.backward()
     assert loss.item() == pytest.approx(1.5)
     assert metrics["clip_frac"] == 0.0 and float(new.grad.abs().sum()) > 0
     # within the trust region the ratio passes through
     inside = torch.full((1, 3), math.log(1.1))
-    loss, _ = grpo_loss(inside, old, torch.tensor([1.0]), mask, clip_eps=0.2)
+    loss, _ = grpo_loss(inside, old, torch.tensor([1.0]), mask, clip_low=0.2, clip_high=0.2)
     assert float(loss) == pytest.approx(-1.1)
 
 
 def test_masked_tokens_get_no_gradient() -> None:
     logprobs = torch.randn(2, 5).clamp(max=-0.1).requires_grad_(True)
     mask = torch.tensor([[0, 1, 1, 0, 0], [1, 0, 0, 0, 1]], dtype=torch.float32)
-    loss, _ = grpo_loss(logprobs, logprobs.detach(), torch.tensor([1.0, -1.0]), mask, clip_eps=0.2)
+    loss, _ = grpo_loss(
+        logprobs, logprobs.detach(), torch.tensor([1.0, -1.0]), mask, clip_low=0.2, clip_high=0.2
+    )
     loss.backward()
     assert logprobs.grad is not None
     assert torch.all(logprobs.grad[mask == 0] == 0)
@@ -180,21 +180,30 @@ def test_kl_term_and_degenerate_batches() -> None:
     mask = torch.ones(1, 2)
     adv = torch.tensor([0.0])
     loss, metrics = grpo_loss(
-        logprobs, logprobs, adv, mask, clip_eps=0.2, kl_coef=0.1, ref_logprobs=logprobs
+        logprobs,
+        logprobs,
+        adv,
+        mask,
+        clip_low=0.2,
+        clip_high=0.2,
+        kl_coef=0.1,
+        ref_logprobs=logprobs,
     )
     assert float(loss) == 0.0 and metrics["kl"] == 0.0
     ref = torch.log(torch.tensor([[0.25, 0.5]]))
     loss, metrics = grpo_loss(
-        logprobs, logprobs, adv, mask, clip_eps=0.2, kl_coef=0.1, ref_logprobs=ref
+        logprobs, logprobs, adv, mask, clip_low=0.2, clip_high=0.2, kl_coef=0.1, ref_logprobs=ref
     )
     k3 = [(0.5 - math.log(0.5) - 1), (2.0 - math.log(2.0) - 1)]  # exp(d) - d - 1, d = ref - lp
     assert metrics["kl"] == pytest.approx(sum(k3) / 2)
     assert float(loss) == pytest.approx(0.1 * sum(k3) / 2)
     with pytest.raises(TrainError, match="kl_coef > 0 needs ref_logprobs"):
-        grpo_loss(logprobs, logprobs, adv, mask, clip_eps=0.2, kl_coef=0.1)
+        grpo_loss(logprobs, logprobs, adv, mask, clip_low=0.2, clip_high=0.2, kl_coef=0.1)
     with pytest.raises(TrainError, match="must have one shape"):
-        grpo_loss(logprobs, logprobs[:, :1], adv, mask, clip_eps=0.2)
-    loss, metrics = grpo_loss(logprobs, logprobs, adv, torch.zeros(1, 2), clip_eps=0.2)
+        grpo_loss(logprobs, logprobs[:, :1], adv, mask, clip_low=0.2, clip_high=0.2)
+    loss, metrics = grpo_loss(
+        logprobs, logprobs, adv, torch.zeros(1, 2), clip_low=0.2, clip_high=0.2
+    )
     assert float(loss) == 0.0 and metrics["num_tokens"] == 0.0  # all masked: 0, not NaN
 
 
@@ -204,13 +213,12 @@ def test_kl_term_and_degenerate_batches() -> None:
 def test_token_logprobs_match_a_manual_log_softmax(tiny_model_dir: Path, tokenizer: Any) -> None:
     trainer = GRPOTrainer(tiny_model_dir)
     ids = torch.tensor([tokenizer.encode("What is 12 + 7? answer: 19")])
-    attention = torch.ones_like(ids)
-    got = token_logprobs(trainer.model, ids, attention)
+    got = trainer.logprobs(ids[0].tolist())
     with torch.no_grad():
-        logits = trainer.model(input_ids=ids, attention_mask=attention).logits
+        logits = trainer.model(input_ids=ids).logits
     manual = torch.log_softmax(logits.float(), -1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
-    assert got.shape == (1, ids.shape[1] - 1)
-    assert torch.allclose(got[0], manual, atol=1e-5)
+    assert got.shape == (ids.shape[1] - 1,)
+    assert torch.allclose(got, manual, atol=1e-5)
 
 
 def test_training_raises_the_rewarded_completions(tiny_model_dir: Path, tokenizer: Any) -> None:
@@ -318,11 +326,14 @@ def test_snapshot_round_trip_resumes_weights_version_and_optimizer(
     [
         ("lr", 0.0),
         ("lr", math.inf),
-        ("clip_eps", -0.1),
+        ("clip_low", -0.1),
+        ("clip_high", 0.0),
+        ("micro_batch_tokens", 1),
+        ("lr_schedule", "linear"),
         ("kl_coef", -1.0),
         ("epochs", 0),
         ("minibatch_size", 1.5),
-        ("max_grad_norm", 0.0),
+        ("grad_clip", 0.0),
         ("seed", -1),
         ("max_staleness", True),
         ("device", "tpu"),
@@ -370,8 +381,7 @@ def test_training_on_cuda_matches_the_cpu_contract(
 
 
 def _id_batch(rank: int) -> list[Trajectory]:
-    """One whole group per rank, from raw token ids: every trajectory has 6 prompt and 4
-    generated tokens, so each rank's token-mean loss weighs tokens like the global one."""
+    """One group of two from raw token ids: 6 prompt and 4 generated tokens each."""
     out = []
     for i, reward in enumerate((1.0, 0.0)):
         prompt = tuple(range(50 + 10 * rank, 56 + 10 * rank))
@@ -381,9 +391,27 @@ def _id_batch(rank: int) -> list[Trajectory]:
     return out
 
 
+def _uneven_batch() -> list[Trajectory]:
+    """Three groups of trajectories from 7 to 37 tokens (policy tokens 2 to 22, mu on
+    some): rows that pack unevenly, so the ranks' shares and micro-batches differ."""
+    out = []
+    for i in range(9):
+        prompt = tuple(range(40 + i, 45 + 2 * i))
+        completion = tuple(200 + 13 * i + k for k in range(2 + (7 * i) % 21))
+        mu = tuple(-0.5 - 0.01 * k for k in range(len(completion))) if i % 2 else ()
+        segments = [Segment(prompt, False), Segment(completion, True, mu)]
+        out.append(Trajectory(f"u{i}", f"g{i % 3}", segments, float(i % 4) / 3, True, {0}))
+    return out
+
+
+# minibatches of 5 and 4 rows, each rank's share packed into micro-batches of <= 32 tokens
+UNEVEN = {"lr": 1e-2, "minibatch_size": 5, "micro_batch_tokens": 32, "epochs": 2}
+
+
 def _fsdp_member(rank: int, store_file: str, model_dir: str, snaps: str, out: Any) -> None:
-    """One of two FSDP2 ranks: shard, train a step on its own group, gather the full
-    weights, snapshot, resume; report the gathered weights' bytes."""
+    """One of two FSDP2 ranks fed the whole batch as the master feeds it: shard, train a
+    step, count the rows and tokens it forwards, gather the full weights, snapshot,
+    resume; report what it saw."""
     import traceback
 
     try:
@@ -393,11 +421,20 @@ def _fsdp_member(rank: int, store_file: str, model_dir: str, snaps: str, out: An
         dist.init_process_group(
             "gloo", store=dist.FileStore(store_file, 2), rank=rank, world_size=2
         )
-        config = GRPOConfig(lr=1e-2, fsdp=True, minibatch_size=2)
+        config = GRPOConfig(fsdp=True, **UNEVEN)
         trainer = GRPOTrainer(model_dir, config)
         assert trainer.sharded
         assert all(isinstance(p, DTensor) for p in trainer.model.parameters())
-        stats = trainer.train_step(_id_batch(rank))
+        seen = {"rows": 0, "tokens": 0}
+
+        def count(_module: Any, args: tuple[Any, ...]) -> None:
+            if args[1].numel() == 2 and not args[0].any():
+                return  # an empty forward (the other rank has more micro-batches)
+            seen["rows"] += int((args[1] == 0).sum())  # a packed row starts at position 0
+            seen["tokens"] += int(args[1].numel())
+
+        trainer.policy.register_forward_pre_hook(count)
+        stats = trainer.train_step(_uneven_batch())
         state = trainer.state_dict()
         trainer.save_snapshot(Path(snaps))
         dist.barrier()
@@ -405,16 +442,20 @@ def _fsdp_member(rank: int, store_file: str, model_dir: str, snaps: str, out: An
         again = resumed.state_dict()
         same = all(torch.equal(state[k], again[k]) for k in state)
         shapes = {k: tuple(v.shape) for k, v in state.items()}
-        digest = {k: v.numpy().tobytes() for k, v in state.items()}
         dist.destroy_process_group()
-        out.put((rank, (stats.grad_norm, shapes, digest, same, resumed.version)))
+        arrays = {k: v.numpy() for k, v in state.items()}  # by value (no shared memory)
+        out.put((rank, (stats, seen, shapes, arrays, same, resumed.version)))
     except BaseException:
         out.put((rank, traceback.format_exc()))
 
 
-def test_fsdp2_on_gloo_gathers_full_weights_and_averages_gradients(
+def test_fsdp2_ranks_fed_the_whole_batch_each_train_their_share_and_equal_one_process(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
+    """Two FSDP2 ranks on gloo, each given the whole batch: each forwards only its share
+    of every minibatch (balanced by tokens, packed into micro-batches of different sizes;
+    the rank with fewer runs empty forwards), and the step -- loss, gradient norm, every
+    weight -- equals one process training the whole batch."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -423,18 +464,29 @@ def test_fsdp2_on_gloo_gathers_full_weights_and_averages_gradients(
     procs = [ctx.Process(target=_fsdp_member, args=(r, *args), daemon=True) for r in (0, 1)]
     results = run_reporting(procs, out, {0, 1}, timeout_s=240)
 
-    reference = GRPOTrainer(tiny_model_dir, GRPOConfig(lr=1e-2, minibatch_size=4))
-    expected_shapes = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
-    single = reference.train_step(_id_batch(0) + _id_batch(1))
-    (norm0, shapes0, digest0, same0, version0), (norm1, _, digest1, same1, _) = (
-        results[0],
-        results[1],
-    )
-    assert shapes0 == expected_shapes  # full (gathered) tensors, lm_head included
-    assert digest0 and digest1 == {}  # gathered into rank 0's host memory only
+    batch = _uneven_batch()
+    single = GRPOTrainer(tiny_model_dir, GRPOConfig(**UNEVEN))
+    one = single.train_step(batch)
+    expected = single.state_dict()
+    (stats0, seen0, shapes0, state0, same0, version0) = results[0]
+    (stats1, seen1, _, state1, same1, _) = results[1]
+    assert shapes0 == {k: tuple(v.shape) for k, v in expected.items()}  # lm_head included
+    assert state1 == {}  # gathered into rank 0's host memory only
     assert same0 and same1 and version0 == 1  # the snapshot resumes into the shards
-    # two ranks averaging their token means = one process over the union batch
-    assert norm0 == pytest.approx(norm1) == pytest.approx(single.grad_norm, rel=1e-4)
+
+    tokens = sum(len(t.token_ids()) for t in batch)
+    # each row once in the no-grad pass and once per epoch in the gradient pass, on one
+    # rank, without padding; the ranks' tokens balanced
+    assert seen0["rows"] + seen1["rows"] == 3 * len(batch)
+    assert seen0["tokens"] + seen1["tokens"] == 3 * tokens
+    assert 0.4 < seen0["tokens"] / (3 * tokens) < 0.6
+    assert stats0.forwards == stats1.forwards >= 2 * 5  # micro-batches: 2 a pass on average
+    for stats in (stats0, stats1):
+        assert stats.loss == pytest.approx(one.loss, rel=1e-4, abs=1e-6)
+        assert stats.grad_norm == pytest.approx(one.grad_norm, rel=1e-4)
+        assert stats.entropy == pytest.approx(one.entropy, rel=1e-4)
+    for name, tensor in expected.items():
+        assert torch.allclose(torch.from_numpy(state0[name]), tensor, rtol=1e-4, atol=1e-6), name
 
 
 def _fsdp_lender(store_file: str, model_dir: str, out: Any) -> None:
@@ -451,7 +503,7 @@ def _fsdp_lender(store_file: str, model_dir: str, out: Any) -> None:
         dist.init_process_group("gloo", store=dist.FileStore(store_file, 1), rank=0, world_size=1)
         config = GRPOConfig(lr=1e-2, fsdp=True, minibatch_size=2)
         lender, keeper = GRPOTrainer(model_dir, config), GRPOTrainer(model_dir, config)
-        lent = Residency([lender.model], lender.optimizer, lender.device)
+        lent = Residency([lender.policy], lender.optimizer, lender.device)
         lent._move(IN_HOST)  # lent before its first step (the first rollout's overlap)
         lent._move(ON_DEVICE)
         for trainer in (lender, keeper):
@@ -464,9 +516,8 @@ def _fsdp_lender(store_file: str, model_dir: str, out: Any) -> None:
                     if v.dim()]  # fmt: skip
             return shards + grads + adam
 
-        with torch.no_grad():  # a forward last: the root module keeps its unsharded copy
-            for trainer in (lender, keeper):
-                trainer.model(torch.tensor([[5, 6, 7, 8]]))
+        for trainer in (lender, keeper):  # a forward last: the root keeps its unsharded copy
+            trainer.logprobs([5, 6, 7, 8])
         lent._move(IN_HOST)
         held = tensors()
         moved = len(held) > 0 and all(t.untyped_storage().nbytes() == 0 for t in held)

@@ -14,12 +14,12 @@ from pearl_hpc.rollout.types import Segment, Trajectory  # noqa: E402
 from pearl_hpc.train.objective import (  # noqa: E402
     TrainError,
     behaviour_weights,
+    chunked_logprobs,
     group_advantages,
     grpo_loss,
-    token_logprobs,
 )
 
-EPS = 0.2
+LOW, HIGH = 0.2, 0.28  # the clip range [1 - LOW, 1 + HIGH] (clip-higher)
 CAP = 2.0
 NAN = math.nan
 
@@ -41,7 +41,7 @@ def _reference_token_losses(correction: str, new: list[list[float]] = NEW) -> li
         for t in range(4):
             r = math.exp(new[b][t] - OLD[b][t])
             a = ADV[b]
-            surrogate = min(r * a, min(max(r, 1 - EPS), 1 + EPS) * a)
+            surrogate = min(r * a, min(max(r, 1 - LOW), 1 + HIGH) * a)
             w = 1.0
             if not math.isnan(MU[b][t]) and correction != "none":
                 raw = math.exp(OLD[b][t] - MU[b][t])
@@ -63,7 +63,9 @@ def _tensors(requires_grad: bool = True):
 def _ours(correction: str, **kwargs):
     new, old, mu, mask, adv = _tensors()
     c = behaviour_weights(old, mu, mask, correction=correction, cap=CAP)
-    loss, metrics = grpo_loss(new, old, adv, mask, clip_eps=EPS, weights=c.weights, **kwargs)
+    loss, metrics = grpo_loss(
+        new, old, adv, mask, clip_low=LOW, clip_high=HIGH, weights=c.weights, **kwargs
+    )
     loss.backward()
     return loss, new.grad, metrics, c
 
@@ -103,8 +105,10 @@ def test_none_is_the_uncorrected_surrogate_of_before() -> None:
     new, old, mu, mask, adv = _tensors()
     c = behaviour_weights(old, mu, mask, correction="none")
     assert torch.equal(c.weights, torch.ones_like(old))
-    with_weights, _ = grpo_loss(new, old, adv, mask, clip_eps=EPS, weights=c.weights)
-    without, _ = grpo_loss(new, old, adv, mask, clip_eps=EPS)
+    with_weights, _ = grpo_loss(
+        new, old, adv, mask, clip_low=LOW, clip_high=HIGH, weights=c.weights
+    )
+    without, _ = grpo_loss(new, old, adv, mask, clip_low=LOW, clip_high=HIGH)
     assert float(with_weights.detach()) == float(without.detach())
 
 
@@ -164,7 +168,7 @@ def test_the_k3_term_with_and_without_the_ratio(bias_correction: bool) -> None:
             for t in range(4):
                 r = math.exp(new[b][t] - OLD[b][t])
                 a = ADV[b]
-                surrogate = min(r * a, min(max(r, 1 - EPS), 1 + EPS) * a)
+                surrogate = min(r * a, min(max(r, 1 - LOW), 1 + HIGH) * a)
                 d = REF[b][t] - new[b][t]
                 k3 = math.exp(d) - d - 1
                 total += MASK[b][t] * (-surrogate + beta * (k3 * r if bias_correction else k3))
@@ -172,7 +176,7 @@ def test_the_k3_term_with_and_without_the_ratio(bias_correction: bool) -> None:
 
     new, old, _, mask, adv = _tensors()
     ours, metrics = grpo_loss(
-        new, old, adv, mask, clip_eps=EPS, kl_coef=beta,
+        new, old, adv, mask, clip_low=LOW, clip_high=HIGH, kl_coef=beta,
         ref_logprobs=torch.tensor(REF, dtype=torch.float64), kl_bias_correction=bias_correction,
     )  # fmt: skip
     ours.backward()
@@ -193,24 +197,38 @@ def test_advantage_std_population_or_sample() -> None:
     assert got_pop[3] == got_sample[3] == 0.0  # a singleton group: no signal
 
 
-def test_token_logprobs_are_of_the_tempered_distribution() -> None:
-    class Logits(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.table = torch.nn.Embedding(5, 5)
-
-        def forward(self, input_ids, attention_mask):  # an HF model's call, minimal
-            return type("Out", (), {"logits": self.table(input_ids)})()
-
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_chunked_logprobs_equal_the_full_log_softmax_in_value_and_gradient(
+    temperature: float,
+) -> None:
+    """Log-probs, entropy and both gradients of the chunked head against the full
+    ``[N, V]`` log-softmax, for chunks that divide N, do not, and exceed it."""
     torch.manual_seed(0)
-    model = Logits()
-    ids = torch.tensor([[1, 3, 0, 4]])
-    for temperature in (1.0, 0.7, 0.0):
-        got = token_logprobs(model, ids, torch.ones_like(ids), temperature)
-        scale = temperature if temperature > 0 else 1.0  # greedy: the logits as they are
-        want = torch.log_softmax(model.table(ids)[:, :-1] / scale, dim=-1)
-        want = want.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-        assert torch.allclose(got, want, atol=1e-6)
+    n, hidden_size, vocab = 13, 8, 37
+    hidden = torch.randn(n, hidden_size, dtype=torch.float64)
+    weight = torch.randn(vocab, hidden_size, dtype=torch.float64)
+    targets = torch.randint(0, vocab, (n,))
+    upstream = torch.randn(n, dtype=torch.float64)
+
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    scale = temperature if temperature > 0 else 1.0  # greedy: the logits as they are
+    logp = torch.log_softmax(h @ w.T / scale, dim=-1)
+    want = logp.gather(-1, targets[:, None])[:, 0]
+    want_entropy = -(logp.exp() * logp).sum(-1)
+    (want * upstream).sum().backward()
+    assert h.grad is not None and w.grad is not None
+
+    for chunk in (1, 4, 13, 64):
+        hc, wc = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        got, entropy = chunked_logprobs(hc, wc, targets, temperature, chunk)
+        (got * upstream).sum().backward()
+        assert got.dtype == torch.float32 and not entropy.requires_grad
+        assert torch.allclose(got.double(), want, atol=1e-6)
+        assert torch.allclose(entropy.double(), want_entropy, atol=1e-5)
+        assert torch.allclose(hc.grad, h.grad, atol=1e-6)
+        assert torch.allclose(wc.grad, w.grad, atol=1e-6)
+    with pytest.raises(TrainError, match="chunk must be >= 1"):
+        chunked_logprobs(hidden, weight, targets, temperature, 0)
 
 
 def test_segments_carry_logprobs_and_versions_through_the_journal() -> None:

@@ -18,6 +18,7 @@ import dataclasses
 import inspect
 import re
 import sys
+import types
 import typing
 from collections.abc import Sequence
 from enum import Enum
@@ -61,6 +62,8 @@ def class_doc(cls: type) -> str:
 
 def yaml_value(value: Any) -> str:
     """A default as it is written in YAML."""
+    if value is None:
+        return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, Enum):
@@ -91,6 +94,9 @@ def type_name(hint: Any) -> str:
         return "list of mappings" if inner == "mapping" else f"list of {inner}"
     if typing.get_origin(hint) is dict or dataclasses.is_dataclass(hint):
         return "mapping"
+    if isinstance(hint, types.UnionType):  # X | None
+        inner = [a for a in typing.get_args(hint) if a is not type(None)]
+        return " or ".join(map(type_name, inner)) + " or null"
     return "str" if isinstance(hint, type) and issubclass(hint, Enum) else str(hint.__name__)
 
 

@@ -57,7 +57,7 @@ def _target(args: argparse.Namespace) -> Target:
 def _run_target(run_dir: Path, args: argparse.Namespace) -> Target:
     from pearl_hpc.master.preflight import load_run_config
     from pearl_hpc.rollout.tasks import load_tasks
-    from pearl_hpc.train.grpo import latest_snapshot, read_snapshot_meta
+    from pearl_hpc.train.snapshot import latest_snapshot, read_snapshot_meta
 
     cfg = load_run_config(RunDir(run_dir).config, need_slurm=False)
     snapshot = latest_snapshot(RunDir(run_dir).snapshots)

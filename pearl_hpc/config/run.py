@@ -9,8 +9,9 @@
     slurm:   squeue polling, socket interface, lease (backend slurm)
     run:     the workload (steps, env and its options, tasks, batch, sampling, staleness)
     engine:  the vLLM engines (device, memory, batch, any further vLLM EngineArgs)
-    train:   the trainer's device and weight transport, the GRPO objective (off-policy
-             correction, loss aggregation, KL, advantages)
+    train:   the trainer's device, sharding, micro-batches and memory, the optimizer and its
+             schedule, weight transport, the GRPO objective (off-policy correction, loss
+             aggregation, KL, advantages)
     dashboards: TensorBoard event files, Weights & Biases (the metrics.jsonl keys)
 
 Strict: an unknown key, a value out of range or an inconsistent pair is a
@@ -31,6 +32,7 @@ from pearl_hpc.core.schema import from_mapping, spec_field
 from pearl_hpc.errors import ConfigError
 
 BACKENDS = ("local", "slurm")
+LR_SCHEDULES = ("constant", "cosine")  # the trainer's learning-rate schedules
 CORRECTIONS = ("none", "tis", "decoupled")  # the objective's options (train/objective.py)
 LOSS_TYPES = ("bnpo", "grpo", "dr_grpo")
 SLURM_TIME = re.compile(r"(\d+-)?\d{1,2}(:\d{2}){0,2}|\d+")  # fullmatch: a Slurm time
@@ -254,7 +256,6 @@ class RunSettings:
         ge=64,
     )
     temperature: float = spec_field("sampling temperature", default=1.0, ge=0)
-    lr: float = spec_field("GRPO learning rate", default=0.02, gt=0)
     seed: int = spec_field("rollout and training seed", default=0, ge=0)
     max_staleness: int = spec_field(
         "1: step k+1's rollout runs while step k trains (its batch is one version "
@@ -312,6 +313,48 @@ class TrainSettings:
         "compute on cuda; a snapshot then holds the weights only; lending a trainer's GPU "
         "moves only its shards)",
         default=False,
+    )
+    micro_batch_tokens: int = spec_field(
+        "tokens one trainer rank forwards at once: each rank's share of a minibatch is "
+        "packed into micro-batches of at most this (no padding; a longer trajectory is "
+        "one of its own), gradients accumulated over them",
+        default=8192,
+        ge=2,
+    )
+    activation_checkpointing: bool | None = spec_field(
+        "keep only each decoder block's input for the backward (recompute the rest: "
+        "~1/3 more compute for a fraction of the activations); null: on where the "
+        "trainer is on cuda",
+        default=None,
+    )
+    logprob_chunk: int = spec_field(
+        "positions whose logits over the vocabulary exist at once when log-probs and "
+        "entropy are computed (memory: chunk x vocab x 4 bytes, twice)",
+        default=1024,
+        ge=1,
+    )
+    lr: float = spec_field("AdamW's (peak) learning rate", default=0.02, gt=0)
+    lr_warmup_steps: int = spec_field("steps of linear warm-up to lr", default=0, ge=0)
+    lr_schedule: str = spec_field(
+        "constant | cosine (from lr to lr_min over run.steps, after the warm-up)",
+        default="constant",
+    )
+    lr_min: float = spec_field("cosine's floor", default=0.0, ge=0)
+    weight_decay: float = spec_field("AdamW's decoupled weight decay", default=0.0, ge=0)
+    grad_clip: float = spec_field(
+        "clip the gradient's L2 norm (over all parameters) to this", default=1.0, gt=0
+    )
+    minibatch_size: int = spec_field(
+        "trajectories per optimizer step (a step's batch makes batch / this updates)",
+        default=8,
+        ge=1,
+    )
+    epochs: int = spec_field("passes over each step's batch", default=1, ge=1)
+    clip_low: float = spec_field(
+        "the ratio pi/pi_old is clipped to [1 - clip_low, 1 + clip_high]", default=0.2, gt=0
+    )
+    clip_high: float = spec_field(
+        "its upper side (DAPO's clip-higher: e.g. 0.28 with clip_low 0.2)", default=0.2, gt=0
     )
     weight_sync: str = spec_field(
         "how new weights reach engines on other nodes: gloo (staged through host memory: "
@@ -484,7 +527,10 @@ def train_problem(train: TrainSettings, workers: WorkersConfig = WorkersConfig()
             "forbids two ranks on one GPU; set train.shared_memory true, use gloo, or "
             "workers.overlap 0"
         )
+    if train.lr_min > train.lr:
+        return f"train.lr_min {train.lr_min} is above train.lr {train.lr}: lower it"
     for key, choices in (
+        ("lr_schedule", LR_SCHEDULES),
         ("correction", CORRECTIONS),
         ("loss_type", LOSS_TYPES),
         ("advantage_std", ("population", "sample")),

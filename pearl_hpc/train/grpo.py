@@ -9,13 +9,15 @@ Data flow of one :meth:`GRPOTrainer.train_step`::
       │  _check_batch            reject unfinished / unrewarded / too stale, naming them
       ▼
     group_advantages(rewards, group_ids)         (r - mean_g) / (std_g + eps)
-    _pad_batch                                   right padding -> ids, attention, loss mask, mu
-      │
-      ├─ no_grad: old_logprobs = token_logprobs(current weights)   (pi_old, the proximal)
-      ├─ no_grad: ref_logprobs = token_logprobs(initial weights)   (only when kl_coef > 0)
+    _pad_batch                                   the batch on the host: ids, loss mask, mu
+    epochs x shuffled minibatches; each minibatch's rows split over the data-parallel
+      │  ranks by tokens; a rank's share packed into micro-batches of <= micro_batch_tokens
+      ├─ no_grad: old_logprobs, entropy (current weights)   (pi_old, the proximal)
+      ├─ no_grad: ref_logprobs (initial weights)            (only when kl_coef > 0)
       ├─ behaviour_weights(pi_old, mu)    the correction: w = pi_old / mu, capped (tis) ...
       ▼
-    epochs x shuffled minibatches: grpo_loss(w) -> backward -> clip -> AdamW step
+    per minibatch: per micro-batch grpo_loss(w) / the minibatch's tokens -> backward;
+      gradients summed over the ranks -> clip -> AdamW step (lr: the schedule's)
       ▼
     version += 1  ->  TrainStats (with the off-policy gap);  save_snapshot() for the sync
 
@@ -41,31 +43,31 @@ Decisions (and why):
   its log-probs are of the distribution the engine sampled from.
 - **Dropout off** (``model.eval()``): the same weights must give the same log-probabilities
   in the no-grad pass and the gradient pass, or the ratio is noise. Gradients still flow.
-- **FSDP2** (``fsdp=True``): on GPU clusters with a process group over the training ranks,
-  every decoder layer and then the whole model are sharded with
-  ``torch.distributed.fsdp.fully_shard``; each rank passes its own share of the batch,
-  made of *whole groups* (advantages are computed per rank) and the same number of
-  trajectories on every rank (each minibatch is a collective). Gradients are averaged over
-  ranks, which equals the single-process token mean when the ranks hold equally many
-  policy tokens. The model is built in host memory and sharded there, so a GPU holds
-  only its shard; on cuda compute is bf16 (``MixedPrecisionPolicy``) over fp32 master
-  weights and fp32 gradient reduction. :meth:`GRPOTrainer.state_dict` gathers the full
-  weights into rank 0's host memory (every rank calls it; the others get ``{}``), and
-  rank 0 writes the snapshot (weights only). The KL reference is not sharded. Without a
-  process group the flag is ignored with a warning, so the same config runs on one CPU.
-  ``train.fsdp`` in the run config turns it on for the trainer ranks.
-- **Data parallel over a group** (``dp_group``, e.g. gloo training ranks on CPU): every
-  rank gets the step's *whole* batch (token ids are small) and so the same advantages and
-  the same shuffled minibatches as one process; of each minibatch, rank ``r`` runs the
-  forward and backward of rows ``r::world`` only. Its loss is its tokens' sum divided by
-  the minibatch's *global* policy-token count, and the gradients are summed over the
-  group: the update equals the single-process one (to float rounding), however unevenly
-  the ranks' rows hold policy tokens. Weights stay replicated; no rank waits on another
-  except in the one gradient all-reduce per minibatch.
+- **Data parallel, one rule for both kinds.** Every rank gets the step's *whole* batch
+  (token ids are small) and so the same advantages and the same shuffled minibatches as
+  one process; of each minibatch, rank ``r`` forwards only its share (rows balanced by
+  tokens, :mod:`pearl_hpc.train.packing`). Each micro-batch's loss is its tokens' sum
+  divided by the minibatch's *global* policy-token count, and the gradients add up over
+  micro-batches and ranks: the update equals the single-process one (to float rounding),
+  however unevenly the rows hold policy tokens. **FSDP2** (``fsdp=True``, over the default
+  process group: :mod:`pearl_hpc.train.model`) sums the gradients in its reduce-scatter;
+  a rank with fewer micro-batches runs empty forwards, as each forward is a collective.
+  **Replicated** weights over ``dp_group`` (gloo training ranks on CPU) sum them in one
+  all-reduce per minibatch. Without a process group ``fsdp`` is ignored with a warning, so
+  the same config runs on one CPU.
+- **Packed, chunked, checkpointed.** A micro-batch is its trajectories one after another
+  with position ids restarting at each (attention stays within each): no padding token
+  is computed. Log-probs and entropy come from the last hidden state and the LM head a
+  ``logprob_chunk`` of positions at a time (no ``[N, V]`` logits, in the backward
+  either). ``activation_checkpointing`` keeps only each decoder block's input.
+- **Weights out.** :meth:`GRPOTrainer.state_dict` gathers the full weights (under FSDP
+  into rank 0's host memory; every rank calls it, the others get ``{}``); rank 0 writes
+  the snapshot (weights only under FSDP).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -73,37 +75,41 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
 
+from pearl_hpc.config.run import LR_SCHEDULES
 from pearl_hpc.errors import ConfigError
 from pearl_hpc.rollout.types import Trajectory
+from pearl_hpc.train.model import Policy, build_policy
 from pearl_hpc.train.objective import (
     CORRECTIONS,
     LOSS_TYPES,
+    Correction,
     TrainError,
     behaviour_weights,
     group_advantages,
     grpo_loss,
-    token_logprobs,
+    lr_at,
+)
+from pearl_hpc.train.packing import Packed, forwards_per_rank, micro_batches, pack, split_rows
+from pearl_hpc.train.snapshot import (
+    META_FILE,
+    OPTIMIZER_FILE,
+    SNAPSHOT_FORMAT,
+    WEIGHTS_FILE,
+    _optimizer_on_host,
+    host_copies,
+    read_snapshot_meta,
 )
 
 log = logging.getLogger(__name__)
-K = TypeVar("K")  # the keys of host_copies' mapping
-
-SNAPSHOT_FORMAT = 1  # meta.json "format"; bump when the snapshot layout changes
-WEIGHTS_FILE = "model.safetensors"
-META_FILE = "meta.json"
-OPTIMIZER_FILE = "optimizer.pt"
-_SNAPSHOT_DIR = re.compile(r"^v(\d{6,})$")
-
 
 # --------------------------------------------------------------------------- config
 
@@ -112,12 +118,20 @@ _SNAPSHOT_DIR = re.compile(r"^v(\d{6,})$")
 class GRPOConfig:
     """Trainer settings. Every field is checked on construction."""
 
-    lr: float = 1e-3  # AdamW learning rate
-    clip_eps: float = 0.2  # the ratio is clipped to [1 - clip_eps, 1 + clip_eps]
+    lr: float = 1e-3  # AdamW's peak learning rate
+    lr_warmup_steps: int = 0  # steps (versions) of linear warm-up to lr
+    lr_schedule: str = "constant"  # constant | cosine (to lr_min at total_steps)
+    lr_min: float = 0.0  # cosine's floor
+    total_steps: int = 0  # the run's steps: cosine's horizon (0: constant after warm-up)
+    clip_low: float = 0.2  # the ratio is clipped to [1 - clip_low, 1 + clip_high]
+    clip_high: float = 0.2  # > clip_low: DAPO's clip-higher
     kl_coef: float = 0.0  # weight of the k3 KL to the initial model; 0 = no reference model
     epochs: int = 1  # passes over each batch
     minibatch_size: int = 8  # trajectories per optimizer step
-    max_grad_norm: float = 1.0  # gradient clipping threshold (L2 over all parameters)
+    micro_batch_tokens: int = 8192  # tokens per forward and backward on one rank (packed)
+    logprob_chunk: int = 1024  # positions per chunk of the LM head's logits
+    activation_checkpointing: bool = False  # keep only each decoder block's input
+    grad_clip: float = 1.0  # gradient clipping threshold (L2 over all parameters)
     seed: int = 0  # torch seed and minibatch shuffling
     device: str = "cpu"  # "cuda" (or "cuda:N") on GPU clusters
     fsdp: bool = False  # shard with FSDP2 over the training process group (GPU clusters)
@@ -135,11 +149,18 @@ class GRPOConfig:
 
     def __post_init__(self) -> None:
         _check_number(self, "lr", low=0.0, low_open=True, hint="use e.g. 1e-6 to 1e-3")
-        _check_number(self, "clip_eps", low=0.0, low_open=True, hint="0.2 is the usual value")
+        _check_int(self, "lr_warmup_steps", low=0)
+        _check_choice(self, "lr_schedule", LR_SCHEDULES)
+        _check_number(self, "lr_min", low=0.0, hint="cosine's floor, below lr")
+        _check_int(self, "total_steps", low=0)
+        _check_number(self, "clip_low", low=0.0, low_open=True, hint="0.2 is the usual value")
+        _check_number(self, "clip_high", low=0.0, low_open=True, hint="0.2; DAPO uses 0.28")
+        _check_int(self, "micro_batch_tokens", low=2)
+        _check_int(self, "logprob_chunk", low=1)
         _check_number(self, "kl_coef", low=0.0, hint="0 turns the KL term off")
         _check_int(self, "epochs", low=1)
         _check_int(self, "minibatch_size", low=1)
-        _check_number(self, "max_grad_norm", low=0.0, low_open=True, hint="1.0 is common")
+        _check_number(self, "grad_clip", low=0.0, low_open=True, hint="1.0 is common")
         _check_int(self, "seed", low=0)
         _check_int(self, "max_staleness", low=0)
         _check_number(self, "weight_decay", low=0.0, hint="0 turns it off")
@@ -155,8 +176,13 @@ class GRPOConfig:
                 "GRPOConfig.kl_bias_correction must be true or false, got "
                 f"{self.kl_bias_correction!r}"
             )
-        if not isinstance(self.fsdp, bool):
-            raise ConfigError(f"GRPOConfig.fsdp must be true or false, got {self.fsdp!r}")
+        for name in ("fsdp", "activation_checkpointing"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(
+                    f"GRPOConfig.{name} must be true or false, got {getattr(self, name)!r}"
+                )
+        if self.lr_min > self.lr:
+            raise ConfigError(f"GRPOConfig.lr_min {self.lr_min} is above lr {self.lr}")
         if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ConfigError(
                 f"GRPOConfig.device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
@@ -221,6 +247,9 @@ class TrainStats:
     grad_norm: float  # mean pre-clip gradient norm over minibatches
     wall_s: float  # wall time of the step
     max_staleness: int  # largest (version - min weight version) in the batch
+    lr: float = 0.0  # the step's learning rate (the schedule's)
+    entropy: float = 0.0  # mean entropy per policy token before the update (nats)
+    forwards: int = 0  # this rank's packed micro-batches, no-grad passes included
     # the off-policy gap, over policy tokens with a behaviour log-prob mu from the engine
     mismatch_mean: float = 0.0  # mean |log(pi_old / mu)| per token
     mismatch_max: float = 0.0
@@ -231,11 +260,24 @@ class TrainStats:
 
 @dataclass(frozen=True)
 class _Batch:
+    """The step's whole batch on the host (small: token ids and per-token floats)."""
+
     token_ids: torch.Tensor  # [B, T] right padded
-    attention_mask: torch.Tensor  # [B, T]
+    lengths: list[int]  # tokens per row
     loss_mask: torch.Tensor  # [B, T-1]: 1 where the *predicted* token is a policy token
     advantages: torch.Tensor  # [B]
     behaviour: torch.Tensor  # [B, T-1]: the engine's log-prob of the predicted token, or NaN
+
+
+class _DefaultGroup:
+    """torch.distributed's default group (FSDP2 shards over it) as the trainer's
+    data-parallel group: rank, size and a summing all-reduce."""
+
+    def __init__(self) -> None:
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        dist.all_reduce(tensor)
 
 
 class GRPOTrainer:
@@ -262,52 +304,35 @@ class GRPOTrainer:
             )
         torch.manual_seed(config.seed)
         self.device = torch.device(config.device)
-        # FSDP2: built in host memory and sharded there, so each GPU only ever holds its
-        # shard (and the layer being gathered), never the whole fp32 model
-        self.model = self._load_model(torch.device("cpu") if config.fsdp else self.device)
+        build = functools.partial(
+            build_policy,
+            self.model_dir,
+            self.device,
+            temperature=config.temperature,
+            chunk=config.logprob_chunk,
+            fsdp=config.fsdp,
+        )
+        # the Hugging Face model (its state dict is the engines') and the module forwarded
+        self.model, self.policy, self.sharded = build(checkpointing=config.activation_checkpointing)
         self.reference: torch.nn.Module | None = None
-        if config.kl_coef > 0:
-            self.reference = self._load_model(self.device)
+        self.ref_policy: Policy | None = None
+        if config.kl_coef > 0:  # no gradient: nothing to checkpoint
+            self.reference, self.ref_policy, _ = build(checkpointing=False)
             self.reference.requires_grad_(False)
-        self.sharded = False
-        if config.fsdp:
-            self.sharded = self._shard()
-            self.model.to(self.device)
-        # data parallel (replicated weights): a group with rank, size and all_reduce (sum),
-        # e.g. pearl_hpc.weights.group.WeightGroup over the training ranks
-        self.dp_group = dp_group if dp_group is not None and not self.sharded else None
+        # data parallel: FSDP2's default group, or replicated weights over ``dp_group`` (a
+        # group with rank, size and a summing all_reduce, e.g. the training ranks'
+        # pearl_hpc.weights.group.WeightGroup)
+        self.replicated = dp_group is not None and not self.sharded
+        self.group: Any = _DefaultGroup() if self.sharded else dp_group
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay
         )
         self.version = 0
+        self._forwards = 0  # the micro-batch forwards of the step (TrainStats.forwards)
         pad = getattr(self.model.config, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else 0
         embeddings = cast(Any, self.model).get_input_embeddings()  # an HF model's method
         self.vocab_size = int(embeddings.num_embeddings)
-
-    def _load_model(self, device: torch.device) -> torch.nn.Module:
-        model: Any = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
-        model.to(device)
-        model.eval()  # no dropout: see the module docstring
-        return model
-
-    def _shard(self) -> bool:
-        if not (dist.is_available() and dist.is_initialized()):
-            log.warning("GRPOConfig.fsdp is set but there is no process group: not sharding")
-            return False
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        # cuda: bf16 compute, fp32 master weights and gradient reduction
-        options: dict[str, Any] = {}
-        if self.device.type == "cuda":
-            options["mp_policy"] = MixedPrecisionPolicy(
-                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
-            )
-        layers = getattr(getattr(self.model, "model", None), "layers", None)
-        for layer in layers or []:
-            fully_shard(layer, **options)
-        fully_shard(self.model, **options)
-        return True
 
     # ---------------------------------------------------------------- training
 
@@ -321,52 +346,56 @@ class GRPOTrainer:
         groups = [t.group_id for t in trajectories]
         advantages = group_advantages(rewards, groups, std=config.advantage_std)
         batch = self._pad_batch(trajectories, advantages)
-        sizes = config.minibatch_size
+        lr = lr_at(config, self.version)
+        for param_group in self.optimizer.param_groups:
+            param_group["lr"] = lr
 
+        # epochs x shuffled minibatches (the same on every rank), each split over the ranks
         generator = torch.Generator().manual_seed(config.seed * 1_000_003 + self.version)
         plan = [
-            [rows for rows in torch.randperm(len(trajectories), generator=generator).split(sizes)]
+            [rows.tolist() for rows in torch.randperm(len(trajectories), generator=generator)
+             .split(config.minibatch_size)]
             for _ in range(config.epochs)
-        ]
-        rank, world = (self.dp_group.rank, self.dp_group.size) if self.dp_group else (0, 1)
-        mine = sorted({int(r) for epoch in plan for rows in epoch for r in rows[rank::world]})
-
-        # pre-update (and reference) log-probabilities of the rows this rank trains on,
-        # and their correction against the engine's behaviour log-probabilities
+        ]  # fmt: skip
+        world = self.group.size if self.group else 1
+        shares = [[split_rows(batch.lengths, rows, world) for rows in epoch] for epoch in plan]
+        # pre-update (and reference) log-probs: each row on one rank, then summed over
+        # the ranks, so every rank has the whole batch's; their correction against the
+        # engine's behaviour log-probs, and the step's figures of the gap
+        self._forwards = 0
+        owned = split_rows(batch.lengths, range(len(trajectories)), world)
         with torch.no_grad():
-            old = self._logprobs_of(self.model, batch, mine, sizes)
-            ref = self._logprobs_of(self.reference, batch, mine, sizes) if self.reference else None
-            correction = behaviour_weights(
-                old,
-                batch.behaviour,
-                batch.loss_mask * self._row_mask(batch, mine),
-                correction=config.correction,
-                cap=config.is_cap,
-                sequence_mask=config.sequence_mask,
-            )
-            measured = self._measured(
-                batch, old, [r for rows in plan[0] for r in rows[rank::world]]
-            )
+            old, entropy = self._logprobs_of(self.policy, batch, owned)
+            ref = self._logprobs_of(self.ref_policy, batch, owned)[0] if self.ref_policy else None
+        correction = behaviour_weights(
+            old,
+            batch.behaviour,
+            batch.loss_mask,
+            correction=config.correction,
+            cap=config.is_cap,
+            sequence_mask=config.sequence_mask,
+        )
+        measured = _measured(batch, correction, entropy)
 
         losses, clip_fracs, kls, norms = [], [], [], []
-        for epoch in plan:
-            for minibatch in epoch:
-                rows = minibatch.to(self.device)
-                total = float(batch.loss_mask[rows].sum())  # every rank knows the whole batch
-                if not self.sharded and not total:
-                    continue  # no policy tokens: nothing to learn (FSDP ranks must all step)
-                self.optimizer.zero_grad(set_to_none=True)
-                metrics = self._minibatch_backward(
-                    batch, rows[rank::world], old, ref, correction.weights, (total, len(rows))
-                )
-                if self.dp_group is not None:
-                    metrics = self._sum_over_group(metrics)
-                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
-                self.optimizer.step()
-                losses.append(metrics["loss"])
-                clip_fracs.append(metrics["clip_frac"])
-                kls.append(metrics["kl"])
-                norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        for rows, split in zip(
+            [rows for epoch in plan for rows in epoch],
+            [split for epoch in shares for split in epoch],
+            strict=True,
+        ):
+            total = float(batch.loss_mask[rows].sum())  # every rank knows the whole batch
+            if not total:
+                continue  # no policy tokens: nothing to learn (the same on every rank)
+            self.optimizer.zero_grad(set_to_none=True)
+            metrics = self._minibatch_backward(
+                batch, split, old, ref, correction.weights, (total, len(rows))
+            )
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.grad_clip)
+            self.optimizer.step()
+            losses.append(metrics["loss"])
+            clip_fracs.append(metrics["clip_frac"])
+            kls.append(metrics["kl"])
+            norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
         self.version += 1
         return TrainStats(
             version=self.version,
@@ -379,8 +408,19 @@ class GRPOTrainer:
             grad_norm=_mean(norms),
             wall_s=time.perf_counter() - started_s,
             max_staleness=staleness,
+            lr=lr,
+            forwards=self._forwards,
             **measured,
         )
+
+    @torch.no_grad()
+    def logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Each token's log-prob after the first under the current weights (``[T - 1]``,
+        fp32, on the host), as the step's no-grad pass computes it (unsharded trainers:
+        under FSDP a forward is a collective)."""
+        packed = pack(torch.tensor([list(token_ids)]), [len(token_ids)], [0])
+        logprobs, _ = self._forward(self.policy, packed)
+        return logprobs[0].cpu()
 
     def _check_batch(self, trajectories: list[Trajectory]) -> int:
         """Reject what cannot be trained on, naming every offender; returns the batch's
@@ -429,132 +469,142 @@ class GRPOTrainer:
         return max(self.version - t.min_weight_version for t in trajectories)
 
     def _pad_batch(self, trajectories: list[Trajectory], advantages: list[float]) -> _Batch:
-        length = max(len(t.token_ids()) for t in trajectories)
-        ids = torch.full((len(trajectories), length), self.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((len(trajectories), length), dtype=torch.long)
-        policy = torch.zeros((len(trajectories), length), dtype=torch.float32)
-        behaviour = torch.full((len(trajectories), length), math.nan, dtype=torch.float32)
-        for row, trajectory in enumerate(trajectories):
-            tokens = trajectory.token_ids()
-            ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            attention[row, : len(tokens)] = 1
-            policy[row, : len(tokens)] = torch.tensor(trajectory.loss_mask(), dtype=torch.float32)
-            behaviour[row, : len(tokens)] = torch.tensor(trajectory.behaviour_logprobs())
+        lengths = [len(t.token_ids()) for t in trajectories]
+        shape = (len(trajectories), max(lengths))
+        ids = torch.full(shape, self.pad_token_id, dtype=torch.long)
+        policy = torch.zeros(shape, dtype=torch.float32)
+        behaviour = torch.full(shape, math.nan, dtype=torch.float32)
+        for row, (trajectory, n) in enumerate(zip(trajectories, lengths, strict=True)):
+            ids[row, :n] = torch.tensor(trajectory.token_ids(), dtype=torch.long)
+            policy[row, :n] = torch.tensor(trajectory.loss_mask(), dtype=torch.float32)
+            behaviour[row, :n] = torch.tensor(trajectory.behaviour_logprobs())
         return _Batch(
-            token_ids=ids.to(self.device),
-            attention_mask=attention.to(self.device),
-            loss_mask=policy[:, 1:].to(self.device),  # logprob t predicts token t + 1
-            advantages=torch.tensor(advantages, dtype=torch.float32, device=self.device),
-            behaviour=behaviour[:, 1:].to(self.device),
+            token_ids=ids,
+            lengths=lengths,
+            loss_mask=policy[:, 1:],  # logprob t predicts token t + 1
+            advantages=torch.tensor(advantages, dtype=torch.float32),
+            behaviour=behaviour[:, 1:],
         )
 
-    def _row_mask(self, batch: _Batch, rows: Sequence[int]) -> torch.Tensor:
-        """``[B, 1]``: 1 for ``rows``, 0 for the others."""
-        keep = torch.zeros((batch.loss_mask.shape[0], 1), device=self.device)
-        keep[torch.tensor(list(rows), dtype=torch.long)] = 1.0
-        return keep
+    def _packs(self, batch: _Batch, shares: list[list[int]]) -> tuple[list[list[int]], int]:
+        """This rank's micro-batches of its share, and how many forwards it runs: under
+        FSDP the most any rank runs (each forward is a collective: the others pad)."""
+        rank = self.group.rank if self.group else 0
+        budget = self.config.micro_batch_tokens
+        mine = micro_batches(batch.lengths, shares[rank], budget)
+        if not self.sharded:
+            return mine, len(mine)
+        return mine, max(forwards_per_rank(batch.lengths, shares, budget))
 
-    def _measured(self, batch: _Batch, old: torch.Tensor, rows: list[int]) -> dict[str, Any]:
-        """The step's off-policy figures over ``rows`` (each row on exactly one
-        data-parallel rank: the first epoch's share), summed over the ranks."""
-        config = self.config
-        mask = batch.loss_mask * self._row_mask(batch, rows)
-        c = behaviour_weights(
-            old,
-            batch.behaviour,
-            mask,
-            correction=config.correction,
-            cap=config.is_cap,
-            sequence_mask=config.sequence_mask,
+    def _forward(self, policy: Policy, packed: Packed) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs, entropy) ``[k, L - 1]`` of a packed micro-batch's rows."""
+        self._forwards += 1
+        device = self.device
+        logprobs, entropy = policy(
+            packed.input_ids.to(device),
+            packed.position_ids.to(device),
+            packed.targets.to(device),
         )
-        sums = [c.mismatch_sum, c.measured_tokens, c.capped_tokens, c.masked_sequences]
-        sums.append(float(mask.sum()))
-        peak = c.mismatch_max
-        if self.dp_group is not None:  # one all-reduce: the sums, and each rank's max in its slot
-            world, rank = self.dp_group.size, self.dp_group.rank
-            flat = torch.zeros(len(sums) + world, device=self.device)
-            flat[: len(sums)] = torch.tensor(sums)
-            flat[len(sums) + rank] = peak
-            self.dp_group.all_reduce(flat)
-            sums, peak = flat[: len(sums)].tolist(), float(flat[len(sums) :].max())
-        gap, measured, capped, masked, policy = sums
-        return {
-            "mismatch_mean": gap / measured if measured else 0.0,
-            "mismatch_max": peak,
-            "capped_frac": capped / measured if measured else 0.0,
-            "masked_sequences": round(masked),
-            "behaviour_coverage": measured / policy if policy else 0.0,
-        }
+        return packed.per_row(logprobs), packed.per_row(entropy)
+
+    def _empty_forward(self, policy: Policy) -> torch.Tensor:
+        """A two-token forward that counts for nothing: an FSDP rank with fewer
+        micro-batches than another still joins each forward's collectives."""
+        self._forwards += 1
+        ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
+        return policy(ids, torch.arange(2, device=self.device)[None], ids[0])[0]
 
     def _logprobs_of(
-        self, model: torch.nn.Module | None, batch: _Batch, rows: list[int], size: int
-    ) -> torch.Tensor:
-        """Log-probabilities of ``rows`` (in chunks of ``size``), in a batch-shaped tensor
-        (rows this rank does not train on stay 0)."""
-        assert model is not None
-        out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=self.device)
-        for i in range(0, len(rows), size):
-            chunk = torch.tensor(rows[i : i + size], dtype=torch.long, device=self.device)
-            out[chunk] = token_logprobs(
-                model, batch.token_ids[chunk], batch.attention_mask[chunk], self.config.temperature
-            )
-        return out
+        self, policy: Policy | None, batch: _Batch, owned: list[list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probabilities and entropies of the whole batch, batch-shaped on the host
+        (0 past a row's end): each rank forwards its ``owned`` rows (every rank's given:
+        FSDP ranks pad to the most forwards) and the ranks' results are summed."""
+        assert policy is not None
+        out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
+        entropy = torch.zeros_like(out)
+        packs, forwards = self._packs(batch, owned)
+        for i in range(forwards):
+            if i >= len(packs):
+                self._empty_forward(policy)
+                continue
+            packed = pack(batch.token_ids, batch.lengths, packs[i])
+            logprobs, ent = self._forward(policy, packed)
+            out[packed.rows, : packed.width] = logprobs.cpu()
+            entropy[packed.rows, : packed.width] = ent.cpu()
+        if self.group is not None:  # one all-reduce: B x T floats (8 MiB at 64 x 32K)
+            both = torch.stack([out, entropy]).to(self.device)
+            self.group.all_reduce(both)
+            out, entropy = both.cpu()
+        return out, entropy
 
     def _minibatch_backward(
         self,
         batch: _Batch,
-        rows: torch.Tensor,
+        split: list[list[int]],
         old: torch.Tensor,
         ref: torch.Tensor | None,
         weights: torch.Tensor,
         totals: tuple[float, int],
     ) -> dict[str, float]:
-        """Loss and gradients of this rank's ``rows`` of a minibatch with ``totals``
-        (policy tokens, sequences; a data-parallel rank may hold none of them: zero loss
-        and gradients)."""
-        if not len(rows):
-            return {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0}
+        """Gradients of a minibatch, ``split`` over the ranks with ``totals`` (policy
+        tokens, sequences): this rank's share in packed micro-batches, each loss divided
+        by the whole minibatch's totals so the micro-batches' and the ranks' gradients
+        add up to one process's over the whole minibatch. Returns the minibatch's loss,
+        clip_frac and kl (summed over the ranks)."""
         config = self.config
-        logprobs = token_logprobs(
-            self.model, batch.token_ids[rows], batch.attention_mask[rows], config.temperature
-        )
         tokens, sequences = totals
-        split = self.dp_group is not None
-        loss, metrics = grpo_loss(
-            logprobs,
-            old[rows],
-            batch.advantages[rows],
-            batch.loss_mask[rows],
-            clip_eps=config.clip_eps,
-            kl_coef=config.kl_coef,
-            ref_logprobs=None if ref is None else ref[rows],
-            weights=weights[rows],
-            loss_type=config.loss_type,
-            kl_bias_correction=config.kl_bias_correction,
-            num_tokens_total=tokens if split else None,
-            num_sequences_total=sequences if split else None,
-            max_completion_tokens=config.max_completion_tokens,
-        )
-        loss.backward()
-        return metrics
+        sums = torch.zeros(3, dtype=torch.float64)
+        packs, forwards = self._packs(batch, split)
+        for i in range(forwards):
+            if i >= len(packs):
+                (self._empty_forward(self.policy).sum() * 0.0).backward()
+                continue
+            packed = pack(batch.token_ids, batch.lengths, packs[i])
+            rows, width = packed.rows, packed.width
 
-    def _sum_over_group(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Data parallel: gradients and the minibatch's metrics summed over the ranks (one
-        all-reduce of one flat buffer)."""
-        assert self.dp_group is not None
+            def cut(t: torch.Tensor) -> torch.Tensor:
+                return t[rows, :width].to(self.device)  # noqa: B023 (used at once)
+
+            logprobs, _ = self._forward(self.policy, packed)
+            loss, metrics = grpo_loss(
+                logprobs,
+                cut(old),
+                batch.advantages[rows].to(self.device),
+                cut(batch.loss_mask),
+                clip_low=config.clip_low,
+                clip_high=config.clip_high,
+                kl_coef=config.kl_coef,
+                ref_logprobs=None if ref is None else cut(ref),
+                weights=cut(weights),
+                loss_type=config.loss_type,
+                kl_bias_correction=config.kl_bias_correction,
+                num_tokens_total=tokens,
+                num_sequences_total=sequences,
+                max_completion_tokens=config.max_completion_tokens,
+            )
+            loss.backward()
+            sums += torch.tensor([metrics["loss"], metrics["clip_frac"], metrics["kl"]])
+        if self.replicated:
+            sums = self._sum_grads_over_group(sums)
+        elif self.sharded:  # FSDP summed the gradients (a divide factor of 1)
+            flat = sums.to(self.device, torch.float32)
+            self.group.all_reduce(flat)
+            sums = flat.cpu().double()
+        return dict(zip(("loss", "clip_frac", "kl"), sums.tolist(), strict=True))
+
+    def _sum_grads_over_group(self, sums: torch.Tensor) -> torch.Tensor:
+        """Replicated data parallel: gradients and the minibatch's metric sums summed over
+        the ranks (one all-reduce of one flat buffer)."""
         params = list(self.model.parameters())
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        names = ("loss", "clip_frac", "kl")
-        flat = torch.cat(
-            [g.reshape(-1) for g in grads]
-            + [torch.tensor([metrics[k] for k in names], dtype=grads[0].dtype, device=self.device)]
-        )
-        self.dp_group.all_reduce(flat)
+        flat = torch.cat([g.reshape(-1) for g in grads] + [sums.to(grads[0])])
+        self.group.all_reduce(flat)
         offset = 0
         for p, g in zip(params, grads, strict=True):
             p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
             offset += g.numel()
-        return dict(zip(names, flat[offset:].tolist(), strict=True))
+        return flat[offset:].double().cpu()
 
     # ---------------------------------------------------------------- weights out
 
@@ -665,42 +715,17 @@ class GRPOTrainer:
         return trainer
 
 
-def read_snapshot_meta(snapshot: Path) -> dict[str, Any]:
-    """``meta.json`` of a snapshot directory, checked."""
-    meta_path = snapshot / META_FILE
-    if not meta_path.is_file() or not (snapshot / WEIGHTS_FILE).is_file():
-        hint = ""
-        if snapshot.is_dir() and latest_snapshot(snapshot) is not None:
-            hint = f"; it holds snapshots: pass latest_snapshot({str(snapshot)!r}) instead"
-        raise TrainError(
-            f"{snapshot} is not a snapshot (needs {META_FILE} and {WEIGHTS_FILE}){hint}"
-        )
-    try:
-        meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise TrainError(f"{meta_path} is not valid JSON: {exc}") from exc
-    if meta.get("format") != SNAPSHOT_FORMAT or not isinstance(meta.get("version"), int):
-        raise TrainError(
-            f"{meta_path}: format {meta.get('format')!r} / version {meta.get('version')!r} "
-            f"not understood (this code reads format {SNAPSHOT_FORMAT})"
-        )
-    return dict(meta)
-
-
-def latest_snapshot(directory: Path | str) -> Path | None:
-    """The complete snapshot with the highest version under ``directory``, or None.
-    Temporary (unfinished) directories are ignored."""
-    root = Path(directory)
-    if not root.is_dir():
-        return None
-    best: tuple[int, Path] | None = None
-    for entry in root.iterdir():
-        match = _SNAPSHOT_DIR.match(entry.name)
-        if match and (entry / META_FILE).is_file():
-            version = int(match.group(1))
-            if best is None or version > best[0]:
-                best = (version, entry)
-    return None if best is None else best[1]
+def _measured(batch: _Batch, c: Correction, entropy: torch.Tensor) -> dict[str, Any]:
+    """The step's figures of the off-policy gap and its mean entropy per policy token."""
+    measured, policy = c.measured_tokens, float(batch.loss_mask.sum())
+    return {
+        "mismatch_mean": c.mismatch_sum / measured if measured else 0.0,
+        "mismatch_max": c.mismatch_max,
+        "capped_frac": c.capped_tokens / measured if measured else 0.0,
+        "masked_sequences": round(c.masked_sequences),
+        "behaviour_coverage": measured / policy if policy else 0.0,
+        "entropy": float((entropy * batch.loss_mask).sum()) / policy if policy else 0.0,
+    }
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -710,47 +735,3 @@ def _mean(values: Sequence[float]) -> float:
 def _names(ids: Sequence[str], limit: int = 8) -> str:
     shown = ", ".join(ids[:limit])
     return shown + (f" and {len(ids) - limit} more" if len(ids) > limit else "")
-
-
-def host_copies(
-    state: Mapping[K, torch.Tensor], dtype: torch.dtype | None
-) -> dict[K, torch.Tensor]:
-    """Detached CPU copies; floating-point tensors in ``dtype`` (cast on the GPU; None:
-    as they are), others as they are. From a GPU every copy is in flight at once into
-    pinned memory, with one wait: torch keeps freed pinned blocks for the next copy of
-    the same sizes, so after the first call (which pins them) a step's copy runs at the
-    link's speed (an H200: 1.5 GiB of bf16 in 0.03 s, against 3 s into pageable memory)."""
-    out: dict[K, torch.Tensor] = {}
-    from_gpu = False
-    for name, tensor in state.items():
-        cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
-        if tensor.is_cuda:
-            from_gpu = True
-            out[name] = torch.empty(tensor.shape, dtype=cast, pin_memory=True)
-            out[name].copy_(tensor.detach(), non_blocking=True)
-        else:
-            out[name] = tensor.detach().to("cpu", cast, copy=True)
-    if from_gpu:
-        torch.cuda.synchronize()
-    return out
-
-
-def _optimizer_on_host(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's ``state_dict`` with its GPU tensors (AdamW's moments) copied to the
-    host at once, as :func:`host_copies` copies weights (``torch.save`` would copy them
-    one by one into pageable memory)."""
-    state = optimizer.state_dict()
-    on_gpu = {
-        (index, key): value
-        for index, entries in state["state"].items()
-        for key, value in entries.items()
-        if isinstance(value, torch.Tensor) and value.is_cuda
-    }
-    if not on_gpu:
-        return state
-    host = host_copies(on_gpu, None)
-    moved = {
-        index: {key: host.get((index, key), value) for key, value in entries.items()}
-        for index, entries in state["state"].items()
-    }
-    return {**state, "state": moved}

@@ -69,7 +69,8 @@ class TrainerRank:
         resume: bool,
         device: str = "cpu",  # cpu | cuda (this rank's one GPU, cuda:0 once placed)
     ) -> None:
-        from pearl_hpc.train.grpo import GRPOTrainer, latest_snapshot
+        from pearl_hpc.train.grpo import GRPOTrainer
+        from pearl_hpc.train.snapshot import latest_snapshot
         from pearl_hpc.train.offload import Residency
         from pearl_hpc.train.sync import WeightSync
         from pearl_hpc.weights.group import WeightGroup
@@ -113,7 +114,7 @@ class TrainerRank:
         # when the master lends the GPU (Op.RELEASE) and come back for the next step (a
         # no-op on cpu)
         self.residency = Residency(
-            [m for m in (self.trainer.model, self.trainer.reference) if m is not None],
+            [m for m in (self.trainer.policy, self.trainer.ref_policy) if m is not None],
             self.trainer.optimizer,
             self.trainer.device,
         )
@@ -300,14 +301,28 @@ class TrainerRank:
 
 
 def grpo_config(cfg: RunConfig, device: str = "cpu") -> Any:
-    """The trainer's settings from the run config: ``run.lr``, ``run.seed``, the
-    rollout's temperature, token budget and staleness, and the objective of ``train:``,
-    on ``device`` (the rank's placement: cpu | cuda)."""
+    """The trainer's settings from the run config: ``train:``, and ``run.seed``, the
+    rollout's temperature, token budget, staleness and steps (the schedule's horizon), on
+    ``device`` (the rank's placement: cpu | cuda)."""
     from pearl_hpc.train.grpo import GRPOConfig
 
     t = cfg.train
+    checkpointing = t.activation_checkpointing
     return GRPOConfig(
-        lr=cfg.run.lr,
+        lr=t.lr,
+        lr_warmup_steps=t.lr_warmup_steps,
+        lr_schedule=t.lr_schedule,
+        lr_min=t.lr_min,
+        total_steps=cfg.run.steps,
+        weight_decay=t.weight_decay,
+        grad_clip=t.grad_clip,
+        minibatch_size=t.minibatch_size,
+        epochs=t.epochs,
+        clip_low=t.clip_low,
+        clip_high=t.clip_high,
+        micro_batch_tokens=t.micro_batch_tokens,
+        logprob_chunk=t.logprob_chunk,
+        activation_checkpointing=device == "cuda" if checkpointing is None else checkpointing,
         seed=cfg.run.seed,
         device=device,
         max_staleness=cfg.run.max_staleness,
