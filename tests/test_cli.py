@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -170,6 +171,22 @@ def test_bench_messages_round_trips_a_train_batch_and_a_log_both_ways() -> None:
     # the trajectory log both ways (each reads back to the batch: the bench asserts it)
     whole, appended = messages.log_rows(trajectories=4, tokens=512, turns=4)
     assert 0 < appended["bytes_vs_whole"] < 1 == whole["bytes_vs_whole"]
+
+
+def test_bench_train_measures_each_case_and_packs_without_padding(capsys: Any) -> None:
+    """A small ``bench --train``: each memory case measured in its own process, and the
+    packed micro-batch computes only trajectory tokens."""
+    from pearl_hpc.bench import train
+
+    args = ["--layers", "2", "--hidden", "64", "--vocab", "4096", "--chunk", "64"]
+    assert train.main([*args, "--lengths", "512,256", "--mixed", "256,64,32", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    memory = {r["case"]: r for r in rows if "case" in r}
+    assert list(memory) == ["neither", "checkpointing", "chunked", "both"]
+    assert all(r["peak_mib"] > 0 and r["step_s"] > 0 for r in memory.values())
+    padded, packed = [r for r in rows if "layout" in r]
+    assert (padded["tokens_computed"], packed["tokens_computed"]) == (3 * 256, 256 + 64 + 32)
+    assert packed["padding_share"] == 0.0 < padded["padding_share"]
 
 
 def test_bench_weights_times_both_paths_and_the_engine_gets_the_weights() -> None:

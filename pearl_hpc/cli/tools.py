@@ -24,6 +24,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         extra = ["--model", args.model] if args.model else []
         return engines.main(extra + (["--json"] if args.json else []))
+    if args.train:
+        from pearl_hpc.bench import train
+
+        return train.main(["--json"] if args.json else [])
     if args.messages:
         from pearl_hpc.bench import messages
 
@@ -77,6 +81,12 @@ def add_parsers(sub: Any) -> None:
         action="store_true",
         help="the control plane's TRAIN message at PEARL's shape (64 x 32K tokens, 16 "
         "trainer ranks): msgpack of typed records vs mpi4py's pickle",
+    )
+    bench.add_argument(
+        "--train",
+        action="store_true",
+        help="one trainer step on 4K-8K-token trajectories (CPU): peak memory with and "
+        "without activation checkpointing and chunked log-probs; padded vs packed tokens/s",
     )
     bench.add_argument(
         "--weights",
