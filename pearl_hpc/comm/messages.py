@@ -191,6 +191,9 @@ class TrainAck(msgspec.Struct, frozen=True, tag="trained"):
     mismatch_max: float = 0.0
     capped_frac: float = 0.0
     behaviour_coverage: float = 0.0
+    grad_norm: float = 0.0  # mean pre-clip gradient norm over the step's updates
+    entropy: float = 0.0  # mean entropy per policy token before the update (nats)
+    lr: float = 0.0  # the step's learning rate
     onload: Move | None = None  # the rank's GPU came back from an overlap engine first
 
 

@@ -80,6 +80,12 @@ class StepMetrics:
     capped_frac: float = 0.0
     clip_frac: float = 0.0
     behaviour_coverage: float = 0.0  # share of policy tokens that had a mu
+    # the update: GRPO loss, mean pre-clip gradient norm, mean entropy per policy token
+    # before it (nats: a collapsing policy's falls), the learning rate
+    loss: float = 0.0
+    grad_norm: float = 0.0
+    entropy: float = 0.0
+    lr: float = 0.0
     env_failures: int = 0  # trajectories an environment fault ended (reason in the journal)
     # run clock at the rollout's start and end (batches overlap with policy.tail_start)
     rollout_started_s: float = 0.0

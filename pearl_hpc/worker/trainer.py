@@ -186,6 +186,9 @@ class TrainerRank:
             mismatch_max=stats.mismatch_max,
             capped_frac=stats.capped_frac,
             behaviour_coverage=stats.behaviour_coverage,
+            grad_norm=stats.grad_norm,
+            entropy=stats.entropy,
+            lr=stats.lr,
             onload=onload,
         )
 
