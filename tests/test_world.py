@@ -27,6 +27,7 @@ from pearl_hpc.master.preflight import load_run_config
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "golden" / "pearl-32gpu.dryrun.txt"
+REPLICATED = REPO / "tests" / "golden" / "pearl-32gpu.replicated.txt"
 PEARL_32 = REPO / "configs" / "runs" / "pearl-32gpu.yaml"
 
 
@@ -118,3 +119,22 @@ def test_dry_run_of_pearl_32gpu_matches_the_golden_file() -> None:
     assert "#SBATCH hetjob" not in proc.stdout  # request: single
     assert "target 5P5D" in proc.stdout
     assert "elastic workers worth requesting: 1 of at most 6" in proc.stdout
+    # the memory plan: every GPU under its memory
+    assert "total 37.6 GB of 77.0 GB: fits" in proc.stdout
+    assert "KV pool 57.8 GB (one 32768-token trajectory: 2.4 GB): fits" in proc.stdout
+
+
+def test_pearl_32gpu_with_replicated_trainers_is_refused_naming_fsdp(tmp_path: Path) -> None:
+    """The same config without FSDP2: one line, before anything is described or queued,
+    naming train.fsdp (a golden file pins it)."""
+    doc = yaml.safe_load(PEARL_32.read_text())
+    doc["train"]["fsdp"] = False
+    path = tmp_path / "replicated.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pearl_hpc.cli", "run", str(path), "--dry-run"],
+        capture_output=True, text=True, cwd=REPO, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.replace(str(path), "CONFIG") == REPLICATED.read_text()
+    assert "set train.fsdp: true" in proc.stderr and len(proc.stderr.splitlines()) == 1

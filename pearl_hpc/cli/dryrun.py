@@ -4,6 +4,8 @@
     the base job              its sbatch command (a multi-node layout) or "this node"
     the world                 the launcher's command and which rank runs what, where
     the elastic request       the sbatch text of the first request (backend slurm)
+    the memory plan           a trainer rank's and an engine's GPU memory, a training
+                              node's host memory at start (pearl_hpc.config.memory)
     the first decision        the controller's own, on the base workers (a Controller
                               driven with an executor that only records), and how many
                               elastic workers it finds worth requesting
@@ -20,6 +22,7 @@ from typing import Any
 
 from pearl_hpc.comm.layout import ENGINE, TRAINER, base_layout
 from pearl_hpc.config.files import REPO_CONFIGS, load_profile
+from pearl_hpc.config.memory import run_plan
 from pearl_hpc.config.run import RunConfig
 from pearl_hpc.core.controller import Controller
 from pearl_hpc.core.orchestrator import WorkerAdd
@@ -96,6 +99,12 @@ def dry_run(cfg: RunConfig, config_path: str) -> str:
         out.append(f"{r.rank:>4}  {r.kind:<8} {r.node:>4}  {devices:<12} {device:<10} {gpus}{note}")
     if cfg.backend == "slurm":
         out += ["", "## elastic request (the first)", _elastic_text(cfg).rstrip()]
+    plan = run_plan(cfg)
+    out += ["", "## memory plan"]
+    out += plan.lines if plan is not None else [
+        f"none: the shape of {cfg.model} is not known here (the tiny model, or a directory "
+        "without config.json that is not Qwen3-8B or Qwen3-30B-A3B)"
+    ]  # fmt: skip
     out += ["", "## the controller's first decision", *_first_decision(cfg, layout)]
     return "\n".join(out) + "\n"
 

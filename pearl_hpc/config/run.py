@@ -85,6 +85,11 @@ class LayoutConfig:
         ge=0,
     )
     cpus_per_rank: int = spec_field("CPUs of each rank of a multi-node base job", default=1, ge=1)
+    gpu_memory_gb: float = spec_field(
+        "memory of one GPU, GB (the memory plan's budget: H100/H800 80, H200 141)",
+        default=80.0,
+        gt=0,
+    )
 
     @property
     def nodes(self) -> int:

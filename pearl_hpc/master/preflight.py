@@ -2,9 +2,10 @@
 
 :func:`pearl_hpc.config.run.read_run_config` checks the values; this adds what needs the
 installed runtimes: the environment and its options build, the task files load, the
-dashboards' packages import, and (for a run that is started, not described) Slurm's
-commands are on PATH. Every problem is one :class:`~pearl_hpc.errors.ConfigError` line
-naming the field and the fix.
+dashboards' packages import, the trainer ranks and engines fit their GPUs (the memory
+plan, when the trainer is on cuda and the model's shape is known), and (for a run that is
+started, not described) Slurm's commands are on PATH. Every problem is one
+:class:`~pearl_hpc.errors.ConfigError` line naming the field and the fix.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import shutil
 from importlib.util import find_spec
 from pathlib import Path
 
+from pearl_hpc.config.memory import run_plan, trainer_on_gpu
 from pearl_hpc.config.run import DashboardSettings, RunConfig, read_run_config
 from pearl_hpc.errors import ConfigError
 from pearl_hpc.rollout.envs.registry import check_environment
@@ -36,6 +38,9 @@ def load_run_config(path: str | Path, *, need_slurm: bool = True) -> RunConfig:
         load_tasks(cfg.run)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
+    plan = run_plan(cfg) if trainer_on_gpu(cfg) else None
+    if plan is not None and plan.problem:
+        raise ConfigError(f"{path}: {plan.problem}")
     return cfg
 
 

@@ -70,8 +70,8 @@ class TrainerRank:
         device: str = "cpu",  # cpu | cuda (this rank's one GPU, cuda:0 once placed)
     ) -> None:
         from pearl_hpc.train.grpo import GRPOTrainer
-        from pearl_hpc.train.snapshot import latest_snapshot
         from pearl_hpc.train.offload import Residency
+        from pearl_hpc.train.snapshot import latest_snapshot
         from pearl_hpc.train.sync import WeightSync
         from pearl_hpc.weights.group import WeightGroup
         from pearl_hpc.weights.shm import SharedStore, Staged
