@@ -209,10 +209,11 @@ def engine_memory(
     )
 
 
-def host_bytes_at_start(shape: ModelShape, trainer_ranks_per_node: int) -> float:
-    """A training node's host memory as the trainer ranks build the model: each rank
-    builds the whole fp32 model on the host before sharding it."""
-    return trainer_ranks_per_node * 4 * shape.params
+def host_bytes_at_start(shape: ModelShape, per_node: int, ranks: int, fsdp: bool) -> float:
+    """A training node's host memory as its ``per_node`` trainer ranks (of ``ranks``)
+    build the model: replicated, each loads the whole fp32 model; FSDP2, each reads only
+    its rows of every tensor from the safetensors files (a shard at a time)."""
+    return per_node * 4 * shape.params / (ranks if fsdp else 1)
 
 
 @dataclass(frozen=True)
@@ -269,8 +270,13 @@ def memory_plan(cfg: RunConfig, shape: ModelShape) -> Plan:
         f"{_gb(engine.weights)} + reserve {_gb(ENGINE_RESERVE_BYTES)} + KV pool "
         f"{_gb(engine.kv_pool)} (one {cfg.run.max_context_tokens}-token trajectory: "
         f"{_gb(engine.kv_needed)}): {'fits' if engine.fits else 'DOES NOT FIT'}",
-        f"host at start, a training node: {_gb(host_bytes_at_start(shape, per_node))} "
-        f"({per_node} trainer ranks each build the fp32 model before sharding it)",
+        f"host at start, a training node: "
+        f"{_gb(host_bytes_at_start(shape, per_node, ranks, t.fsdp))} ({per_node} trainer "
+        + (
+            "ranks, each reading its shard of the safetensors)"
+            if t.fsdp
+            else "ranks, each loading the whole fp32 model)"
+        ),
     ]
     problem = ""
     if mem.total > budget:

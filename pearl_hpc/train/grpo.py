@@ -87,7 +87,7 @@ from safetensors.torch import load_file, save_file
 from pearl_hpc.config.run import LR_SCHEDULES
 from pearl_hpc.errors import ConfigError
 from pearl_hpc.rollout.types import Trajectory
-from pearl_hpc.train.model import Policy, build_policy
+from pearl_hpc.train.model import Policy, build_policy, load_shards, weight_files
 from pearl_hpc.train.objective import (
     CORRECTIONS,
     LOSS_TYPES,
@@ -688,20 +688,11 @@ class GRPOTrainer:
         snapshot = Path(snapshot_dir)
         meta = read_snapshot_meta(snapshot)
         trainer = cls(model_dir, config, dp_group=dp_group)
-        weights: dict[str, Any] = load_file(
-            str(snapshot / WEIGHTS_FILE), device="cpu" if trainer.sharded else str(trainer.device)
-        )
         try:
-            if trainer.sharded:  # full tensors into DTensor shards: every rank read the file
-                from torch.distributed.checkpoint.state_dict import (
-                    StateDictOptions,
-                    set_model_state_dict,
-                )
-
-                set_model_state_dict(
-                    trainer.model, weights, options=StateDictOptions(full_state_dict=True)
-                )
+            if trainer.sharded:  # each rank reads its rows of each tensor
+                load_shards(trainer.model, weight_files(snapshot))
             else:
+                weights = load_file(str(snapshot / WEIGHTS_FILE), device=str(trainer.device))
                 trainer.model.load_state_dict(weights, strict=True)
         except RuntimeError as exc:
             raise TrainError(

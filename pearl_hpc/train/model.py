@@ -10,17 +10,21 @@ and LM head, each decoder block unshards its own.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM
+from safetensors import safe_open
+from torch.distributed.tensor import DTensor, Shard
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from pearl_hpc.train.objective import TrainError, chunked_logprobs
 
 log = logging.getLogger(__name__)
+CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."  # torch's checkpoint wrapper's
 
 
 class Policy(torch.nn.Module):
@@ -68,12 +72,19 @@ def build_policy(
     decoder block keeps only its input for the backward (torch's checkpoint wrapper,
     applied before sharding). ``fsdp``: every block and then the policy are
     ``fully_shard``-ed over the default process group (without one: not sharded, with a
-    warning); the model is built in host memory and sharded there, so a GPU only ever holds
-    its shard; on cuda compute is bf16 over fp32 master weights and fp32 reduction."""
+    warning). A sharded model is built on the meta device, allocated shard by shard on
+    ``device``, and each rank reads only its rows of every weight from the safetensors
+    files (:func:`load_shards`): no rank ever holds the whole model, on the host or the
+    GPU. On cuda compute is bf16 over fp32 master weights and fp32 reduction."""
     shard = fsdp and dist.is_available() and dist.is_initialized()
     if fsdp and not shard:
         log.warning("GRPOConfig.fsdp is set but there is no process group: not sharding")
-    lm: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if shard:
+        config = AutoConfig.from_pretrained(model_dir)
+        with torch.device("meta"):
+            lm: Any = AutoModelForCausalLM.from_config(config).to(torch.float32)
+    else:
+        lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     lm.eval()
     if checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -86,8 +97,69 @@ def build_policy(
     policy = Policy(lm, temperature, chunk)
     if shard:
         _shard(policy, device)
-    policy.to(device)
+        policy.to_empty(device=device)
+        for module in lm.modules():  # buffers computed at construction (rotary frequencies)
+            if hasattr(module, "original_inv_freq"):
+                lm._init_weights(module)
+        load_shards(lm, weight_files(model_dir))
+    else:
+        policy.to(device)
     return lm, policy, shard
+
+
+def weight_files(directory: Path) -> dict[str, Path]:
+    """Each tensor name of a safetensors checkpoint (one file, or an index of several) ->
+    its file."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: directory / file for name, file in weight_map.items()}
+    single = directory / "model.safetensors"
+    if not single.is_file():
+        raise TrainError(f"{directory}: no model.safetensors or model.safetensors.index.json")
+    with safe_open(str(single), "pt") as handle:
+        return {name: single for name in handle.keys()}  # noqa: SIM118 (not a dict)
+
+
+def load_shards(lm: Any, files: dict[str, Path]) -> None:
+    """Fill ``lm``'s parameters and persistent buffers from ``files``: each rank reads only
+    its FSDP2 shard of a sharded tensor (a block of rows: dim-0 chunks of
+    ``ceil(rows / ranks)``), cast to the parameter's dtype."""
+    tied = getattr(lm.config, "tie_word_embeddings", False)
+    handles: dict[Path, Any] = {}
+    try:
+        for name, tensor in _checkpointed(lm):
+            key = name.replace(CHECKPOINT_PREFIX, "")
+            if key not in files and tied and key == "lm_head.weight":
+                key = "model.embed_tokens.weight"
+            if key not in files:
+                raise TrainError(f"the checkpoint has no tensor {key!r} for the model")
+            path = files[key]
+            handle = handles.get(path) or handles.setdefault(path, safe_open(str(path), "pt"))
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            rows = local.shape[0] if local.dim() else 0
+            if isinstance(tensor, DTensor) and local.dim():
+                if tensor.placements != (Shard(0),):
+                    raise TrainError(f"{name}: placed {tensor.placements}, not FSDP2's Shard(0)")
+                per = -(-tensor.shape[0] // tensor.device_mesh.size())
+                start = per * tensor.device_mesh.get_local_rank()
+                part = handle.get_slice(key)[start : start + rows]
+            else:
+                part = handle.get_tensor(key)
+            with torch.no_grad():
+                local.copy_(part.reshape(local.shape).to(local.dtype))
+    finally:
+        handles.clear()
+
+
+def _checkpointed(lm: Any) -> list[tuple[str, torch.Tensor]]:
+    """``lm``'s parameters and persistent buffers (what a checkpoint holds), by name."""
+    out = list(lm.named_parameters())
+    for prefix, module in lm.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                out.append((f"{prefix}.{name}" if prefix else name, buffer))
+    return out
 
 
 def _shard(policy: Policy, device: torch.device) -> None:
