@@ -65,3 +65,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     from pearl_hpc.engine.tinymodel import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny-model")))
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A Qwen3-MoE built like the tiny model: 4 experts a block, 2 a token (initialised
+    at the usual scale: with the tiny model's large weights, float noise flips near-tied
+    routing choices between packings of the same rows)."""
+    from pearl_hpc.engine.tinymodel import TinyModelSpec, build_tiny_model
+
+    spec = TinyModelSpec(num_experts=4, initializer_range=0.02)
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-moe"), spec))

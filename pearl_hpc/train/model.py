@@ -122,34 +122,78 @@ def weight_files(directory: Path) -> dict[str, Path]:
 
 
 def load_shards(lm: Any, files: dict[str, Path]) -> None:
-    """Fill ``lm``'s parameters and persistent buffers from ``files``: each rank reads only
-    its FSDP2 shard of a sharded tensor (a block of rows: dim-0 chunks of
-    ``ceil(rows / ranks)``), cast to the parameter's dtype."""
+    """Fill ``lm``'s parameters and persistent buffers from the checkpoint ``files``: each
+    rank reads only its FSDP2 shard of a sharded tensor (a block of rows: dim-0 chunks of
+    ``ceil(rows / ranks)``; a fused MoE tensor's rows are experts, each read from its
+    per-expert tensors in the checkpoint), cast to the parameter's dtype."""
     tied = getattr(lm.config, "tie_word_embeddings", False)
+    fused = _fused_sources(lm)
     handles: dict[Path, Any] = {}
-    try:
-        for name, tensor in _checkpointed(lm):
-            key = name.replace(CHECKPOINT_PREFIX, "")
-            if key not in files and tied and key == "lm_head.weight":
-                key = "model.embed_tokens.weight"
-            if key not in files:
-                raise TrainError(f"the checkpoint has no tensor {key!r} for the model")
-            path = files[key]
-            handle = handles.get(path) or handles.setdefault(path, safe_open(str(path), "pt"))
-            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-            rows = local.shape[0] if local.dim() else 0
-            if isinstance(tensor, DTensor) and local.dim():
-                if tensor.placements != (Shard(0),):
-                    raise TrainError(f"{name}: placed {tensor.placements}, not FSDP2's Shard(0)")
-                per = -(-tensor.shape[0] // tensor.device_mesh.size())
-                start = per * tensor.device_mesh.get_local_rank()
-                part = handle.get_slice(key)[start : start + rows]
-            else:
-                part = handle.get_tensor(key)
-            with torch.no_grad():
-                local.copy_(part.reshape(local.shape).to(local.dtype))
-    finally:
-        handles.clear()
+
+    def read(key: str, start: int | None = None, rows: int = 0) -> torch.Tensor:
+        if key not in files and tied and key == "lm_head.weight":
+            key = "model.embed_tokens.weight"
+        if key not in files:
+            raise TrainError(f"the checkpoint has no tensor {key!r} for the model")
+        path = files[key]
+        handle = handles.get(path) or handles.setdefault(path, safe_open(str(path), "pt"))
+        if start is None:
+            return handle.get_tensor(key)
+        return handle.get_slice(key)[start : start + rows]
+
+    for name, tensor in _checkpointed(lm):
+        key = name.replace(CHECKPOINT_PREFIX, "")
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        start, rows = 0, local.shape[0] if local.dim() else 0
+        if isinstance(tensor, DTensor) and local.dim():
+            if tensor.placements != (Shard(0),):
+                raise TrainError(f"{name}: placed {tensor.placements}, not FSDP2's Shard(0)")
+            start = -(-tensor.shape[0] // tensor.device_mesh.size()) * (
+                tensor.device_mesh.get_local_rank()
+            )
+        sources = fused(key)
+        if sources:  # rows are experts: expert e's tensors, concatenated
+            part = torch.stack([
+                torch.cat([read(s.replace("*", str(e))) for s in sources])
+                for e in range(start, start + rows)
+            ]) if rows else local  # fmt: skip
+        elif isinstance(tensor, DTensor) and local.dim():
+            part = read(key, start, rows)
+        else:
+            part = read(key)
+        with torch.no_grad():
+            local.copy_(part.reshape(local.shape).to(local.dtype))
+
+
+def _fused_sources(lm: Any) -> Any:
+    """``key -> the checkpoint tensors it fuses`` (``*``: the expert's index; None: not
+    fused), from transformers' conversion mapping of the model type (Qwen3-MoE: each
+    expert's gate and up projections into ``experts.gate_up_proj``, its down projection
+    into ``experts.down_proj``)."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    rules = []
+    for conversion in get_checkpoint_conversion_mapping(lm.config.model_type) or []:
+        for target in getattr(conversion, "target_patterns", []):
+            rules.append((target, list(conversion.source_patterns)))
+
+    def sources(key: str) -> list[str] | None:
+        for target, patterns in rules:
+            if key.endswith(target):
+                prefix = key[: -len(target)]
+                return [prefix + pattern for pattern in patterns]
+        return None
+
+    return sources
+
+
+def checkpoint_layout(lm: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (``lm``'s state dict) in the layout of a Hugging Face checkpoint, as
+    engines and ``from_pretrained`` read it (a fused MoE tensor back into its experts'
+    tensors; the same dict for a model without fused tensors)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return dict(revert_weight_conversion(lm, state))
 
 
 def _checkpointed(lm: Any) -> list[tuple[str, torch.Tensor]]:
