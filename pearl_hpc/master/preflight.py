@@ -10,6 +10,7 @@ started, not described) Slurm's commands are on PATH. Every problem is one
 
 from __future__ import annotations
 
+import json
 import shutil
 from importlib.util import find_spec
 from pathlib import Path
@@ -38,10 +39,31 @@ def load_run_config(path: str | Path, *, need_slurm: bool = True) -> RunConfig:
         load_tasks(cfg.run)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
+    if cfg.model != "tiny" and _moe(Path(cfg.model)) and _engines_on_cpu(cfg):
+        raise ConfigError(
+            f"{path}: model {cfg.model} is a mixture of experts and the engines run on cpu, "
+            "where vLLM's in-place weight reload does not reach its MoE kernels (the "
+            "engines would roll out with the initial weights): set engine.device cuda"
+        )
     plan = run_plan(cfg) if trainer_on_gpu(cfg) else None
     if plan is not None and plan.problem:
         raise ConfigError(f"{path}: {plan.problem}")
     return cfg
+
+
+def _moe(model_dir: Path) -> bool:
+    config = model_dir / "config.json"
+    if not config.is_file():
+        return False
+    data = json.loads(config.read_text())
+    return bool(data.get("num_experts") or data.get("num_local_experts"))
+
+
+def _engines_on_cpu(cfg: RunConfig) -> bool:
+    """Engines on cpu: set so, or auto on the local backend of a machine without an
+    NVIDIA GPU."""
+    auto_cpu = cfg.backend == "local" and not Path("/dev/nvidiactl").exists()
+    return cfg.engine.device == "cpu" or (cfg.engine.device == "auto" and auto_cpu)
 
 
 def dashboards_missing(dashboards: DashboardSettings) -> str:

@@ -120,6 +120,7 @@ class Smoke:
         self.workers: dict[str, Any] = {}
         self.greedy: tuple[int, ...] = ()
         self.trainer: Any = None
+        self.long_hidden, self.long_layers = 2048, 28  # 1.6B + 0.6B of embeddings
 
     async def spawn(self, name: str, role: Role | None) -> Any:
         from pearl_hpc.engine.client import spawn_worker
@@ -374,6 +375,24 @@ class Smoke:
         assert torch.equal(b, c), "the shards changed across the hand-off"
         return figures
 
+    async def long(self) -> dict[str, Any]:
+        """One GRPO step on two 32K-token trajectories of a random Qwen3 of PEARL's
+        vocabulary, FSDP2 on this one GPU (bf16 compute), activation checkpointing and
+        chunked log-probs: the peak GPU memory next to the memory plan's figure."""
+        import torch
+        import torch.distributed as dist
+
+        from pearl_hpc.bench.train import build_model
+
+        model = build_model(self.work / "long", self.long_hidden, self.long_layers, 151_936,
+                            LONG_TOKENS, head_dim=128)  # fmt: skip
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            torch.cuda.reset_peak_memory_stats()
+            return long_step(model, "cuda", LONG_TOKENS)
+        finally:
+            dist.destroy_process_group()
+
     async def nccl_tests(self) -> dict[str, Any]:
         import torch
 
@@ -470,6 +489,47 @@ def _clocked(figures: dict[str, Any], name: str, fn: Callable[[], Any]) -> Any:
     return out
 
 
+LONG_TOKENS = 32_768  # PEARL's trajectories
+
+
+def long_step(model_dir: str | Path, device: str, tokens: int) -> dict[str, Any]:
+    """One step of two ``tokens``-token trajectories, FSDP2 over the process group (one
+    rank), checkpointed and chunked, beside the memory plan of the same shapes (cuda:
+    the peak allocated; the plan counts bf16 activations, as FSDP2's mixed precision
+    computes on cuda)."""
+    import json
+    import random
+
+    import torch
+
+    from pearl_hpc.config.memory import ModelShape, trainer_memory
+    from pearl_hpc.rollout.types import Segment, Trajectory
+    from pearl_hpc.train.grpo import GRPOConfig, GRPOTrainer
+
+    chunk = 1024
+    config = GRPOConfig(device=device, fsdp=True, micro_batch_tokens=tokens, minibatch_size=2,
+                        activation_checkpointing=True, logprob_chunk=chunk, lr=1e-5)  # fmt: skip
+    trainer = GRPOTrainer(model_dir, config)
+    rng = random.Random(0)
+    batch = []
+    for i in range(2):
+        ids = [rng.randrange(1, trainer.vocab_size) for _ in range(tokens)]
+        prompt, generated = tuple(ids[: tokens // 4]), tuple(ids[tokens // 4 :])
+        segments = [Segment(prompt, False), Segment(generated, True)]
+        batch.append(Trajectory(f"l{i}", "g", segments, float(i), True, {0}))
+    stats = trainer.train_step(batch)
+    hf_config = json.loads((Path(model_dir) / "config.json").read_text())
+    shape = ModelShape.from_config("long", hf_config)
+    plan = trainer_memory(shape, ranks=1, fsdp=True, tokens=tokens, checkpointing=True,
+                          chunk=chunk, kl=False)  # fmt: skip
+    out = {"params_b": round(shape.params / 1e9, 2), "tokens": tokens,
+           "step_s": round(stats.wall_s, 2), "plan_gib": _gib(int(plan.total))}  # fmt: skip
+    if device == "cuda":
+        peak = torch.cuda.max_memory_allocated()
+        out |= {"peak_gib": _gib(peak), "peak_vs_plan": round(peak / plan.total, 3)}
+    return out
+
+
 def _fsdp_tensors(model: Any) -> dict[str, int]:
     """Where FSDP2's own references to each parameter live (device, storage kept), for
     a lend that left memory behind."""
@@ -522,6 +582,7 @@ async def run_checks(smoke: Smoke, deadline_s: float, only: set[str] | None = No
         ("stage", smoke.stage, ""),
         ("offload", smoke.offload, ""),
         ("fsdp", smoke.fsdp, ""),
+        ("long", smoke.long, ""),
         ("nccl-tests", smoke.nccl_tests, ""),
     ]
     no_vllm = no_vllm_reason()
