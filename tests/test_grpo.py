@@ -405,8 +405,9 @@ def _uneven_batch() -> list[Trajectory]:
     return out
 
 
-# minibatches of 5 and 4 rows, each rank's share packed into micro-batches of <= 32 tokens
-UNEVEN = {"lr": 1e-2, "minibatch_size": 5, "micro_batch_tokens": 32, "epochs": 2}
+# minibatches of 5 and 4 rows, each rank's share packed into micro-batches of <= 32
+# tokens; a KL term (the reference sharded like the policy)
+UNEVEN = {"lr": 1e-2, "minibatch_size": 5, "micro_batch_tokens": 32, "epochs": 2, "kl_coef": 0.05}
 
 
 def _fsdp_member(
@@ -494,9 +495,12 @@ def test_fsdp2_ranks_fed_the_whole_batch_each_train_their_share_and_equal_one_pr
         assert mine.loss == pytest.approx(one.loss, rel=1e-4, abs=1e-6)
         assert mine.grad_norm == pytest.approx(one.grad_norm, rel=1e-4)
         assert mine.entropy == pytest.approx(one.entropy, rel=1e-4)
+        assert mine.kl == pytest.approx(one.kl, rel=1e-3, abs=1e-7)
     for name, tensor in expected.items():
-        # (AdamW's first updates are lr x sign(g): 1e-5 is a thousandth of one)
-        assert torch.allclose(torch.from_numpy(state0[name]), tensor, rtol=1e-4, atol=1e-5), name
+        # AdamW normalises each entry's gradient: an entry whose gradient is float noise
+        # (an embedding row barely used) moves by up to lr either way; 1e-4 is a hundredth
+        # of one update
+        assert torch.allclose(torch.from_numpy(state0[name]), tensor, rtol=1e-4, atol=1e-4), name
 
 
 def _fsdp_lender(store_file: str, model_dir: str, out: Any) -> None:

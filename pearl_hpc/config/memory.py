@@ -241,8 +241,7 @@ def memory_plan(cfg: RunConfig, shape: ModelShape) -> Plan:
     ranks = cfg.workers.training_gpus
     tokens = max(t.micro_batch_tokens, cfg.run.max_context_tokens)
     checkpointing = t.activation_checkpointing is not False  # the trainer is on cuda here
-    options = {"ranks": ranks, "tokens": tokens, "chunk": t.logprob_chunk, "kl": t.kl_coef > 0}
-    mem = trainer_memory(shape, fsdp=t.fsdp, checkpointing=checkpointing, **options)
+    mem = _rank_memory(cfg, shape, fsdp=t.fsdp, checkpointing=checkpointing)
     budget = gpu - RESERVE_BYTES
     engine = engine_memory(
         shape,
@@ -292,7 +291,7 @@ def memory_plan(cfg: RunConfig, shape: ModelShape) -> Plan:
         )
     problem = ""
     if mem.total > budget:
-        problem = _trainer_fix(cfg, shape, mem, budget, checkpointing, options)
+        problem = _trainer_fix(cfg, shape, mem, budget, checkpointing)
     elif not engine.fits:
         problem = (
             f"an engine's KV pool ({_gb(engine.kv_pool)} a GPU) cannot hold one "
@@ -303,19 +302,33 @@ def memory_plan(cfg: RunConfig, shape: ModelShape) -> Plan:
     return Plan(lines, problem)
 
 
+def _rank_memory(
+    cfg: RunConfig, shape: ModelShape, *, fsdp: bool, checkpointing: bool
+) -> TrainerMemory:
+    """A trainer rank of ``cfg`` with ``fsdp`` and ``checkpointing`` as given."""
+    return trainer_memory(
+        shape,
+        ranks=cfg.workers.training_gpus,
+        fsdp=fsdp,
+        tokens=max(cfg.train.micro_batch_tokens, cfg.run.max_context_tokens),
+        checkpointing=checkpointing,
+        chunk=cfg.train.logprob_chunk,
+        kl=cfg.train.kl_coef > 0,
+    )
+
+
 def _trainer_fix(
     cfg: RunConfig,
     shape: ModelShape,
     mem: TrainerMemory,
     budget: float,
     checkpointing: bool,
-    options: dict[str, Any],
 ) -> str:
     """The one line naming the knob that makes the trainer rank fit."""
     t = cfg.train
     head = f"a trainer rank needs {_gb(mem.total)} of a GPU's {_gb(budget)}"
-    if not t.fsdp and options["ranks"] > 1:
-        sharded = trainer_memory(shape, fsdp=True, checkpointing=checkpointing, **options)
+    if not t.fsdp and cfg.workers.training_gpus > 1:
+        sharded = _rank_memory(cfg, shape, fsdp=True, checkpointing=checkpointing)
         if sharded.total <= budget:
             return (
                 f"{head} (replicated {shape.params / 1e9:.1f}B fp32 with AdamW): set "

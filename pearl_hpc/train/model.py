@@ -10,6 +10,7 @@ and LM head, each decoder block unshards its own.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 from pathlib import Path
@@ -79,12 +80,16 @@ def build_policy(
     shard = fsdp and dist.is_available() and dist.is_initialized()
     if fsdp and not shard:
         log.warning("GRPOConfig.fsdp is set but there is no process group: not sharding")
+    attention = attention_kernel(device, bf16=shard)
     if shard:
         config = AutoConfig.from_pretrained(model_dir)
         with torch.device("meta"):
-            lm: Any = AutoModelForCausalLM.from_config(config).to(torch.float32)
+            lm: Any = AutoModelForCausalLM.from_config(config, attn_implementation=attention)
+            lm = lm.to(torch.float32)
     else:
-        lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        lm = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, attn_implementation=attention
+        )
     lm.eval()
     if checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -105,6 +110,17 @@ def build_policy(
     else:
         policy.to(device)
     return lm, policy, shard
+
+
+def attention_kernel(device: torch.device, *, bf16: bool) -> str:
+    """transformers' attention: ``flash_attention_2`` where it runs (cuda, bf16 compute:
+    FSDP2's mixed precision, the flash-attn package installed), so a packed micro-batch
+    runs varlen, each trajectory attending within itself; else ``sdpa``, where a packed
+    micro-batch carries an N x N block-diagonal mask (its compute covers the masked
+    blocks too)."""
+    if device.type == "cuda" and bf16 and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
 
 
 def weight_files(directory: Path) -> dict[str, Path]:
