@@ -51,7 +51,7 @@ def _target(args: argparse.Namespace) -> Target:
     env = args.env or "code"
     name = path.name if args.target != "tiny" else "tiny"
     out = Path(args.out) if args.out else Path(f"eval-{name}-{env}.json")
-    return Target(_model_dir(args.target), None, 0, env, {}, None, out)
+    return Target(model_dir_of(args.target), None, 0, env, {}, None, out)
 
 
 def _run_target(run_dir: Path, args: argparse.Namespace) -> Target:
@@ -74,10 +74,11 @@ def _run_target(run_dir: Path, args: argparse.Namespace) -> Target:
     out = Path(args.out) if args.out else run_dir / "eval" / f"{env}-v{version}.json"
     weights = snapshot / "model.safetensors" if snapshot else None
     options = dict(cfg.run.env_options) if same_env else {}
-    return Target(_model_dir(cfg.model), weights, version, env, options, eval_tasks, out)
+    return Target(model_dir_of(cfg.model), weights, version, env, options, eval_tasks, out)
 
 
-def _model_dir(model: str) -> str:
+def model_dir_of(model: str) -> str:
+    """A run config's ``model`` as a directory (tiny: built locally, once)."""
     if model == "tiny":
         from pearl_hpc.engine.tinymodel import build_tiny_model, default_model_dir
 

@@ -11,11 +11,11 @@ import os
 import sys
 from collections.abc import Sequence
 
-from pearl_hpc.cli import calibrate, evaluate, plan, run, simulate, tools
+from pearl_hpc.cli import calibrate, evaluate, export, plan, run, simulate, tools
 from pearl_hpc.cli.common import EXIT_USAGE, Parser
 from pearl_hpc.errors import PearlError
 
-SUBCOMMANDS = (plan, simulate, calibrate, run, evaluate, tools)
+SUBCOMMANDS = (plan, simulate, calibrate, run, evaluate, export, tools)
 
 
 def build_parser() -> argparse.ArgumentParser:

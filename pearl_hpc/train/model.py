@@ -82,10 +82,7 @@ def build_policy(
         log.warning("GRPOConfig.fsdp is set but there is no process group: not sharding")
     attention = attention_kernel(device, bf16=shard)
     if shard:
-        config = AutoConfig.from_pretrained(model_dir)
-        with torch.device("meta"):
-            lm: Any = AutoModelForCausalLM.from_config(config, attn_implementation=attention)
-            lm = lm.to(torch.float32)
+        lm: Any = empty_model(model_dir, torch.float32, attention)
     else:
         lm = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=torch.float32, attn_implementation=attention
@@ -102,14 +99,29 @@ def build_policy(
     policy = Policy(lm, temperature, chunk)
     if shard:
         _shard(policy, device)
-        policy.to_empty(device=device)
-        for module in lm.modules():  # buffers computed at construction (rotary frequencies)
-            if hasattr(module, "original_inv_freq"):
-                lm._init_weights(module)
+        materialize(policy, lm, device)
         load_shards(lm, weight_files(model_dir))
     else:
         policy.to(device)
     return lm, policy, shard
+
+
+def empty_model(model_dir: Path, dtype: torch.dtype, attention: str = "sdpa") -> Any:
+    """The model of ``model_dir``'s config on the meta device (no memory, no weights)."""
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(config, attn_implementation=attention)
+        return lm.to(dtype)
+
+
+def materialize(module: torch.nn.Module, lm: Any, device: torch.device | str) -> None:
+    """Allocate ``module`` (holding the meta-device ``lm``) on ``device``, uninitialised
+    but for the buffers computed at construction (rotary frequencies): the weights come
+    next, from :func:`load_shards`."""
+    module.to_empty(device=device)
+    for sub in lm.modules():
+        if hasattr(sub, "original_inv_freq"):
+            lm._init_weights(sub)
 
 
 def attention_kernel(device: torch.device, *, bf16: bool) -> str:

@@ -102,3 +102,22 @@ def _optimizer_on_host(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         for index, entries in state["state"].items()
     }
     return {**state, "state": moved}
+
+
+def snapshot_of_version(directory: Path | str, version: int) -> Path:
+    """The complete snapshot of ``version`` under ``directory``; a missing one is a
+    :class:`TrainError` listing those kept."""
+    path = Path(directory) / f"v{version:06d}"
+    if (path / META_FILE).is_file():
+        return path
+    root = Path(directory)
+    kept = sorted(
+        int(m.group(1))
+        for e in (root.iterdir() if root.is_dir() else [])
+        if (m := _SNAPSHOT_DIR.match(e.name)) and (e / META_FILE).is_file()
+    )
+    steps = ", ".join(str(v - 1) for v in kept if v > 0) or "none"
+    raise TrainError(
+        f"no snapshot of the weights after step {version - 1} in {root} (kept: after steps "
+        f"{steps}; a run keeps the newest two)"
+    )
