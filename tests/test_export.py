@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 
 from pearl_hpc.rundir import RunDir  # noqa: E402
 from pearl_hpc.train.grpo import GRPOConfig, GRPOTrainer  # noqa: E402
+from pearl_hpc.train.model import checkpoint_layout  # noqa: E402
 from tests.conftest import vllm_skip_reason  # noqa: E402
 from tests.factories import uneven_batch  # noqa: E402
 
@@ -59,10 +60,7 @@ def test_export_loads_in_transformers_with_the_trainers_weights(
     assert done.returncode == 0, done.stderr
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32")
     state = trainer.state_dict()
-    got = dict(loaded.state_dict())
-    from transformers.core_model_loading import revert_weight_conversion
-
-    got = dict(revert_weight_conversion(loaded, {k: v.clone() for k, v in got.items()}))
+    got = checkpoint_layout(loaded, {k: v.clone() for k, v in loaded.state_dict().items()})
     assert set(got) == set(state) and all(torch.equal(got[k], state[k]) for k in state)
     assert _greedy(loaded) == _greedy(trainer.model)
     AutoTokenizer.from_pretrained(tmp_path / "fp32")  # the tokenizer came along

@@ -351,13 +351,16 @@ def _trainer_fix(
     )
 
 
+def run_shape(cfg: RunConfig) -> ModelShape | None:
+    """The shape of ``cfg``'s model (its directory relative to the working directory,
+    where the run is submitted from); None for the tiny model, or a model whose
+    config.json is not here and is not one of the known models."""
+    return None if cfg.model == "tiny" else model_shape(cfg.model, Path(cfg.model))
+
+
 def run_plan(cfg: RunConfig) -> Plan | None:
-    """The memory plan of ``cfg``'s model (its directory relative to the working
-    directory, where the run is submitted from); None for the tiny model, or a model
-    whose config.json is not here and is not one of the known models."""
-    if cfg.model == "tiny":
-        return None
-    shape = model_shape(cfg.model, Path(cfg.model))
+    """The memory plan of ``cfg``'s model (None: its shape is not known, as above)."""
+    shape = run_shape(cfg)
     return None if shape is None else memory_plan(cfg, shape)
 
 

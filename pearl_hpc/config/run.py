@@ -334,7 +334,7 @@ class TrainSettings:
     )
     logprob_chunk: int = spec_field(
         "positions whose logits over the vocabulary exist at once when log-probs and "
-        "entropy are computed (memory: chunk x vocab x 4 bytes, twice)",
+        "entropy are computed (memory: three fp32 [chunk, vocab] buffers)",
         default=1024,
         ge=1,
     )

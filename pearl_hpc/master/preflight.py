@@ -10,12 +10,11 @@ started, not described) Slurm's commands are on PATH. Every problem is one
 
 from __future__ import annotations
 
-import json
 import shutil
 from importlib.util import find_spec
 from pathlib import Path
 
-from pearl_hpc.config.memory import run_plan, trainer_on_gpu
+from pearl_hpc.config.memory import memory_plan, run_shape, trainer_on_gpu
 from pearl_hpc.config.run import DashboardSettings, RunConfig, read_run_config
 from pearl_hpc.errors import ConfigError
 from pearl_hpc.rollout.envs.registry import check_environment
@@ -39,24 +38,17 @@ def load_run_config(path: str | Path, *, need_slurm: bool = True) -> RunConfig:
         load_tasks(cfg.run)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
-    if cfg.model != "tiny" and _moe(Path(cfg.model)) and _engines_on_cpu(cfg):
+    shape = run_shape(cfg)
+    if shape is not None and shape.experts and _engines_on_cpu(cfg):
         raise ConfigError(
             f"{path}: model {cfg.model} is a mixture of experts and the engines run on cpu, "
             "where vLLM's in-place weight reload does not reach its MoE kernels (the "
             "engines would roll out with the initial weights): set engine.device cuda"
         )
-    plan = run_plan(cfg) if trainer_on_gpu(cfg) else None
-    if plan is not None and plan.problem:
-        raise ConfigError(f"{path}: {plan.problem}")
+    problem = memory_plan(cfg, shape).problem if shape and trainer_on_gpu(cfg) else ""
+    if problem:
+        raise ConfigError(f"{path}: {problem}")
     return cfg
-
-
-def _moe(model_dir: Path) -> bool:
-    config = model_dir / "config.json"
-    if not config.is_file():
-        return False
-    data = json.loads(config.read_text())
-    return bool(data.get("num_experts") or data.get("num_local_experts"))
 
 
 def _engines_on_cpu(cfg: RunConfig) -> bool:

@@ -104,7 +104,7 @@ from pearl_hpc.train.objective import (
     grpo_loss,
     lr_at,
 )
-from pearl_hpc.train.packing import Packed, forwards_per_rank, micro_batches, pack, split_rows
+from pearl_hpc.train.packing import Packed, micro_batches, pack, split_rows
 from pearl_hpc.train.snapshot import (
     META_FILE,
     OPTIMIZER_FILE,
@@ -497,10 +497,11 @@ class GRPOTrainer:
         FSDP the most any rank runs (each forward is a collective: the others pad)."""
         rank = self.group.rank if self.group else 0
         budget = self.config.micro_batch_tokens
-        mine = micro_batches(batch.lengths, shares[rank], budget)
         if not self.sharded:
+            mine = micro_batches(batch.lengths, shares[rank], budget)
             return mine, len(mine)
-        return mine, max(forwards_per_rank(batch.lengths, shares, budget))
+        every = [micro_batches(batch.lengths, share, budget) for share in shares]
+        return every[rank], max(map(len, every))
 
     def _forward(self, policy: Policy, packed: Packed) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probs, entropy) ``[k, L - 1]`` of a packed micro-batch's rows."""

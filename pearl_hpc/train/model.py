@@ -172,25 +172,32 @@ def load_shards(lm: Any, files: dict[str, Path]) -> None:
     for name, tensor in _checkpointed(lm):
         key = name.replace(CHECKPOINT_PREFIX, "")
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        start, rows = 0, local.shape[0] if local.dim() else 0
-        if isinstance(tensor, DTensor) and local.dim():
-            if tensor.placements != (Shard(0),):
-                raise TrainError(f"{name}: placed {tensor.placements}, not FSDP2's Shard(0)")
-            start = -(-tensor.shape[0] // tensor.device_mesh.size()) * (
-                tensor.device_mesh.get_local_rank()
-            )
+        rows = local.shape[0] if local.dim() else 0
+        first = _first_row(name, tensor) if local.dim() else None  # None: not sharded
+        start, sharded = first or 0, first is not None
         sources = fused(key)
         if sources:  # rows are experts: expert e's tensors, concatenated
             part = torch.stack([
                 torch.cat([read(s.replace("*", str(e))) for s in sources])
                 for e in range(start, start + rows)
             ]) if rows else local  # fmt: skip
-        elif isinstance(tensor, DTensor) and local.dim():
+        elif sharded:
             part = read(key, start, rows)
         else:
             part = read(key)
         with torch.no_grad():
             local.copy_(part.reshape(local.shape).to(local.dtype))
+
+
+def _first_row(name: str, tensor: torch.Tensor) -> int | None:
+    """The first row of ``tensor`` this rank holds, if it is an FSDP2 shard (dim-0
+    chunks of ``ceil(rows / ranks)``); None for a whole tensor."""
+    if not isinstance(tensor, DTensor):
+        return None
+    if tensor.placements != (Shard(0),):
+        raise TrainError(f"{name}: placed {tensor.placements}, not FSDP2's Shard(0)")
+    per = -(-tensor.shape[0] // tensor.device_mesh.size())
+    return per * tensor.device_mesh.get_local_rank()
 
 
 def _fused_sources(lm: Any) -> Any:
@@ -202,8 +209,11 @@ def _fused_sources(lm: Any) -> Any:
 
     rules = []
     for conversion in get_checkpoint_conversion_mapping(lm.config.model_type) or []:
-        for target in getattr(conversion, "target_patterns", []):
-            rules.append((target, list(conversion.source_patterns)))
+        patterns = list(getattr(conversion, "source_patterns", []))
+        if not any("*" in p for p in patterns):
+            continue  # a renaming, not a fusion of per-expert tensors
+        for target in conversion.target_patterns:
+            rules.append((target, patterns))
 
     def sources(key: str) -> list[str] | None:
         for target, patterns in rules:

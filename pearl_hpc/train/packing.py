@@ -50,13 +50,6 @@ def micro_batches(lengths: Sequence[int], rows: Sequence[int], budget: int) -> l
     return bins
 
 
-def forwards_per_rank(
-    lengths: Sequence[int], shares: Sequence[Sequence[int]], budget: int
-) -> list[int]:
-    """How many micro-batches each rank's share makes."""
-    return [len(micro_batches(lengths, share, budget)) for share in shares]
-
-
 @dataclass(frozen=True)
 class Packed:
     """One micro-batch as the model takes it."""

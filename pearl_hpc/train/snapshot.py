@@ -47,17 +47,19 @@ def read_snapshot_meta(snapshot: Path) -> dict[str, Any]:
 def latest_snapshot(directory: Path | str) -> Path | None:
     """The complete snapshot with the highest version under ``directory``, or None.
     Temporary (unfinished) directories are ignored."""
-    root = Path(directory)
-    if not root.is_dir():
-        return None
-    best: tuple[int, Path] | None = None
-    for entry in root.iterdir():
+    kept = _complete(Path(directory))
+    return kept[max(kept)] if kept else None
+
+
+def _complete(root: Path) -> dict[int, Path]:
+    """The complete snapshots under ``root`` by version (temporary directories and ones
+    without their meta.json ignored)."""
+    out = {}
+    for entry in root.iterdir() if root.is_dir() else []:
         match = _SNAPSHOT_DIR.match(entry.name)
         if match and (entry / META_FILE).is_file():
-            version = int(match.group(1))
-            if best is None or version > best[0]:
-                best = (version, entry)
-    return None if best is None else best[1]
+            out[int(match.group(1))] = entry
+    return out
 
 
 def host_copies(
@@ -107,16 +109,11 @@ def _optimizer_on_host(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 def snapshot_of_version(directory: Path | str, version: int) -> Path:
     """The complete snapshot of ``version`` under ``directory``; a missing one is a
     :class:`TrainError` listing those kept."""
-    path = Path(directory) / f"v{version:06d}"
-    if (path / META_FILE).is_file():
-        return path
     root = Path(directory)
-    kept = sorted(
-        int(m.group(1))
-        for e in (root.iterdir() if root.is_dir() else [])
-        if (m := _SNAPSHOT_DIR.match(e.name)) and (e / META_FILE).is_file()
-    )
-    steps = ", ".join(str(v - 1) for v in kept if v > 0) or "none"
+    kept = _complete(root)
+    if version in kept:
+        return kept[version]
+    steps = ", ".join(str(v - 1) for v in sorted(kept) if v > 0) or "none"
     raise TrainError(
         f"no snapshot of the weights after step {version - 1} in {root} (kept: after steps "
         f"{steps}; a run keeps the newest two)"
