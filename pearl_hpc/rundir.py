@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -39,8 +40,14 @@ FILES: tuple[tuple[str, str, str], ...] = (
     ("lock_file", "lock", "the live master's `flock` (its pid inside): a second master, or "
      "`--resume` of a live run, is refused in one line; the kernel frees a dead master's "
      "lock, and `pearl-hpc status` reads it"),
-    ("snapshots", "snapshots/", "`vNNNNNN/`: the trainer's weights and optimizer after step "
-     "N-1 (the newest two kept)"),
+    ("checkpoints", "checkpoints/", "`vNNNNNN/`: the trainer's state after N updates (steps "
+     "0..N-1): weights and AdamW state, one shard file per trainer rank "
+     "(`torch.distributed.checkpoint`), complete once its `meta.json` is there; every "
+     "`train.checkpoint_every` steps and after the last, the newest `train.keep_checkpoints` "
+     "kept"),
+    ("exports", "exports/", "`vNNNNNN/`: Hugging Face model directories (config, tokenizer, "
+     "sharded safetensors) every `train.export_every` steps and after the last; "
+     "`pearl-hpc export` writes one from any checkpoint"),
     ("trajectories", "trajectories/", "`step-NNNNN.jsonl`: a line per turn of each "
      "trajectory, what the turn added (token ids, masks, log-probs, versions); a "
      "trajectory is the fold of its lines"),
@@ -143,8 +150,12 @@ class RunDir:
         return self.trajectories / f"step-{step:05d}.jsonl"
 
     @property
-    def snapshots(self) -> Path:
-        return self._named("snapshots")
+    def checkpoints(self) -> Path:
+        return self._named("checkpoints")
+
+    @property
+    def exports(self) -> Path:
+        return self._named("exports")
 
     @property
     def elastic(self) -> Path:
@@ -274,17 +285,42 @@ class RunDir:
         _check_run_state(self.journal, state)
         return state
 
-    def drop_unrecorded_snapshots(self, version: int) -> None:
-        """A snapshot newer than the journal's ``version`` is of a step trained but never
-        recorded (the master died in between): that step is trained again from its log."""
-        for newer in self.snapshots.glob("v[0-9]*"):
-            if newer.name[1:].isdigit() and int(newer.name[1:]) > version:
-                shutil.rmtree(newer)
+    def drop_checkpoints(self, newer_than: int) -> list[str]:
+        """Before a resumed world starts: remove the checkpoints of versions above the
+        journal's ``newer_than`` (a step trained but never recorded: it is trained again
+        from its log) and every incomplete one (a save that was killed); returns their
+        names."""
+        dropped = []
+        for entry in sorted(self.checkpoints.iterdir()) if self.checkpoints.is_dir() else []:
+            match = _VERSION_DIR.match(entry.name)
+            if match and (int(match.group(1)) > newer_than or not _complete(entry)):
+                shutil.rmtree(entry, ignore_errors=True)
+                dropped.append(entry.name)
+        return dropped
 
-    def prune_snapshots(self, keep: int) -> None:
-        """Weight snapshots are only for resuming: keep the newest ``keep``."""
-        for old in sorted(self.snapshots.glob("v[0-9]*"))[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+
+CHECKPOINT_META = "meta.json"  # a checkpoint's, written last: there once it is complete
+_VERSION_DIR = re.compile(r"^v(\d{6,})$")
+
+
+def version_dir(root: Path, version: int) -> Path:
+    """``root/vNNNNNN``: a checkpoint's or an export's directory."""
+    return root / f"v{version:06d}"
+
+
+def _complete(entry: Path) -> bool:
+    return (entry / CHECKPOINT_META).is_file()
+
+
+def complete_checkpoints(root: Path | str) -> dict[int, Path]:
+    """The complete checkpoints under ``root`` by version."""
+    root = Path(root)
+    out = {}
+    for entry in root.iterdir() if root.is_dir() else []:
+        match = _VERSION_DIR.match(entry.name)
+        if match and _complete(entry):
+            out[int(match.group(1))] = entry
+    return out
 
 
 def write_journal(path: str | Path, state: dict[str, Any], *, time_s: float) -> None:

@@ -134,7 +134,7 @@ def test_weights_travel_in_the_dtype_the_engine_holds(tmp_path: Path) -> None:
     vllm_args names one; a model without a readable dtype gets fp32 (loses nothing)."""
     import torch
 
-    from pearl_hpc.train.snapshot import host_copies
+    from pearl_hpc.train.model import host_copies
 
     model = tmp_path / "model"
     model.mkdir()

@@ -1,5 +1,5 @@
 """GRPO: the pure parts (advantages, loss, log-probabilities) against hand-computed values,
-and the trainer on the tiny Qwen3 model: learning from rewards, versions, snapshots and
+and the trainer on the tiny Qwen3 model: learning from rewards, versions, checkpoints and
 the batches it must refuse."""
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ from safetensors import safe_open  # noqa: E402
 from pearl_hpc.engine.tinymodel import build_tiny_model  # noqa: E402
 from pearl_hpc.errors import ConfigError  # noqa: E402
 from pearl_hpc.rollout.types import Segment, Trajectory  # noqa: E402
+from pearl_hpc.train.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint  # noqa: E402
 from pearl_hpc.train.grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from pearl_hpc.train.objective import (  # noqa: E402
     TrainError,
     group_advantages,
     grpo_loss,
 )
-from pearl_hpc.train.snapshot import latest_snapshot  # noqa: E402
 from tests.factories import run_reporting  # noqa: E402
 
 
@@ -287,41 +287,6 @@ def test_state_dict_is_full_detached_fp32_cpu(tiny_model_dir: Path) -> None:
     assert torch.equal(state["lm_head.weight"], before)  # a copy, not a view of the params
 
 
-def test_snapshot_round_trip_resumes_weights_version_and_optimizer(
-    tiny_model_dir: Path, tokenizer: Any, tmp_path: Path
-) -> None:
-    config = GRPOConfig(lr=1e-2)
-    trainer = GRPOTrainer(tiny_model_dir, config)
-    assert latest_snapshot(tmp_path / "snaps") is None
-    trainer.save_snapshot(tmp_path / "snaps")  # v0 (the initial weights)
-    for _ in range(2):
-        trainer.train_step(make_batch(tokenizer, version=trainer.version))
-    path = trainer.save_snapshot(tmp_path / "snaps")
-    assert path == tmp_path / "snaps" / "v000002"
-    assert {p.name for p in path.iterdir()} == {"model.safetensors", "meta.json", "optimizer.pt"}
-    assert {p.stat().st_mode & 0o777 for p in path.iterdir()} == {0o600}  # private, all
-    (tmp_path / "snaps" / ".tmp-v000009-1").mkdir()  # an unfinished write is ignored
-    assert latest_snapshot(tmp_path / "snaps") == path
-    with pytest.raises(TrainError, match="already exists; snapshots are immutable"):
-        trainer.save_snapshot(tmp_path / "snaps")
-
-    resumed = GRPOTrainer.from_snapshot(tiny_model_dir, path, config)
-    assert resumed.version == 2
-    original, restored = trainer.state_dict(), resumed.state_dict()
-    assert original.keys() == restored.keys()
-    assert all(torch.equal(original[k], restored[k]) for k in original)
-    # the optimizer state came back too: the next step is identical on both
-    batch = make_batch(tokenizer, version=2)
-    trainer.train_step(batch)
-    resumed.train_step(batch)
-    after, resumed_after = trainer.state_dict(), resumed.state_dict()
-    assert all(torch.equal(after[k], resumed_after[k]) for k in after)
-    assert resumed.version == trainer.version == 3
-
-    with pytest.raises(TrainError, match=r"not a snapshot.*pass latest_snapshot"):
-        GRPOTrainer.from_snapshot(tiny_model_dir, tmp_path / "snaps", config)
-
-
 @pytest.mark.parametrize(
     ("field", "value"),
     [
@@ -370,8 +335,11 @@ def test_training_on_cuda_matches_the_cpu_contract(
     assert stats.version == 1 and math.isfinite(stats.loss)
     state = trainer.state_dict()
     assert all(t.device.type == "cpu" and t.dtype == torch.float32 for t in state.values())
-    saved = trainer.save_snapshot(tmp_path / "snapshots")  # AdamW's moments via the host
-    again = GRPOTrainer.from_snapshot(tiny_model_dir, saved, GRPOConfig(lr=1e-2, device="cuda"))
+    saver = Checkpointer(tmp_path / "checkpoints", 2, sharded=False, lead=True)
+    saver.save(trainer)  # AdamW's moments staged in pinned host memory
+    saver.close()
+    again = GRPOTrainer(tiny_model_dir, GRPOConfig(lr=1e-2, device="cuda"))
+    load_checkpoint(again, latest_checkpoint(tmp_path / "checkpoints"))
     moments = [s["exp_avg"] for s in again.optimizer.state.values()]
     assert moments and all(m.is_cuda for m in moments)
     assert all(torch.equal(a, b) for a, b in zip(
@@ -407,15 +375,18 @@ def _uneven_batch() -> list[Trajectory]:
 
 # minibatches of 5 and 4 rows, each rank's share packed into micro-batches of <= 32
 # tokens; a KL term (the reference sharded like the policy)
-UNEVEN = {"lr": 1e-2, "minibatch_size": 5, "micro_batch_tokens": 32, "epochs": 2, "kl_coef": 0.05}
+UNEVEN = {
+    "lr": 1e-2, "minibatch_size": 5, "micro_batch_tokens": 32, "epochs": 2, "kl_coef": 0.05,
+    "max_staleness": 4,  # the same batch, step after step
+}  # fmt: skip
 
 
 def _fsdp_member(
-    rank: int, store_file: str, model_dir: str, snaps: str, steps: int, out: Any
+    rank: int, store_file: str, model_dir: str, checkpoints: str, steps: int, out: Any
 ) -> None:
     """One of two FSDP2 ranks fed the whole batch as the master feeds it: shard, train
     ``steps`` steps, count the rows and tokens it forwards, gather the full weights,
-    snapshot, resume; report what it saw."""
+    checkpoint its shards, resume from them, train one more step; report what it saw."""
     import traceback
 
     try:
@@ -439,18 +410,52 @@ def _fsdp_member(
 
         trainer.policy.register_forward_pre_hook(count)
         stats = [trainer.train_step(_uneven_batch()) for _ in range(steps)]
+        counted = dict(seen)  # in these steps
         state = trainer.state_dict()
-        trainer.save_snapshot(Path(snaps))
+        saver = Checkpointer(Path(checkpoints), 2, sharded=True, lead=rank == 0)
+        saver.save(trainer)
+        saver.close()  # this rank's shards written (trainer 0: the checkpoint complete)
         dist.barrier()
-        resumed = GRPOTrainer.from_snapshot(model_dir, Path(snaps) / f"v{steps:06d}", config)
+        resumed = GRPOTrainer(model_dir, config)
+        load_checkpoint(resumed, Path(checkpoints) / f"v{steps:06d}")
         again = resumed.state_dict()
-        same = all(torch.equal(state[k], again[k]) for k in state)
+        moments = _adam(trainer) == _adam(resumed)
+        same = all(torch.equal(state[k], again[k]) for k in state) and moments
+        adam = _full_adam(trainer)  # gathered: what a resharded resume must hold
+        trainer.train_step(_uneven_batch())  # one more step (a resume on 1 rank: the same)
+        after = trainer.state_dict()
         shapes = {k: tuple(v.shape) for k, v in state.items()}
         dist.destroy_process_group()
         arrays = {k: v.numpy() for k, v in state.items()}  # by value (no shared memory)
-        out.put((rank, (stats, seen, shapes, arrays, same, resumed.version)))
+        later = {k: v.numpy() for k, v in after.items()}
+        out.put((rank, (stats, counted, shapes, arrays, same, resumed.version, adam, later)))
     except BaseException:
         out.put((rank, traceback.format_exc()))
+
+
+def _adam(trainer: GRPOTrainer) -> list[bytes]:
+    """This rank's AdamW state (its shards), as bytes: equal means bitwise equal."""
+    out = []
+    for state in trainer.optimizer.state.values():
+        for key in sorted(state):
+            value = state[key]
+            local = value.to_local() if hasattr(value, "to_local") else value
+            out.append(local.detach().cpu().numpy().tobytes())
+    return out
+
+
+def _full_adam(trainer: GRPOTrainer) -> dict[str, bytes]:
+    """The whole AdamW state by parameter name (gathered under FSDP; every rank calls
+    it), as bytes."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_optimizer_state_dict(trainer.model, trainer.optimizer, options=options)
+    return {
+        f"{name}/{key}": value.numpy().tobytes()
+        for name, entries in state.get("state", {}).items()
+        for key, value in entries.items()
+    }
 
 
 @pytest.mark.parametrize(("model", "steps"), [("dense", 1), ("moe", 2)])
@@ -468,7 +473,7 @@ def test_fsdp2_ranks_fed_the_whole_batch_each_train_their_share_and_equal_one_pr
     model_dir = request.getfixturevalue("tiny_model_dir" if model == "dense" else "tiny_moe_dir")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    args = (str(tmp_path / "store"), str(model_dir), str(tmp_path / "snaps"), steps, out)
+    args = (str(tmp_path / "store"), str(model_dir), str(tmp_path / "checkpoints"), steps, out)
     procs = [ctx.Process(target=_fsdp_member, args=(r, *args), daemon=True) for r in (0, 1)]
     results = run_reporting(procs, out, {0, 1}, timeout_s=240)
 
@@ -476,11 +481,23 @@ def test_fsdp2_ranks_fed_the_whole_batch_each_train_their_share_and_equal_one_pr
     single = GRPOTrainer(model_dir, GRPOConfig(**UNEVEN))
     ones = [single.train_step(batch) for _ in range(steps)]
     expected = single.state_dict()
-    (stats0, seen0, shapes0, state0, same0, version0) = results[0]
-    (stats1, seen1, _, state1, same1, _) = results[1]
+    (stats0, seen0, shapes0, state0, same0, version0, adam0, later0) = results[0]
+    (stats1, seen1, _, state1, same1, _, _, _) = results[1]
     assert shapes0 == {k: tuple(v.shape) for k, v in expected.items()}  # lm_head included
     assert state1 == {}  # gathered into rank 0's host memory only
-    assert same0 and same1 and version0 == steps  # the snapshot resumes into the shards
+    # the checkpoint resumes into the shards: weights and AdamW state bitwise
+    assert same0 and same1 and version0 == steps
+
+    # resharded: the two ranks' checkpoint on one process, bitwise what they held; one
+    # more step equals theirs (to float rounding: their gradients add up in another order)
+    one = GRPOTrainer(model_dir, GRPOConfig(**UNEVEN))
+    load_checkpoint(one, tmp_path / "checkpoints" / f"v{steps:06d}")
+    assert one.version == steps and _full_adam(one) == adam0
+    loaded = one.state_dict()
+    assert all(torch.equal(loaded[k], torch.from_numpy(v)) for k, v in state0.items())
+    one.train_step(_uneven_batch())
+    for name, tensor in one.state_dict().items():
+        assert torch.allclose(torch.from_numpy(later0[name]), tensor, rtol=1e-5, atol=1e-5), name
     with safe_open(str(Path(model_dir) / "model.safetensors"), "pt") as checkpoint:
         assert set(state0) == set(checkpoint.keys())  # the checkpoint's layout and names
 

@@ -139,7 +139,7 @@ def prepare_run(cfg: RunConfig, run_dir: Path, *, resume: bool) -> str:
     else:
         model_dir = cfg.model
     if resume:
-        run.drop_unrecorded_snapshots(int(run.read_state()["version"]))
+        run.drop_checkpoints(int(run.read_state()["version"]))
     if multi_node(cfg):
         _write_hostfile(cfg, run_dir)
     return model_dir

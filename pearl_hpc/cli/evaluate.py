@@ -22,16 +22,16 @@ from typing import Any, cast
 
 from pearl_hpc.cli.common import positive_int
 from pearl_hpc.errors import ConfigError
-from pearl_hpc.rundir import RunDir
+from pearl_hpc.rundir import RunDir, version_dir
 
 
 @dataclass
 class Target:
-    """What is evaluated: a model, its weights, the environment and the problems."""
+    """What is evaluated: a model (a run's: its newest checkpoint exported), the
+    environment and the problems."""
 
     model_dir: str
-    weights: Path | None  # a snapshot's model.safetensors (None: the model's own)
-    version: int
+    version: int  # the run's weight version (0: the model's own weights)
     env: str
     env_options: dict[str, Any]
     tasks: list[dict[str, Any]] | None  # a run's eval tasks (None: the env's eval split)
@@ -51,17 +51,27 @@ def _target(args: argparse.Namespace) -> Target:
     env = args.env or "code"
     name = path.name if args.target != "tiny" else "tiny"
     out = Path(args.out) if args.out else Path(f"eval-{name}-{env}.json")
-    return Target(model_dir_of(args.target), None, 0, env, {}, None, out)
+    return Target(model_dir_of(args.target), 0, env, {}, None, out)
 
 
 def _run_target(run_dir: Path, args: argparse.Namespace) -> Target:
     from pearl_hpc.master.preflight import load_run_config
     from pearl_hpc.rollout.tasks import load_tasks
-    from pearl_hpc.train.snapshot import latest_snapshot, read_snapshot_meta
+    from pearl_hpc.train.checkpoint import latest_checkpoint, read_meta
+    from pearl_hpc.train.export import export_hf
 
-    cfg = load_run_config(RunDir(run_dir).config, need_slurm=False)
-    snapshot = latest_snapshot(RunDir(run_dir).snapshots)
-    version = int(read_snapshot_meta(snapshot)["version"]) if snapshot else 0
+    run = RunDir(run_dir)
+    cfg = load_run_config(run.config, need_slurm=False)
+    model_dir = model_dir_of(cfg.model)
+    checkpoint = latest_checkpoint(run.checkpoints)
+    version = 0
+    if checkpoint is not None:  # its export (written now if the run has none of it)
+        version = int(read_meta(checkpoint)["version"])
+        exported = version_dir(run.exports, version)
+        if not (exported / "config.json").is_file():
+            print(f"pearl-hpc eval: exporting {checkpoint.name} to {exported}", flush=True)
+            export_hf(Path(model_dir), checkpoint, exported)
+        model_dir = str(exported)
     env = args.env or cfg.run.env
     same_env = env == cfg.run.env
     tasks = load_tasks(cfg.run) if same_env else None
@@ -72,9 +82,8 @@ def _run_target(run_dir: Path, args: argparse.Namespace) -> Target:
             "eval_fraction, or evaluate another environment with --env"
         )
     out = Path(args.out) if args.out else run_dir / "eval" / f"{env}-v{version}.json"
-    weights = snapshot / "model.safetensors" if snapshot else None
     options = dict(cfg.run.env_options) if same_env else {}
-    return Target(model_dir_of(cfg.model), weights, version, env, options, eval_tasks, out)
+    return Target(model_dir, version, env, options, eval_tasks, out)
 
 
 def model_dir_of(model: str) -> str:
@@ -124,8 +133,6 @@ async def _evaluate(target: Target, args: argparse.Namespace) -> dict[str, Any]:
         print(f"pearl-hpc eval: starting an engine for {target.model_dir}", flush=True)
         worker = await spawn_worker(spec, "eval", run_dir=Path(tmp), key=new_key())
         try:
-            if target.weights is not None:
-                await worker.client.load_weights(target.version, path=str(target.weights))
             router = Router()
             router.set_workers({"eval": worker.client}, {"eval": Role.COLOCATED}, Mode.COLOCATED)
             chat = ChatFormat(cast(Any, AutoTokenizer.from_pretrained(target.model_dir)))

@@ -1,7 +1,7 @@
 """``pearl-hpc export RUN_DIR [--step N] --out DIR``: a run's weights as a Hugging Face
 model directory (config, tokenizer, sharded safetensors) that transformers and vLLM load.
 
-    pearl-hpc export runs/local-...  --out my-model          the newest snapshot
+    pearl-hpc export runs/local-...  --out my-model          the newest checkpoint
     pearl-hpc export runs/local-...  --step 3 --out step3     the weights after step 3
 """
 
@@ -18,8 +18,8 @@ from pearl_hpc.rundir import RunDir
 def _cmd_export(args: argparse.Namespace) -> int:
     from pearl_hpc.cli.evaluate import model_dir_of
     from pearl_hpc.config.run import read_run_config
+    from pearl_hpc.train.checkpoint import checkpoint_of_version, latest_checkpoint
     from pearl_hpc.train.export import export_hf
-    from pearl_hpc.train.snapshot import latest_snapshot, snapshot_of_version
 
     run = RunDir(Path(args.run_dir))
     if not run.config.is_file():
@@ -29,13 +29,16 @@ def _cmd_export(args: argparse.Namespace) -> int:
         )
     cfg = read_run_config(run.config)
     if args.step is None:
-        snapshot = latest_snapshot(run.snapshots)
-        if snapshot is None:
-            raise ConfigError(f"{args.run_dir}: no snapshot yet (no step has been trained)")
+        checkpoint = latest_checkpoint(run.checkpoints)
+        if checkpoint is None:
+            raise ConfigError(
+                f"{args.run_dir}: no checkpoint yet (one is written every "
+                f"train.checkpoint_every = {cfg.train.checkpoint_every} steps and after the last)"
+            )
     else:  # the weights after step N are version N + 1
-        snapshot = snapshot_of_version(run.snapshots, args.step + 1)
-    out = export_hf(Path(model_dir_of(cfg.model)), snapshot, Path(args.out), args.dtype)
-    print(f"pearl-hpc export: {snapshot.name} of {args.run_dir} -> {out} ({args.dtype})")
+        checkpoint = checkpoint_of_version(run.checkpoints, args.step + 1)
+    out = export_hf(Path(model_dir_of(cfg.model)), checkpoint, Path(args.out), args.dtype)
+    print(f"pearl-hpc export: {checkpoint.name} of {args.run_dir} -> {out} ({args.dtype})")
     return 0
 
 

@@ -31,6 +31,7 @@ class Op(StrEnum):
     # point to point: one member
     RELEASE = "release"  # trainer: free the device for an overlap engine; stay in the plane
     TRAIN = "train"  # trainer: one training step
+    SAVE = "save"  # trainer: a checkpoint of the current version, now (after any step)
     PUBLISH = "publish"  # trainer 0: broadcast the latest weights to the serving engines
     CATCH_UP = "catch_up"  # trainer 0: the latest weights to one engine
     LEAVE = "leave"  # leave the plane (Disconnect) and exit: the job is being given back
@@ -63,6 +64,12 @@ class Train(msgspec.Struct, frozen=True, tag=Op.TRAIN.value):
     # the batch: msgpack of list[pearl_hpc.rollout.types.Trajectory], encoded by the
     # master and decoded by the trainer with that type (the record is rollout's)
     trajectories: bytes
+    checkpoint: bool = False  # then save a checkpoint (written while the next step runs)
+
+
+class Save(msgspec.Struct, frozen=True, tag=Op.SAVE.value):
+    """Every trainer rank: a checkpoint of the current version, complete before the ack
+    (Slurm's warning signal: the job ends soon)."""
 
 
 class Publish(msgspec.Struct, frozen=True, tag=Op.PUBLISH.value):
@@ -108,7 +115,17 @@ class Partition(msgspec.Struct, frozen=True, tag=Op.PARTITION.value):
 
 
 CommandBody = (
-    Prepare | Release | Train | Publish | CatchUp | Leave | Shutdown | Admit | Shrink | Partition
+    Prepare
+    | Release
+    | Train
+    | Save
+    | Publish
+    | CatchUp
+    | Leave
+    | Shutdown
+    | Admit
+    | Shrink
+    | Partition
 )
 
 
@@ -195,6 +212,15 @@ class TrainAck(msgspec.Struct, frozen=True, tag="trained"):
     entropy: float = 0.0  # mean entropy per policy token before the update (nats)
     lr: float = 0.0  # the step's learning rate
     onload: Move | None = None  # the rank's GPU came back from an overlap engine first
+    checkpoint_s: float = 0.0  # the step's wait for its checkpoint (staging it)
+    saved: list[int] = []  # versions whose checkpoints completed since the last ack
+
+
+class SaveAck(msgspec.Struct, frozen=True, tag="saved"):
+    """A checkpoint of ``version`` is complete."""
+
+    version: int
+    seconds: float
 
 
 class ReleaseAck(msgspec.Struct, frozen=True, tag="released"):
@@ -225,7 +251,15 @@ class Failed(msgspec.Struct, frozen=True, tag="error"):
 
 
 ReportBody = (
-    Hello | Heartbeat | Ack | CollectiveAck | TrainAck | ReleaseAck | PublishAck | CatchUpAck
+    Hello
+    | Heartbeat
+    | Ack
+    | CollectiveAck
+    | TrainAck
+    | SaveAck
+    | ReleaseAck
+    | PublishAck
+    | CatchUpAck
     | Failed
 )
 

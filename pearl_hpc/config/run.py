@@ -315,7 +315,7 @@ class TrainSettings:
     )
     fsdp: bool = spec_field(
         "shard the trainer ranks' weights, gradients and AdamW state with FSDP2 (bf16 "
-        "compute on cuda; a snapshot then holds the weights only; lending a trainer's GPU "
+        "compute on cuda; each rank checkpoints its own shards; lending a trainer's GPU "
         "moves only its shards)",
         default=False,
     )
@@ -360,6 +360,24 @@ class TrainSettings:
     )
     clip_high: float = spec_field(
         "its upper side (DAPO's clip-higher: e.g. 0.28 with clip_low 0.2)", default=0.2, gt=0
+    )
+    checkpoint_every: int = spec_field(
+        "steps between checkpoints (weights, AdamW state, version; one shard per trainer "
+        "rank, written while the next step runs; one also after the last step): a resume "
+        "loads the newest and trains the steps after it again from their trajectory logs",
+        default=10,
+        ge=1,
+    )
+    keep_checkpoints: int = spec_field(
+        "checkpoints kept (the newest; the one being written is never the only one)",
+        default=2,
+        ge=2,
+    )
+    export_every: int = spec_field(
+        "steps between Hugging Face exports (RUN_DIR/exports/vN: config, tokenizer, "
+        "sharded safetensors in the engines' dtype); 0: only after the last step",
+        default=0,
+        ge=0,
     )
     weight_sync: str = spec_field(
         "how new weights reach engines on other nodes: gloo (staged through host memory: "

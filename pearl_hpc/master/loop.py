@@ -13,11 +13,13 @@ around the controller (no torch model, no engine in this process).
                                                   trainer 0 broadcasts the weights)
 
 The controller is called from the pump only (:meth:`MasterRun.decide_now`). A run
-directory holds the journal (controller snapshot, counters, next step), weight snapshots
-(one per step), the trajectory log and the metrics; ``resume=True`` continues a run whose
-master died: the trainer from its latest snapshot, the tracker's fitted profile and the
-counters from the journal, the step in progress from the trajectory log (finished
-trajectories kept, unfinished ones resumed from their last turn). Engine workers of the
+directory holds the journal (controller snapshot, counters, next step), the trainer's
+checkpoints (every ``train.checkpoint_every`` steps), the trajectory log and the metrics;
+``resume=True`` continues a run whose master died: the trainer from its newest
+checkpoint and the recorded steps after it trained again from their logs, the tracker's
+fitted profile and the counters from the journal, the step in progress from the
+trajectory log (finished trajectories kept, unfinished ones resumed from their last
+turn). Engine workers of the
 dead master exit on their own (they watch their parent); elastic jobs on Slurm are
 adopted, local elastic ranks offered again by the trace.
 """
@@ -169,7 +171,9 @@ class MasterRun:
         )
         self.members.start(since_s=self.started_s)
         self.trainer = RemoteTrainer(self.members)
-        self.recorded_version = self.trainer.version
+        # the weights of the recorded steps (the trainer may resume an older checkpoint:
+        # the steps after it are trained again from their logs)
+        self.recorded_version = int(self.state["version"]) if self.state else 0
         # 2. the rollout workload (tokenizer, environment)
         work = self._build_workload()
         self._t_start = time.monotonic()  # the run's clock starts with its world up
@@ -211,6 +215,8 @@ class MasterRun:
             work=work,
             clock=self.clock,
             on_recorded=self._on_recorded,
+            events=self.events,
+            checkpoint_every=cfg.train.checkpoint_every,
             on_progress=on_progress,
         )
         replay_task = None
@@ -320,12 +326,15 @@ class MasterRun:
             self.controller.tracker.restore(self.state["controller"]["tracker"])
             self.controller.toggle.restore(self.state["controller"]["toggle"])
             counters.load_state_dict(self.state["counters"])
-            # one return latency per training step: the steps the journal recorded (the
-            # dead master may have begun training the step this one trains again)
-            counters.return_latency_s = counters.return_latency_s[: self.first_step]
+            # one return latency per training step: the steps the trainer's checkpoint
+            # holds (the others are trained again, from their logs or rolled out)
+            counters.return_latency_s = counters.return_latency_s[: self.trainer.version]
             self.metrics = [m for m in read_metrics(self.run_dir) if m.step < self.first_step]
             write_lines(self.paths.metrics, [json.dumps(asdict(m)) for m in self.metrics])
-            self.events("resumed", step=self.first_step, version=self.recorded_version)
+            self.events(
+                "resumed", step=self.first_step, version=self.recorded_version,
+                checkpoint=self.trainer.version,
+            )  # fmt: skip
             self._expect_end()
         # counters a previous master journaled; this master's history adds to them
         self._before_changes = (counters.mode_changes, counters.ratio_changes)
@@ -479,15 +488,19 @@ class MasterRun:
     def save_state(self, next_step: int, status: RunStatus) -> None:
         """The journal: what a restarted master needs, and what ``status`` shows.
 
-        NOTE: the journal's contract. A step is done when the journal says so
-        (``next_step`` past it, ``version`` its weights), and the journal is written
-        only after the step's metrics line and after the trainer's snapshot of those
-        weights (trainer ranks snapshot before they ack TRAIN). Whatever is newer than
-        the journal is discarded by a resumed master: a snapshot of a step trained but
-        not recorded (``RunDir.drop_unrecorded_snapshots``), metrics lines past
-        ``next_step`` (:meth:`_restore`); that step is trained again from its trajectory
-        log, whose finished trajectories are kept. The file is replaced atomically, so a
-        crash leaves the old journal or the new one."""
+        NOTE: the journal's contract. A step is *recorded* when the journal says so
+        (``next_step`` past it, ``version`` its weights), written after the step's
+        metrics line; its trajectory log is then complete. A step is *checkpointed*
+        when a complete checkpoint of its weights exists (``checkpoints/vN``, every
+        ``train.checkpoint_every`` steps and after the last, written while the run goes
+        on). A resumed master discards whatever is newer than the journal (checkpoints
+        of steps trained but not recorded, incomplete checkpoints:
+        ``RunDir.drop_checkpoints``; metrics lines past ``next_step``: :meth:`_restore`),
+        the trainer loads the newest checkpoint (version v), and the recorded steps
+        v..next_step-1 are *replayed*: trained again from their logs, not rolled out
+        (``StepPipeline.replay``); the step in progress keeps its finished trajectories
+        and resumes the others. The file is replaced atomically, so a crash leaves the
+        old journal or the new one."""
         self._count()
         write_journal(
             self.paths.journal,

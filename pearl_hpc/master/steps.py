@@ -1,15 +1,18 @@
-"""The step pipeline: rollout, Training Begin, GRPO, snapshot, weights out.
+"""The step pipeline: rollout, Training Begin, GRPO, checkpoint, weights out.
 
 Steps overlap with bounded staleness 1 (``run.max_staleness``; 0 = synchronous)::
 
     rollout k (weights v_k) ─┬─ rollout k+1 (still v_k) ────────┬─ publish v_k+1 ─ rollout k+2
                              └─ Training Begin k: borrowed GPUs  │
-                                return, GRPO on batch k, snapshot┘ (Training Finished k:
+                                return, GRPO on batch k ─────────┘ (Training Finished k:
                                                                     GPUs may be lent again)
 
 New weights go out between two rollouts, never into a generation in flight; the trainer
-accepts batches at most one version old. A step is recorded (metrics line, journal) at
-its snapshot, so a master killed after that resumes at the next step.
+accepts batches at most one version old. A step is recorded (metrics line, journal) once
+trained, so a master killed after that resumes at the next step. Every
+``train.checkpoint_every`` steps (and after the last) the trainer ranks checkpoint,
+written while the run goes on; a resumed run trains the recorded steps after its newest
+checkpoint again from their trajectory logs (:meth:`StepPipeline.replay`), then goes on.
 
 With ``policy.tail_start`` (``pearl+``) the next rollout does not wait for the whole
 batch: once step k is trained and rollout k+1 has fewer unfinished trajectories than the
@@ -54,7 +57,7 @@ from pearl_hpc.master.executor import WorkerExecutor
 from pearl_hpc.master.journal import TrajectoryLog
 from pearl_hpc.master.records import StepMetrics
 from pearl_hpc.master.trainer import RemoteTrainer, TrainResult
-from pearl_hpc.rollout.agent import rollout_batch, tracker_turns
+from pearl_hpc.rollout.agent import rollout_batch, tracker_turns, trajectory_ids
 from pearl_hpc.rollout.router import IdleTotals, Router
 from pearl_hpc.rollout.tasks import TaskSet
 from pearl_hpc.rollout.types import Trajectory
@@ -150,6 +153,8 @@ class StepPipeline:
         work: Workload,
         clock: Callable[[], float],
         on_recorded: Callable[[StepMetrics], None],
+        events: Callable[..., None],
+        checkpoint_every: int,
         on_progress: Callable[..., None] | None = None,
     ) -> None:
         self.settings = settings
@@ -163,6 +168,8 @@ class StepPipeline:
         self.work = work
         self.clock = clock
         self.on_recorded = on_recorded
+        self.events = events
+        self.checkpoint_every = checkpoint_every
         self.on_progress = on_progress
         self.last_sync_s = 0.0  # the latest weight broadcast (sync_s in the metrics)
         self.pending: list[asyncio.Task[Any]] = []  # rollouts running ahead
@@ -173,6 +180,7 @@ class StepPipeline:
     async def run(self, first_step: int) -> None:
         """Every step: rollout (the next one ahead, with staleness 1), train, record,
         publish."""
+        await self.replay(first_step)
         ahead = self.settings.max_staleness >= 1  # rollout k+1 runs while step k trains
         last = self.settings.steps
         rollouts: dict[int, asyncio.Task[RolloutResult]] = {}
@@ -191,7 +199,7 @@ class StepPipeline:
                 self.record(step, done, stats, train_s, return_latency)
                 await self.queue.put(TrainingFinished(step))
                 continue
-            # done at its snapshot; its weights go out once the next rollout ends (tail_start:
+            # recorded once trained; its weights go out once the next rollout ends (tail_start:
             # once it reaches its tail)
             self.record(step, done, stats, train_s, return_latency)
             await self.queue.put(TrainingFinished(step))  # training GPUs may be lent again
@@ -199,6 +207,46 @@ class StepPipeline:
             self.last_sync_s = await self.publish(stats.version)
             if self.tail_start and step + 2 < last:  # rollout k+2 on v_k+1, in k+1's tail
                 rollouts[step + 2] = self._start(step + 2)
+
+    async def replay(self, first_step: int) -> None:
+        """A resumed trainer is at its newest checkpoint's version v: the recorded steps
+        v..first_step-1 are trained again from their trajectory logs -- the batches they
+        were trained on, in that order, so the same updates -- and not rolled out again;
+        the engines get the result once. Their metrics lines stay as recorded; each is
+        journaled as a ``replayed`` event."""
+        start = self.trainer.version
+        if start > first_step:
+            raise RuntimeError(
+                f"the trainer resumed version {start}, past the journal's step {first_step}"
+            )
+        for step in range(start, first_step):
+            batch = self.logged_batch(step)
+            stats, train_s, _ = await self.train(step, batch)
+            await self.queue.put(TrainingFinished(step))
+            self.events(
+                "replayed", step=step, version=stats.version, loss=round(stats.lead.loss, 6),
+                train_s=round(train_s, 3),
+            )  # fmt: skip
+        if start < first_step:
+            self.last_sync_s = await self.publish(self.trainer.version)
+
+    def logged_batch(self, step: int) -> list[Trajectory]:
+        """Step ``step``'s finished batch from its trajectory log, in the batch's order."""
+        logged = self.tlog.load(step)
+        ids = trajectory_ids(step, self.work.rollout)
+        missing = [i for i in ids if i not in logged or not logged[i].done]
+        if missing:
+            raise RuntimeError(
+                f"step {step} cannot be trained again: {self.tlog.path(step)} lacks "
+                f"{len(missing)} of its finished trajectories (e.g. {missing[0]}); the run "
+                "needs the trajectory logs of every step after its newest checkpoint"
+            )
+        return [logged[i] for i in ids]
+
+    def _checkpoint_after(self, step: int) -> bool:
+        """Save after ``step``: every ``train.checkpoint_every`` versions, and the last."""
+        version = step + 1
+        return version % self.checkpoint_every == 0 or version == self.settings.steps
 
     @property
     def tail_start(self) -> bool:
@@ -316,8 +364,8 @@ class StepPipeline:
     async def train(
         self, step: int, trajectories: list[Trajectory]
     ) -> tuple[TrainResult, float, float]:
-        """Training Begin (borrowed GPUs come back), GRPO on the trainer ranks, snapshot:
-        (stats, train_s, return latency)."""
+        """Training Begin (borrowed GPUs come back), GRPO on the trainer ranks (and their
+        checkpoint, staged): (stats, train_s, return latency)."""
         executor = self.executor
         executor.training_started.clear()
         t_begin = time.perf_counter()
@@ -336,7 +384,7 @@ class StepPipeline:
         executor.counters.return_latency_s.append(return_latency)
         t1 = time.perf_counter()
         trained = trainable(step, trajectories)
-        stats = await self.trainer.train(step, trained)  # trainer 0 writes the snapshot
+        stats = await self.trainer.train(step, trained, checkpoint=self._checkpoint_after(step))
         train_s = time.perf_counter() - t1
         if stats.handover_s:
             executor.counters.handover_s.append(stats.handover_s)
@@ -354,8 +402,9 @@ class StepPipeline:
     def record(
         self, step: int, done: RolloutResult, stats: TrainResult, train_s: float, ret_s: float
     ) -> None:
-        """Step ``step`` is trained and snapshotted: its metrics line and the journal
-        (a master killed from here on resumes at the next step)."""
+        """Step ``step`` is trained: its metrics line and the journal (a master killed
+        from here on resumes at the next step, training it again from its log if no
+        checkpoint has its weights)."""
         generated = sum(t.num_generated() for t in done.trajectories)
         self.on_recorded(
             StepMetrics(

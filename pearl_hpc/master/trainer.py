@@ -17,6 +17,8 @@ from pearl_hpc.comm.messages import (
     PublishAck,
     Release,
     ReleaseAck,
+    Save,
+    SaveAck,
     Train,
     TrainAck,
 )
@@ -51,9 +53,18 @@ class RemoteTrainer:
         self.version = versions.pop()
         self.lead = self.ranks[0]
 
-    async def train(self, step: int, trajectories: list[Trajectory]) -> TrainResult:
-        batch = Train(step, msgspec.msgpack.encode(trajectories))  # once, for every rank
+    async def train(
+        self, step: int, trajectories: list[Trajectory], *, checkpoint: bool = False
+    ) -> TrainResult:
+        """One step on every rank; with ``checkpoint`` the ranks then save the new
+        version (staged before the ack, written while the run goes on)."""
+        batch = Train(step, msgspec.msgpack.encode(trajectories), checkpoint)  # once for all
         acks = await asyncio.gather(*[self.members.call(r, batch, TrainAck) for r in self.ranks])
+        if checkpoint:  # the slowest rank's wait: the save's share of the step
+            blocked = max(a.checkpoint_s for a in acks)
+            self.members.events("checkpoint", version=acks[0].version, blocked_s=round(blocked, 4))
+        for version in acks[0].saved:  # trainer 0 completes each save
+            self.members.events("checkpoint_saved", version=version)
         handover_s = 0.0
         for rank, ack in zip(self.ranks, acks, strict=True):  # GPU hand-overs, measured
             if ack.onload is not None:
@@ -65,6 +76,14 @@ class RemoteTrainer:
             raise PlaneError(f"trainer ranks disagree on the version after step {step}: {versions}")
         self.version = lead.version
         return TrainResult(lead, handover_s)
+
+    async def save(self) -> float:
+        """A checkpoint of the current version on every rank, complete when this returns
+        (before the job's end: Slurm's warning signal); returns its seconds."""
+        acks = await asyncio.gather(*[self.members.call(r, Save(), SaveAck) for r in self.ranks])
+        seconds = max(a.seconds for a in acks)
+        self.members.events("checkpoint_saved", version=acks[0].version, s=round(seconds, 3))
+        return seconds
 
     async def publish(
         self, version: int, serving: Mapping[str, tuple[str, int]]

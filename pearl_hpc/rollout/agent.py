@@ -407,6 +407,16 @@ async def _replay(
     return total
 
 
+def trajectory_ids(step: int, config: RolloutConfig) -> list[str]:
+    """Step ``step``'s trajectory ids in the batch's order (by group, then sample): the
+    order :func:`rollout_batch` returns them in, and a replay trains them in."""
+    return [
+        f"s{step}-g{group}-k{sample}"
+        for group in range(config.num_groups)
+        for sample in range(config.group_size)
+    ]
+
+
 async def rollout_batch(
     router: Router,
     make_env: Callable[[], Env],
@@ -424,9 +434,10 @@ async def rollout_batch(
     master recorded of this step -- finished ones are kept, unfinished ones resumed.
     ``tasks``: group g of step s gets ``tasks.for_group(s, g, num_groups)``."""
     journaled = journaled or {}
+    ids = trajectory_ids(step, config)
 
     async def one(group: int, sample: int) -> Trajectory:
-        trajectory_id = f"s{step}-g{group}-k{sample}"
+        trajectory_id = ids[group * config.group_size + sample]
         earlier = journaled.get(trajectory_id)
         if earlier is not None and earlier.done:
             return earlier

@@ -1,5 +1,5 @@
 """GRPO trainer: group-relative advantages, a clipped token-level surrogate corrected
-for stale and mismatched samples, versioned snapshots. The objective's math is pure, in
+for stale and mismatched samples, versioned weights. The objective's math is pure, in
 :mod:`pearl_hpc.train.objective` (formulas there and in docs/design.md).
 
 Data flow of one :meth:`GRPOTrainer.train_step`::
@@ -19,7 +19,7 @@ Data flow of one :meth:`GRPOTrainer.train_step`::
     per minibatch: per micro-batch grpo_loss(w) / the minibatch's tokens -> backward;
       gradients summed over the ranks -> clip -> AdamW step (lr: the schedule's)
       ▼
-    version += 1  ->  TrainStats (with the off-policy gap);  save_snapshot() for the sync
+    version += 1  ->  TrainStats (with the off-policy gap)
 
 Decisions (and why):
 
@@ -60,40 +60,30 @@ Decisions (and why):
   is computed. Log-probs and entropy come from the last hidden state and the LM head a
   ``logprob_chunk`` of positions at a time (no ``[N, V]`` logits, in the backward
   either). ``activation_checkpointing`` keeps only each decoder block's input.
-- **Weights out.** :meth:`GRPOTrainer.state_dict` gathers the full weights (under FSDP
-  into rank 0's host memory; every rank calls it, the others get ``{}``); rank 0 writes
-  the snapshot (weights only under FSDP).
+- **Weights out.** :meth:`GRPOTrainer.state_dict` gathers the full weights in the
+  engines' dtype (under FSDP into rank 0's host memory; every rank calls it, the others
+  get ``{}``). Checkpoints (sharded, asynchronous) are :mod:`pearl_hpc.train.checkpoint`'s.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
-import os
 import re
-import shutil
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 
 from pearl_hpc.config.run import LR_SCHEDULES
 from pearl_hpc.errors import ConfigError
 from pearl_hpc.rollout.types import Trajectory
-from pearl_hpc.train.model import (
-    Policy,
-    build_policy,
-    checkpoint_layout,
-    load_shards,
-    weight_files,
-)
+from pearl_hpc.train.model import Policy, build_policy, checkpoint_layout, full_weights
 from pearl_hpc.train.objective import (
     CORRECTIONS,
     LOSS_TYPES,
@@ -105,15 +95,6 @@ from pearl_hpc.train.objective import (
     lr_at,
 )
 from pearl_hpc.train.packing import Packed, micro_batches, pack, split_rows
-from pearl_hpc.train.snapshot import (
-    META_FILE,
-    OPTIMIZER_FILE,
-    SNAPSHOT_FORMAT,
-    WEIGHTS_FILE,
-    _optimizer_on_host,
-    host_copies,
-    read_snapshot_meta,
-)
 
 log = logging.getLogger(__name__)
 
@@ -619,94 +600,10 @@ class GRPOTrainer:
         """Full weights (every tensor the engine holds, ``lm_head.weight`` included), as
         detached copies on the CPU in ``dtype`` (the engines' dtype: bf16 halves the copy
         against fp32), in a Hugging Face checkpoint's layout (a MoE's fused expert tensors
-        as each expert's): safe to hold while training goes on."""
-        if self.sharded:
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                get_model_state_dict,
-            )
-
-            # gathered layer by layer into rank 0's host memory; other ranks get {}
-            full = get_model_state_dict(
-                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-            )
-            tensors = {k: v for k, v in full.items() if isinstance(v, torch.Tensor)}
-            return checkpoint_layout(self.model, host_copies(tensors, dtype))
-        return checkpoint_layout(self.model, host_copies(self.model.state_dict(), dtype))
-
-    def save_snapshot(
-        self, directory: Path | str, state: dict[str, torch.Tensor] | None = None
-    ) -> Path:
-        """Write ``directory/v{version:06d}/`` (``model.safetensors``, ``optimizer.pt``,
-        ``meta.json``) into a temporary directory and rename it into place, so a reader
-        never sees half a snapshot. Snapshots are immutable: an existing one is an error.
-        With FSDP every rank calls this; rank 0 writes the weights (no optimizer state).
-        ``state``: this version's :meth:`state_dict` (fp32) when the caller has it already
-        (under FSDP, one gather a step serves the snapshot and the engines' copy)."""
-        root = Path(directory)
-        final = root / f"v{self.version:06d}"
-        if state is None:
-            state = self.state_dict()  # collective under FSDP: before any early return
-        if self.sharded and dist.get_rank() != 0:
-            return final
-        if final.exists():
-            raise TrainError(
-                f"snapshot {final} already exists; snapshots are immutable: train another "
-                "step first or save into another directory"
-            )
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = root / f".tmp-{final.name}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        try:
-            save_file(state, str(tmp / WEIGHTS_FILE), metadata={"version": str(self.version)})
-            if not self.sharded:
-                torch.save(_optimizer_on_host(self.optimizer), tmp / OPTIMIZER_FILE)
-            meta = {
-                "format": SNAPSHOT_FORMAT,
-                "version": self.version,
-                "model_dir": str(self.model_dir),
-                "config": asdict(self.config),
-                "num_tensors": len(state),
-                "has_optimizer": not self.sharded,
-            }
-            (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-            for path in tmp.iterdir():  # private (as the weights) and durable before visible
-                path.chmod(0o600)
-                with path.open("rb") as handle:
-                    os.fsync(handle.fileno())
-            tmp.rename(final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return final
-
-    @classmethod
-    def from_snapshot(
-        cls,
-        model_dir: Path | str,
-        snapshot_dir: Path | str,
-        config: GRPOConfig | None = None,
-        dp_group: Any = None,
-    ) -> GRPOTrainer:
-        """Resume: the architecture (and KL reference) from ``model_dir``, the weights,
-        version and optimizer state from ``snapshot_dir`` (a ``v000123`` directory; find
-        the newest with :func:`latest_snapshot`)."""
-        snapshot = Path(snapshot_dir)
-        meta = read_snapshot_meta(snapshot)
-        trainer = cls(model_dir, config, dp_group=dp_group)
-        try:  # each rank reads its rows of each tensor (sharded), or all of them
-            load_shards(trainer.model, weight_files(snapshot))
-        except RuntimeError as exc:
-            raise TrainError(
-                f"snapshot {snapshot} does not fit the model in {model_dir}: {exc}"
-            ) from exc
-        optimizer_path = snapshot / OPTIMIZER_FILE
-        if meta.get("has_optimizer") and optimizer_path.is_file() and not trainer.sharded:
-            state = torch.load(optimizer_path, map_location=trainer.device, weights_only=True)
-            trainer.optimizer.load_state_dict(state)
-        trainer.version = int(meta["version"])
-        return trainer
+        as each expert's): safe to hold while training goes on. Under FSDP every rank
+        calls it (each tensor is cast, then all-gathered); rank 0 gets the weights, the
+        others ``{}``."""
+        return checkpoint_layout(self.model, full_weights(self.model, dtype, self.sharded))
 
 
 def _measured(batch: _Batch, c: Correction, entropy: torch.Tensor) -> dict[str, Any]:

@@ -234,6 +234,49 @@ def checkpoint_layout(lm: Any, state: dict[str, torch.Tensor]) -> dict[str, torc
     return dict(revert_weight_conversion(lm, state))
 
 
+def full_weights(lm: Any, dtype: torch.dtype, sharded: bool) -> dict[str, torch.Tensor]:
+    """``lm``'s state dict as host copies in ``dtype`` (floating-point tensors). Sharded
+    (FSDP2): every rank casts its shard of each tensor and all-gathers it, so ``dtype``
+    is what crosses the links; rank 0 keeps the copies, the others get ``{}``."""
+    if not sharded:
+        return host_copies(lm.state_dict(), dtype)
+    lead = dist.get_rank() == 0
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in lm.state_dict().items():
+        if tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if lead:
+            out.update(host_copies({name: full}, None, wait=False))
+    if lead and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return out
+
+
+def host_copies(
+    state: dict[str, torch.Tensor], dtype: torch.dtype | None, *, wait: bool = True
+) -> dict[str, torch.Tensor]:
+    """Detached CPU copies; floating-point tensors in ``dtype`` (cast on the GPU; None:
+    as they are), others as they are. From a GPU every copy is in flight at once into
+    pinned memory, with one wait (``wait``: the caller waits itself): torch keeps freed
+    pinned blocks for the next copy of the same sizes, so after the first call (which
+    pins them) a step's copy runs at the link's speed (an H200: 1.5 GiB of bf16 in
+    0.03 s, against 3 s into pageable memory)."""
+    out: dict[str, torch.Tensor] = {}
+    from_gpu = False
+    for name, tensor in state.items():
+        cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        if tensor.is_cuda:
+            from_gpu = True
+            out[name] = torch.empty(tensor.shape, dtype=cast, pin_memory=True)
+            out[name].copy_(tensor.detach(), non_blocking=True)
+        else:
+            out[name] = tensor.detach().to("cpu", cast, copy=True)
+    if from_gpu and wait:
+        torch.cuda.synchronize()
+    return out
+
+
 def _checkpointed(lm: Any) -> list[tuple[str, torch.Tensor]]:
     """``lm``'s parameters and persistent buffers (what a checkpoint holds), by name."""
     out = list(lm.named_parameters())

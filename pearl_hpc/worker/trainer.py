@@ -1,9 +1,12 @@
 """A trainer rank of the run's MPI world: data-parallel GRPO, and (trainer rank 0) the
 weight broadcast to the engines.
 
-    master ──TRAIN(step, batch)──> every trainer rank: GRPO step on its rows of each
-                                    minibatch, gradients summed over the gloo/NCCL group;
-                                    trainer 0 writes the snapshot, every rank acks its stats
+    master ──TRAIN(step, batch, checkpoint)──> every trainer rank: GRPO step on its rows
+                                    of each minibatch, gradients summed over the gloo/NCCL
+                                    group; trainer 0 stages the engines' copy (FSDP: a
+                                    gather in their dtype); with ``checkpoint`` every rank
+                                    stages its shards, acks, and writes them meanwhile
+    master ──SAVE──> every trainer rank: a checkpoint now, complete before the ack
     master ──PUBLISH(version, members)──> trainer 0: re-form the broadcast group if its
                                     members changed, broadcast the weights (WeightSync)
     master ──CATCH_UP(name, host, port)──> trainer 0: latest weights to one engine p2p
@@ -40,6 +43,8 @@ from pearl_hpc.comm.messages import (
     Release,
     ReleaseAck,
     ReportBody,
+    Save,
+    SaveAck,
     Shutdown,
     Train,
     TrainAck,
@@ -69,9 +74,9 @@ class TrainerRank:
         resume: bool,
         device: str = "cpu",  # cpu | cuda (this rank's one GPU, cuda:0 once placed)
     ) -> None:
+        from pearl_hpc.train.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
         from pearl_hpc.train.grpo import GRPOTrainer
         from pearl_hpc.train.offload import Residency
-        from pearl_hpc.train.snapshot import latest_snapshot
         from pearl_hpc.train.sync import WeightSync
         from pearl_hpc.weights.group import WeightGroup
         from pearl_hpc.weights.shm import SharedStore, Staged
@@ -79,7 +84,6 @@ class TrainerRank:
         self.plane, self.me, self.key = plane, me, key
         self.index, size = comm.Get_rank(), comm.Get_size()
         self.run = RunDir(run_dir)
-        self.snapshots = self.run.snapshots
         # trainer 0: the store of the training group and of the engines' weight groups
         if device == "cuda":
             import torch
@@ -103,13 +107,17 @@ class TrainerRank:
         elif size > 1:  # replicated weights, gradients summed over a weight group
             group = WeightGroup(addr[0], addr[1], "dp/", self.index, size, backend, store=store)
         grpo = grpo_config(cfg, device)
-        # a resumed run continues from its newest snapshot (the launcher dropped any newer
-        # than the journal); a new run starts from the model's weights
-        snapshot = latest_snapshot(self.snapshots) if resume else None
-        if snapshot is not None:
-            self.trainer = GRPOTrainer.from_snapshot(model_dir, snapshot, grpo, dp_group=group)
-        else:
-            self.trainer = GRPOTrainer(model_dir, grpo, dp_group=group)
+        # a resumed run continues from its newest checkpoint (the launcher dropped newer
+        # and incomplete ones; the master trains the steps after it again from their
+        # logs); a new run starts from the model's weights
+        self.trainer = GRPOTrainer(model_dir, grpo, dp_group=group)
+        checkpoint = latest_checkpoint(self.run.checkpoints) if resume else None
+        if checkpoint is not None:
+            load_checkpoint(self.trainer, checkpoint)
+        self.checkpoints = Checkpointer(
+            self.run.checkpoints, cfg.train.keep_checkpoints,
+            sharded=self.trainer.sharded, lead=self.index == 0,
+        )  # fmt: skip
         # an overlap engine time-shares this rank's GPU: the trainer's tensors leave it
         # when the master lends the GPU (Op.RELEASE) and come back for the next step (a
         # no-op on cpu)
@@ -120,7 +128,7 @@ class TrainerRank:
         )
         self.wire_dtype = _wire_dtype(cfg, model_dir, device)
         self.latest: Staged | None = None  # trainer 0: the weights the engines get next
-        if snapshot is not None:
+        if checkpoint is not None:
             self._copy_weights()
             if self.sync is not None and self.latest is not None:
                 self.sync.seed(self.latest)  # engines catch up
@@ -145,6 +153,8 @@ class TrainerRank:
                 plane.report(plane.take_part(cmd), cmd.seq)
             elif isinstance(body, Train):
                 self.pending.append((cmd, self.pool.submit(self._train, body)))
+            elif isinstance(body, Save):  # after any step in flight
+                self.pending.append((cmd, self.pool.submit(self._save)))
             elif isinstance(body, Release):  # after any step in flight: one thread trains
                 self.pending.append((cmd, self.pool.submit(self._lend)))
             elif isinstance(body, Publish) and self.sync is not None:
@@ -152,8 +162,9 @@ class TrainerRank:
             elif isinstance(body, CatchUp) and self.sync is not None:
                 self.pending.append((cmd, self._on_loop(self._catch_up(body))))
             elif isinstance(body, Shutdown | Leave):
-                plane.report(Ack(cmd.op), cmd.seq)
                 self.pool.shutdown(wait=True)
+                self.checkpoints.close()  # the save in flight is finished first
+                plane.report(Ack(cmd.op), cmd.seq)
                 asyncio.run_coroutine_threadsafe(self._close_clients(), self.loop).result(10)
                 self.loop.call_soon_threadsafe(self.loop.stop)
                 if self.sync is not None:
@@ -167,12 +178,8 @@ class TrainerRank:
         trajectories = msgspec.msgpack.decode(cmd.trajectories, type=list[Trajectory])
         onload = self.residency.onload()
         stats = self.trainer.train_step(trajectories)
-        if self.trainer.sharded or self.index == 0:  # trainer 0 writes (FSDP: a gather)
-            full = self.trainer.state_dict()  # one gather: the snapshot and the engines'
-            self.trainer.save_snapshot(self.snapshots, full)
-            self._copy_weights(full)
-        if self.index == 0:
-            self.run.prune_snapshots(keep=2)
+        checkpoint_s = self.checkpoints.save(self.trainer) if cmd.checkpoint else 0.0
+        self._copy_weights()
         return TrainAck(
             step=cmd.step,
             version=stats.version,
@@ -190,18 +197,25 @@ class TrainerRank:
             entropy=stats.entropy,
             lr=stats.lr,
             onload=onload,
+            checkpoint_s=checkpoint_s,
+            saved=self.checkpoints.take_saved(),
         )
 
-    def _copy_weights(self, full: dict[str, Any] | None = None) -> None:
+    def _save(self) -> SaveAck:
+        """A checkpoint of the current version, on disk before the ack."""
+        t0 = time.perf_counter()
+        self.checkpoints.save(self.trainer)
+        self.checkpoints.wait()
+        return SaveAck(self.trainer.version, time.perf_counter() - t0)
+
+    def _copy_weights(self) -> None:
         """Trainer 0's copy of the weights the engines get next, in their dtype (in
         shared memory, for the engines on this node), taken before the step's ack (the
         next step may change the model while they travel); under FSDP every rank takes
-        part in the gather, to trainer 0's host memory. ``full``: this version's fp32 host
-        copy, already gathered (cast, not gathered)."""
-        if full is None:
-            if not (self.trainer.sharded or self.index == 0):
-                return
-            full = self.trainer.state_dict(self.wire_dtype)
+        part in the gather (in the engines' dtype), to trainer 0's host memory."""
+        if not (self.trainer.sharded or self.index == 0):
+            return
+        full = self.trainer.state_dict(self.wire_dtype)
         if self.sync is not None:
             self.latest = self.sync.stage(full, self.trainer.version, self.wire_dtype)
 
