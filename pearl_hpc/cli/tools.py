@@ -28,6 +28,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from pearl_hpc.bench import train
 
         return train.main(["--json"] if args.json else [])
+    if args.checkpoint:
+        from pearl_hpc.bench import checkpoint
+
+        return checkpoint.main(["--json"] if args.json else [])
     if args.messages:
         from pearl_hpc.bench import messages
 
@@ -75,6 +79,13 @@ def add_parsers(sub: Any) -> None:
         action="store_true",
         help="real vLLM engines: start, role change, weight load, (de)activation, memory, "
         "tokens/s colocated vs disaggregated",
+    )
+    bench.add_argument(
+        "--checkpoint",
+        action="store_true",
+        help="a checkpoint's seconds on the training step's critical path, before (fp32 "
+        "gather + fsync every step) and after (staged, written in the background), on the "
+        "tiny model and a 0.5B random Qwen3 (CPU)",
     )
     bench.add_argument(
         "--messages",
