@@ -396,6 +396,12 @@ def test_a_real_spot_trace_grants_and_reclaims_over_the_run_clock(tmp_path: Path
     assert granted[0]["t_s"] < reclaimed[0]["t_s"]
 
 
+def _saved(run_dir: Path) -> list[int]:
+    """The versions of the checkpoints the run's events say are complete."""
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    return [e["version"] for e in events if e["kind"] == "checkpoint_saved"]
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -453,6 +459,11 @@ def test_a_master_killed_mid_step_resumes_without_losing_anything(
                 break
             time.sleep(0.05)
         assert run_dir is not None, (tmp_path / "first.log").read_text()[-3000:]
+        if staleness == 0:  # Slurm's warning first: the trainer checkpoints step 0's weights
+            master.send_signal(signal.SIGUSR2)
+            while time.monotonic() < deadline and not _saved(run_dir):
+                time.sleep(0.05)
+            assert _saved(run_dir) == [1], (tmp_path / "first.log").read_text()[-3000:]
         master.kill()
         master.wait()
     finally:
@@ -476,6 +487,7 @@ def test_a_master_killed_mid_step_resumes_without_losing_anything(
         [*cmd[:-1], "status", str(run_dir), "--json"], capture_output=True, text=True, env=env
     )
     assert json.loads(status.stdout)["status"] == "dead", status.stderr
+    checkpoint = 1 if staleness == 0 else 0  # (checkpoint_every 10: none before the last)
 
     resumed = subprocess.run(
         [*cmd, "--resume", str(run_dir)], capture_output=True, text=True, env=env, timeout=900
@@ -484,6 +496,11 @@ def test_a_master_killed_mid_step_resumes_without_losing_anything(
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [0, 1, 2]
     assert [m["version"] for m in metrics] == [1, 2, 3]
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    resumed_at = [e for e in events if e["kind"] == "resumed"][-1]
+    assert resumed_at["checkpoint"] == checkpoint  # loaded; the steps after it replayed
+    replayed = [e["step"] for e in events if e["kind"] == "replayed"]
+    assert replayed == list(range(checkpoint, journal["next_step"]))
     assert [m["trajectories"] for m in metrics] == [16] * 3
     assert all(m["max_staleness"] <= staleness for m in metrics)  # the bound held
     assert metrics[1]["resumed"] == len(before) > 0

@@ -26,10 +26,11 @@ the journal.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from pearl_hpc.comm.layout import RankSpec, base_layout
 from pearl_hpc.comm.mpiexec import mpiexec_path
@@ -145,14 +146,44 @@ def prepare_run(cfg: RunConfig, run_dir: Path, *, resume: bool) -> str:
     return model_dir
 
 
-def exec_world(cfg: RunConfig, run_dir: Path, *, resume: bool, live: bool) -> NoReturn:
-    """Become the world's ``mpiexec`` (this process's pid is then the launcher's: a
-    signal to it reaches every rank)."""
+def launch_world(cfg: RunConfig, run_dir: Path, *, resume: bool, live: bool) -> int:
+    """Run the world's ``mpiexec`` as this process's child, to its end; returns its exit
+    status. A signal to this process reaches the world: TERM and HUP go to mpiexec
+    (which passes them to every rank; a terminal's INT reaches both already), USR2 --
+    Slurm's warning before the job's time limit or a preemption (``--signal=B:USR2``
+    reaches a batch script's process) -- to the master, which checkpoints. The world
+    dies with this process: a launcher killed outright leaves no mpiexec behind."""
     model_dir = prepare_run(cfg, run_dir, resume=resume)
     argv = world_argv(cfg, run_dir, model_dir, resume=resume, live=live, mpiexec=mpiexec_path())
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execvpe(argv[0], argv, {**os.environ, **world_env(cfg)})
+    proc = subprocess.Popen(argv, env={**os.environ, **world_env(cfg)}, preexec_fn=_world_child)
+
+    def forward(signum: int, _frame: Any) -> None:
+        proc.send_signal(signum)
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's goes to mpiexec too
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGHUP, forward)
+    signal.signal(signal.SIGUSR2, lambda *_: _warn_master(RunDir(run_dir)))
+    rc = proc.wait()
+    return rc if rc >= 0 else 128 - rc  # killed by a signal: the shell's convention
+
+
+def _world_child() -> None:
+    """(In the forked child, before exec.) Die with the launcher; survive USR2."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    _survive_warning()
+
+
+def _warn_master(run: RunDir) -> None:
+    """Slurm's warning, passed to the live master (its pid is in the run's lock)."""
+    try:
+        pid = int(run.lock_file.read_text().split()[0])
+        os.kill(pid, signal.SIGUSR2)
+    except (OSError, ValueError, IndexError):
+        pass  # no live master yet (starting) or any more (ending): nothing to save
 
 
 def run_world(cfg: RunConfig, run_dir: Path, *, resume: bool = False, **popen: Any) -> int:
@@ -160,7 +191,16 @@ def run_world(cfg: RunConfig, run_dir: Path, *, resume: bool = False, **popen: A
     model_dir = prepare_run(cfg, run_dir, resume=resume)
     argv = world_argv(cfg, run_dir, model_dir, resume=resume, mpiexec=mpiexec_path())
     env = {**popen.pop("env", os.environ), **world_env(cfg)}
-    return subprocess.run(argv, check=False, env=env, **popen).returncode
+    return subprocess.run(
+        argv, check=False, env=env, preexec_fn=_survive_warning, **popen
+    ).returncode
+
+
+def _survive_warning() -> None:
+    """Slurm's warning signal (USR2 before the time limit or a preemption) is the
+    master's to act on (a checkpoint now); mpiexec would die of it: ignored here,
+    inherited through exec (every rank ignores it too; the master handles it)."""
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 
 def write_run_config(cfg: RunConfig, run_dir: Path) -> None:

@@ -16,7 +16,7 @@ from pearl_hpc.config import REPO_CONFIGS
 def _cmd_run(args: argparse.Namespace) -> int:
     """Check the config, make the run directory, then become the run's MPI world
     (rank 0, the master, prints a line per step and the summary)."""
-    from pearl_hpc.backends.world import exec_world
+    from pearl_hpc.backends.world import launch_world
     from pearl_hpc.comm.mpiexec import mpiexec_path
     from pearl_hpc.engine.spec import check_engine_install
     from pearl_hpc.master.preflight import load_run_config
@@ -42,7 +42,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     else:
         run_dir = RunDir.new(cfg.runs_dir, cfg.name, Path(args.config)).path
         print(f"pearl-hpc run: {run_dir}", flush=True)
-    exec_world(cfg, run_dir, resume=bool(args.resume), live=sys.stdout.isatty())
+    return launch_world(cfg, run_dir, resume=bool(args.resume), live=sys.stdout.isatty())
 
 
 def _submit_run(args: argparse.Namespace) -> int:

@@ -33,6 +33,7 @@ import itertools
 import json
 import math
 import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -220,6 +221,7 @@ class MasterRun:
             on_progress=on_progress,
         )
         replay_task = None
+        warned = self._on_warning_signal()
         try:
             await self.backend.start()
             await self._register_base_workers()
@@ -236,6 +238,7 @@ class MasterRun:
             raise
         finally:
             # 7. everything stops: rollouts ahead, the trace, the pump, engines, jobs
+            warned()
             pipeline.cancel()
             if replay_task is not None:
                 replay_task.cancel()
@@ -309,6 +312,29 @@ class MasterRun:
             first_step=self.first_step,
             resume=self.resume,
         )
+
+    def _on_warning_signal(self) -> Callable[[], object]:
+        """Slurm's warning before the job's time limit or a preemption (``--signal``
+        USR2): the trainer ranks checkpoint the current version at once (after a step in
+        flight), so a resume replays nothing. Returns the handler's removal."""
+        loop = asyncio.get_running_loop()
+        saves: set[asyncio.Task[None]] = set()
+
+        async def save() -> None:
+            self.events("signal", signal="USR2", version=self.trainer.version)
+            try:
+                await self.trainer.save()
+            except Exception as exc:  # the run goes on; the journal still has the steps
+                self.events("checkpoint_failed", error=f"{type(exc).__name__}: {exc}")
+
+        def on_signal() -> None:
+            if not saves:  # one save at a time
+                task = asyncio.create_task(save())
+                saves.add(task)
+                task.add_done_callback(saves.discard)
+
+        loop.add_signal_handler(signal.SIGUSR2, on_signal)
+        return lambda: loop.remove_signal_handler(signal.SIGUSR2)
 
     def _prefill_locally(self, uncached: int, prompt: int, decoding: int) -> bool:
         """``policy.local_prefill``'s rule, on the profile as the tracker refits it."""
