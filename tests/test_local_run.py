@@ -4,6 +4,7 @@ nothing lost. Three engine processes at most (reserved, elastic, overlap)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -309,10 +310,11 @@ def test_fsdp2_checkpoints_and_a_killed_run_replays_its_steps_from_the_log(
         deadline = time.monotonic() + 600
         run_dir = None
         while time.monotonic() < deadline and master.poll() is None:
-            found = list((tmp_path / "runs").glob("t-*/metrics.jsonl"))
-            if found and len(found[0].read_text().splitlines()) >= 5:  # step 4 recorded
-                run_dir = found[0].parent
-                break
+            found = list((tmp_path / "runs").glob("t-*/journal.json"))
+            with contextlib.suppress(OSError, ValueError, IndexError):  # (not written yet)
+                if json.loads(found[0].read_text())["state"]["next_step"] >= 5:
+                    run_dir = found[0].parent  # step 4 recorded
+                    break
             time.sleep(0.05)
         assert run_dir is not None, (tmp_path / "first.log").read_text()[-3000:]
         master.kill()
@@ -348,6 +350,7 @@ def test_fsdp2_checkpoints_and_a_killed_run_replays_its_steps_from_the_log(
     assert kept == ["v000003", "v000006"]
     meta = json.loads((run_dir / "checkpoints" / "v000006" / "meta.json").read_text())
     assert meta["ranks"] == 2 and meta["version"] == 6
+    assert [e["version"] for e in events if e["kind"] == "exported"] == [6]  # the last step's
 
     # an uninterrupted pair of ranks trained on the same batches from the model ...
     monkeypatch.setenv("PEARL_TEST_MODEL", str(cache / "tiny-qwen3"))
@@ -358,6 +361,14 @@ def test_fsdp2_checkpoints_and_a_killed_run_replays_its_steps_from_the_log(
         assert straight[rank][0] == loaded[rank][0], f"rank {rank}"
     # one rank from the checkpoint after step 2 (two ranks' shards), steps 3..5 replayed
     one = _train_from_logs(tmp_path, run_dir, 1, 3, "one")[0][1]
+    # the run's export after its last step: those weights, in bfloat16
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(run_dir / "exports" / "v000006", dtype="auto")
+    for name, tensor in exported.state_dict().items():
+        expected = torch.from_numpy(straight[0][1][name]).to(torch.bfloat16)
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, expected), name
     # to 1e-5, but for an entry whose gradient is float noise (an embedding row barely
     # used): AdamW normalises it into a step of up to lr either way (measured: 1 of the
     # 65,536 embedding entries, 1.3e-4 after three steps; every other entry < 6e-6)

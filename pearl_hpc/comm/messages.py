@@ -65,6 +65,7 @@ class Train(msgspec.Struct, frozen=True, tag=Op.TRAIN.value):
     # master and decoded by the trainer with that type (the record is rollout's)
     trajectories: bytes
     checkpoint: bool = False  # then save a checkpoint (written while the next step runs)
+    export: bool = False  # trainer 0 then writes the new weights as a Hugging Face directory
 
 
 class Save(msgspec.Struct, frozen=True, tag=Op.SAVE.value):

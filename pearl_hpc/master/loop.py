@@ -218,6 +218,7 @@ class MasterRun:
             on_recorded=self._on_recorded,
             events=self.events,
             checkpoint_every=cfg.train.checkpoint_every,
+            export_every=cfg.train.export_every,
             on_progress=on_progress,
         )
         replay_task = None

@@ -155,6 +155,7 @@ class StepPipeline:
         on_recorded: Callable[[StepMetrics], None],
         events: Callable[..., None],
         checkpoint_every: int,
+        export_every: int,
         on_progress: Callable[..., None] | None = None,
     ) -> None:
         self.settings = settings
@@ -170,6 +171,7 @@ class StepPipeline:
         self.on_recorded = on_recorded
         self.events = events
         self.checkpoint_every = checkpoint_every
+        self.export_every = export_every
         self.on_progress = on_progress
         self.last_sync_s = 0.0  # the latest weight broadcast (sync_s in the metrics)
         self.pending: list[asyncio.Task[Any]] = []  # rollouts running ahead
@@ -247,6 +249,13 @@ class StepPipeline:
         """Save after ``step``: every ``train.checkpoint_every`` versions, and the last."""
         version = step + 1
         return version % self.checkpoint_every == 0 or version == self.settings.steps
+
+    def _export_after(self, step: int) -> bool:
+        """Export after ``step``: every ``train.export_every`` versions (0: never), and
+        the last."""
+        version = step + 1
+        every = self.export_every
+        return (every > 0 and version % every == 0) or version == self.settings.steps
 
     @property
     def tail_start(self) -> bool:
@@ -384,7 +393,9 @@ class StepPipeline:
         executor.counters.return_latency_s.append(return_latency)
         t1 = time.perf_counter()
         trained = trainable(step, trajectories)
-        stats = await self.trainer.train(step, trained, checkpoint=self._checkpoint_after(step))
+        stats = await self.trainer.train(
+            step, trained, checkpoint=self._checkpoint_after(step), export=self._export_after(step)
+        )
         train_s = time.perf_counter() - t1
         if stats.handover_s:
             executor.counters.handover_s.append(stats.handover_s)

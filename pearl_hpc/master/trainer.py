@@ -54,15 +54,24 @@ class RemoteTrainer:
         self.lead = self.ranks[0]
 
     async def train(
-        self, step: int, trajectories: list[Trajectory], *, checkpoint: bool = False
+        self,
+        step: int,
+        trajectories: list[Trajectory],
+        *,
+        checkpoint: bool = False,
+        export: bool = False,
     ) -> TrainResult:
         """One step on every rank; with ``checkpoint`` the ranks then save the new
-        version (staged before the ack, written while the run goes on)."""
-        batch = Train(step, msgspec.msgpack.encode(trajectories), checkpoint)  # once for all
+        version (staged before the ack, written while the run goes on), with ``export``
+        trainer 0 writes it as a Hugging Face directory (``exports/``)."""
+        encoded = msgspec.msgpack.encode(trajectories)
+        batch = Train(step, encoded, checkpoint, export)  # encoded once, for every rank
         acks = await asyncio.gather(*[self.members.call(r, batch, TrainAck) for r in self.ranks])
         if checkpoint:  # the slowest rank's wait: the save's share of the step
             blocked = max(a.checkpoint_s for a in acks)
             self.members.events("checkpoint", version=acks[0].version, blocked_s=round(blocked, 4))
+        if export:
+            self.members.events("exported", version=acks[0].version)
         for version in acks[0].saved:  # trainer 0 completes each save
             self.members.events("checkpoint_saved", version=version)
         handover_s = 0.0

@@ -1,10 +1,15 @@
-"""A trainer checkpoint as a Hugging Face model directory: the model's config and
-tokenizer, the checkpoint's weights in ``dtype`` as sharded safetensors with their index
-(transformers' ``save_pretrained``, in the original checkpoint's layout), which
-transformers and vLLM load as they load the original model."""
+"""Weights as a Hugging Face model directory: the model's config (its dtype set) and
+tokenizer, the weights as sharded safetensors with their index, in the original
+checkpoint's layout -- which transformers and vLLM load as they load the original model.
+
+- :func:`export_hf`: from a trainer checkpoint (``pearl-hpc export``, ``pearl-hpc eval``);
+- :func:`write_hf`: from weights in hand (trainer 0's copy for the engines: a run's
+  ``exports/`` every ``train.export_every`` steps and after the last).
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -15,13 +20,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from pearl_hpc.train.checkpoint import last_line
-from pearl_hpc.train.model import empty_model, materialize
+from pearl_hpc.train.model import checkpoint_layout, empty_model, materialize
 from pearl_hpc.train.objective import TrainError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
     "merges.txt", "tokenizer.model", "chat_template.jinja", "added_tokens.json",
+    "generation_config.json",
 )  # fmt: skip
 
 
@@ -32,12 +38,7 @@ def export_hf(
     weights in ``dtype``, in files of at most ``shard_size``. The model is built on the
     meta device and filled from every rank's shards (DCP reads only the weights, not
     the optimizer state): the host holds it once, in ``dtype``."""
-    if dtype not in DTYPES:
-        raise TrainError(f"export dtype {dtype!r}: use one of {', '.join(DTYPES)}")
-    if out.exists() and any(out.iterdir()):
-        raise TrainError(f"{out} exists and is not empty; export into a new directory")
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"  # renamed into place once written
-    shutil.rmtree(tmp, ignore_errors=True)
+    _check(out, dtype)
     lm: Any = empty_model(model_dir, DTYPES[dtype])
     materialize(lm, lm, "cpu")
     try:  # the tensors of the state dict are the parameters: loaded in place
@@ -46,17 +47,55 @@ def export_hf(
         raise TrainError(
             f"{checkpoint} does not fit the model in {model_dir}: {last_line(exc)}"
         ) from exc
-    lm.config.dtype = DTYPES[dtype]
+    return write_hf(model_dir, checkpoint_layout(lm, lm.state_dict()), out, dtype, shard_size)
+
+
+def write_hf(
+    model_dir: Path,
+    state: dict[str, torch.Tensor],
+    out: Path,
+    dtype: str = "bfloat16",
+    shard_size: str = "5GB",
+) -> Path:
+    """Write ``out`` from ``state`` (a state dict in the checkpoint's layout): written
+    beside it, then renamed into place (an interrupted export leaves no ``out``)."""
+    from huggingface_hub import save_torch_state_dict
+
+    _check(out, dtype)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["dtype"] = dtype
+    cast = DTYPES[dtype]
+    tensors = {
+        name: _own(tensor.to(cast) if tensor.is_floating_point() else tensor)
+        for name, tensor in state.items()
+        if not (name == "lm_head.weight" and config.get("tie_word_embeddings"))
+    }
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        lm.save_pretrained(tmp, max_shard_size=shard_size, safe_serialization=True)
-        for name in (*TOKENIZER_FILES, "generation_config.json"):
+        save_torch_state_dict(tensors, tmp, max_shard_size=shard_size)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for name in TOKENIZER_FILES:
             if (model_dir / name).is_file():
                 shutil.copy2(model_dir / name, tmp / name)
         if out.exists():
-            out.rmdir()  # empty (checked above)
+            out.rmdir()  # empty (checked)
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _own(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with storage of its own (an expert's tensor cut from a fused one is a
+    view; safetensors writes each tensor's storage once)."""
+    return tensor if tensor.untyped_storage().nbytes() == tensor.nbytes else tensor.clone()
+
+
+def _check(out: Path, dtype: str) -> None:
+    if dtype not in DTYPES:
+        raise TrainError(f"export dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    if out.exists() and any(out.iterdir()):
+        raise TrainError(f"{out} exists and is not empty; export into a new directory")

@@ -82,6 +82,7 @@ class TrainerRank:
         from pearl_hpc.weights.shm import SharedStore, Staged
 
         self.plane, self.me, self.key = plane, me, key
+        self.model_dir = Path(model_dir)
         self.index, size = comm.Get_rank(), comm.Get_size()
         self.run = RunDir(run_dir)
         # trainer 0: the store of the training group and of the engines' weight groups
@@ -179,7 +180,14 @@ class TrainerRank:
         onload = self.residency.onload()
         stats = self.trainer.train_step(trajectories)
         checkpoint_s = self.checkpoints.save(self.trainer) if cmd.checkpoint else 0.0
-        self._copy_weights()
+        full = self._copy_weights()
+        if cmd.export and full:  # trainer 0: the engines' copy, as a Hugging Face directory
+            from pearl_hpc.rundir import version_dir
+            from pearl_hpc.train.export import write_hf
+
+            out = version_dir(self.run.exports, self.trainer.version)
+            if not out.exists():  # (a replayed step's is there already)
+                write_hf(self.model_dir, full, out)
         return TrainAck(
             step=cmd.step,
             version=stats.version,
@@ -208,16 +216,18 @@ class TrainerRank:
         self.checkpoints.wait()
         return SaveAck(self.trainer.version, time.perf_counter() - t0)
 
-    def _copy_weights(self) -> None:
+    def _copy_weights(self) -> dict[str, Any]:
         """Trainer 0's copy of the weights the engines get next, in their dtype (in
         shared memory, for the engines on this node), taken before the step's ack (the
         next step may change the model while they travel); under FSDP every rank takes
-        part in the gather (in the engines' dtype), to trainer 0's host memory."""
+        part in the gather (in the engines' dtype), to trainer 0's host memory. Returns
+        the copy (``{}`` on other ranks)."""
         if not (self.trainer.sharded or self.index == 0):
-            return
+            return {}
         full = self.trainer.state_dict(self.wire_dtype)
         if self.sync is not None:
             self.latest = self.sync.stage(full, self.trainer.version, self.wire_dtype)
+        return full
 
     def _reserve(self) -> None:
         """Pin the host memory of a lend ahead (the first lend is then as fast as the
