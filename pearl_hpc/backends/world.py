@@ -1,6 +1,6 @@
 """Starting a run's MPI world: the run directory made ready, then ``mpiexec``.
 
-    pearl-hpc run CONFIG ──prepare_run──> RUN_DIR (key, model, snapshots a resume trusts)
+    pearl-hpc run CONFIG ──prepare_run──> RUN_DIR (key, model, checkpoints a resume trusts)
                           ──mpiexec -n N python -m pearl_hpc.rank rank──> the world:
                              rank 0 master, trainer ranks, engine ranks (base_layout)
 
@@ -126,8 +126,8 @@ def _write_hostfile(cfg: RunConfig, run_dir: Path) -> Path:
 def prepare_run(cfg: RunConfig, run_dir: Path, *, resume: bool) -> str:
     """Everything the ranks read at start, written before they exist: a fresh engine
     socket key (0600), the model directory (the tiny model built once, not by every
-    rank), and -- on resume -- no snapshot newer than the journal (a step trained but
-    never recorded is trained again). Returns the model directory."""
+    rank), and -- on resume -- no checkpoint newer than the journal (a step trained but
+    never recorded is trained again) and none incomplete. Returns the model directory."""
     from pearl_hpc.engine.rpc import new_key, write_key
 
     run = RunDir(run_dir)

@@ -1,6 +1,6 @@
 """``pearl-hpc eval RUN_DIR|MODEL``: pass@1 on a held-out split, on one local engine.
 
-    pearl-hpc eval runs/local-...            the run's model at its latest snapshot, on the
+    pearl-hpc eval runs/local-...            the run's model at its newest checkpoint, on the
                                              run's environment (its eval tasks if it has)
     pearl-hpc eval tiny --env code           a model directory (or the tiny model) as is
 

@@ -14,7 +14,7 @@ from pearl_hpc.config import REPO_CONFIGS
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    """Check the config, make the run directory, then become the run's MPI world
+    """Check the config, make the run directory, then run the run's MPI world to its end
     (rank 0, the master, prints a line per step and the summary)."""
     from pearl_hpc.backends.world import launch_world
     from pearl_hpc.comm.mpiexec import mpiexec_path

@@ -153,7 +153,7 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     group: str = ""  # an elastic rank's job component ("123+1"; '': base)
     host: str = ""  # an engine rank's engine socket
     port: int = 0
-    version: int = 0  # a trainer rank's weight version (resumed from its snapshot)
+    version: int = 0  # a trainer rank's weight version (resumed from its checkpoint)
     index: int = 0  # a trainer rank's index among the trainer ranks
 
 

@@ -32,7 +32,7 @@ from pearl_hpc.errors import PearlError
 
 
 class TrainError(PearlError):
-    """A batch the trainer cannot use, or a snapshot it cannot read; the message names the
+    """A batch the trainer cannot use, or a checkpoint it cannot read; the message names the
     trajectories or the file, and what to change."""
 
 

@@ -13,7 +13,7 @@ instead of receiving it over a weight group.
     unlinked (a mapping stays valid until dropped)
 
 Why shared memory and not CUDA IPC or a weight group: trainer 0's copy of each version is
-in host memory anyway (gathered there once per step for the snapshot), and an engine keeps
+in host memory anyway (gathered there once per step, in the engines' dtype), and an engine keeps
 a host copy for its restarts and wakes. A same-node engine maps the very pages the trainer
 wrote: no network, no copy on either side, one copy in the node's memory however many
 engines share it, and no communicator (NCCL refuses two ranks on one GPU, which an overlap
