@@ -155,7 +155,7 @@ def test_pearl_hpc_run_trains_a_plugin_environment_on_a_task_file(
         events.Tags()["scalars"]
     )
 
-    # pass@1 of the trained weights (the latest snapshot) on HumanEval's held-out split
+    # pass@1 of the trained weights (the newest checkpoint) on HumanEval's held-out split
     evaluate = [sys.executable, "-m", "pearl_hpc.cli", "eval", str(run_dir)]
     no_split = subprocess.run(evaluate, capture_output=True, text=True, timeout=120)
     assert no_split.returncode == 2 and "have no eval split" in no_split.stderr

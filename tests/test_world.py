@@ -122,6 +122,9 @@ def test_dry_run_of_pearl_32gpu_matches_the_golden_file() -> None:
     # the memory plan: every GPU under its memory
     assert "total 37.6 GB of 77.0 GB: fits" in proc.stdout
     assert "KV pool 57.8 GB (one 32768-token trajectory: 2.4 GB): fits" in proc.stdout
+    # a checkpoint: 12 bytes a parameter, a node's 8 of 16 ranks staging their shards
+    assert "checkpoint every 10 steps: 98.3 GB on disk" in proc.stdout
+    assert "staged in pinned host memory: 49.1 GB on a training node" in proc.stdout
 
 
 def test_pearl_32gpu_with_replicated_trainers_is_refused_naming_fsdp(tmp_path: Path) -> None:

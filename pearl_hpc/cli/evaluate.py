@@ -62,6 +62,15 @@ def _run_target(run_dir: Path, args: argparse.Namespace) -> Target:
 
     run = RunDir(run_dir)
     cfg = load_run_config(run.config, need_slurm=False)
+    env = args.env or cfg.run.env
+    same_env = env == cfg.run.env
+    tasks = load_tasks(cfg.run) if same_env else None
+    eval_tasks = list(tasks.eval) if tasks is not None and tasks.eval else None
+    if same_env and tasks is not None and eval_tasks is None:
+        raise ConfigError(
+            f"{run_dir}: the run's tasks have no eval split; set run.tasks.eval_path or "
+            "eval_fraction, or evaluate another environment with --env"
+        )
     model_dir = model_dir_of(cfg.model)
     checkpoint = latest_checkpoint(run.checkpoints)
     version = 0
@@ -72,15 +81,6 @@ def _run_target(run_dir: Path, args: argparse.Namespace) -> Target:
             print(f"pearl-hpc eval: exporting {checkpoint.name} to {exported}", flush=True)
             export_hf(Path(model_dir), checkpoint, exported)
         model_dir = str(exported)
-    env = args.env or cfg.run.env
-    same_env = env == cfg.run.env
-    tasks = load_tasks(cfg.run) if same_env else None
-    eval_tasks = list(tasks.eval) if tasks is not None and tasks.eval else None
-    if same_env and tasks is not None and eval_tasks is None:
-        raise ConfigError(
-            f"{run_dir}: the run's tasks have no eval split; set run.tasks.eval_path or "
-            "eval_fraction, or evaluate another environment with --env"
-        )
     out = Path(args.out) if args.out else run_dir / "eval" / f"{env}-v{version}.json"
     options = dict(cfg.run.env_options) if same_env else {}
     return Target(model_dir, version, env, options, eval_tasks, out)

@@ -281,6 +281,7 @@ def memory_plan(cfg: RunConfig, shape: ModelShape) -> Plan:
             if t.fsdp
             else "ranks, each loading the whole fp32 model)"
         ),
+        _checkpoint_line(cfg, shape, per_node),
     ]
     if shape.experts and t.fsdp:
         ep = _gb(2 * (shape.root_params + 2 * (shape.block_params - shape.expert_params
@@ -300,6 +301,20 @@ def memory_plan(cfg: RunConfig, shape: ModelShape) -> Plan:
             "run.max_context_tokens"
         )
     return Plan(lines, problem)
+
+
+def _checkpoint_line(cfg: RunConfig, shape: ModelShape, per_node: int) -> str:
+    """A checkpoint's bytes: fp32 weights and AdamW's two moments (12 bytes a parameter),
+    sharded over the FSDP2 ranks (replicated: trainer 0 saves them whole), staged in
+    pinned host memory, kept ``train.keep_checkpoints`` times on disk."""
+    t = cfg.train
+    state = 12 * shape.params
+    staged = per_node * state / cfg.workers.training_gpus if t.fsdp else state
+    return (
+        f"checkpoint every {t.checkpoint_every} steps: {_gb(state)} on disk "
+        f"({t.keep_checkpoints} kept: {_gb(t.keep_checkpoints * state)}), staged in pinned host "
+        f"memory: {_gb(staged)} on a training node"
+    )
 
 
 def _rank_memory(
