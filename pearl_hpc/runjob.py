@@ -5,10 +5,11 @@
 The job runs the run's MPI world (:func:`pearl_hpc.backends.world.run_world`) on the run
 directory it was given. On preemption or at its time limit, submitit's signal handler calls
 :meth:`RunJob.checkpoint`: the job is requeued and the next start resumes from the
-journal, as ``pearl-hpc run --resume`` does (the trainer from its newest checkpoint,
-the steps after it replayed and the step in progress resumed from the trajectory log, the dead master's elastic jobs cancelled by tag). A job that
-Slurm restarts without a checkpoint (node failure) resumes too: a run directory with an
-unfinished journal is always resumed.
+journal, as ``pearl-hpc run --resume`` does (the trainer from its newest checkpoint, the
+steps after it replayed and the step in progress resumed from the trajectory log, the
+dead master's elastic jobs cancelled by tag). A job that Slurm restarts without a
+checkpoint (node failure) resumes too: a run directory with an unfinished journal is
+always resumed.
 """
 
 from __future__ import annotations
