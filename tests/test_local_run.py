@@ -173,6 +173,12 @@ def test_local_run_grows_reclaims_borrows_and_loses_nothing(tmp_path: Path, monk
     assert {"prefill", "decode"} <= set(groups[0])  # the disaggregated start
     assert "split_mismatch" not in kinds  # every member counted the group it landed in
     assert len(list(run_dir.glob("rank*-trainer.log"))) == 2  # two trainer processes
+    # replicated weights: trainer 0 checkpoints them once, after the last step; the export
+    meta = json.loads((run_dir / "checkpoints" / "v000003" / "meta.json").read_text())
+    assert meta["ranks"] == 1 and [p.name for p in (run_dir / "checkpoints").iterdir()] == [
+        "v000003"
+    ]
+    assert (run_dir / "exports" / "v000003" / "config.json").is_file()
     # the finished journal holds the table as the run left it: settled, as last logged
     journal = json.loads((run_dir / "journal.json").read_text())
     slots = journal["state"]["controller"]["table"]["slots"]
