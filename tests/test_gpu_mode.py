@@ -304,7 +304,17 @@ def test_the_master_lends_a_trainers_gpu_and_counts_its_return() -> None:
     rank's onload, journalled, the slowest one kept for T_toggle's sample."""
     import asyncio
 
-    from pearl_hpc.comm.messages import Hello, Move, Op, Release, ReleaseAck, TrainAck
+    from pearl_hpc.comm.messages import (
+        Hello,
+        Move,
+        Op,
+        Release,
+        ReleaseAck,
+        Save,
+        SaveAck,
+        Train,
+        TrainAck,
+    )  # fmt: skip
     from pearl_hpc.master.trainer import RemoteTrainer
 
     class Ranks:  # the two trainer ranks' side of Members, as a unit test stands it in
@@ -320,9 +330,13 @@ def test_the_master_lends_a_trainers_gpu_and_counts_its_return() -> None:
             return [1, 2]
 
         async def call(self, rank: int, body: object, ack: type) -> object:
-            self.calls.append((rank, Op.RELEASE if isinstance(body, Release) else Op.TRAIN))
+            op = {Release: Op.RELEASE, Save: Op.SAVE, Train: Op.TRAIN}[type(body)]
+            self.calls.append((rank, op))
             if isinstance(body, Release):
                 return ReleaseAck(Move("offload", 1.5, 1, 9))
+            if isinstance(body, Save):
+                return SaveAck(4, 0.1)
+            self.checkpoint = body.checkpoint  # type: ignore[attr-defined]
             onload = Move("onload", 0.5 if rank == 1 else 0.25, 0, 0)
             return TrainAck(7, 4, 0.5, 0, 0.1, 10, 4.0, onload=onload)
 
@@ -337,12 +351,21 @@ def test_the_master_lends_a_trainers_gpu_and_counts_its_return() -> None:
         ("handover", {"rank": 2, "gpus": ["train1"], "offload_s": 1.5,
                       "offload_free_before": 1, "offload_free_after": 9}),
     ]  # fmt: skip
+    # Slurm's warning while rank 2's GPU is lent: its state is on the host, so no rank
+    # saves now; the next step checkpoints
+    assert asyncio.run(trainer.save()) is None
+    assert ranks.journal[-1] == ("checkpoint_deferred", {"lent": [2]})
+    assert (2, Op.SAVE) not in ranks.calls and (1, Op.SAVE) not in ranks.calls
     result = asyncio.run(trainer.train(7, []))
-    assert result.version == 4 and result.handover_s == 0.5
-    assert [(k, f["rank"], f.get("onload_s")) for k, f in ranks.journal[1:]] == [
+    assert result.version == 4 and result.handover_s == 0.5 and ranks.checkpoint
+    after = ranks.journal[2:]
+    assert after[0] == ("checkpoint", {"version": 4, "blocked_s": 0.0})
+    assert [(k, f["rank"], f.get("onload_s")) for k, f in after[1:]] == [
         ("handover", 1, 0.5),
         ("handover", 2, 0.25),
     ]
+    assert asyncio.run(trainer.save()) == 0.1  # the GPUs are back: every rank saves now
+    assert ranks.calls[-2:] == [(1, Op.SAVE), (2, Op.SAVE)]
 
 
 def test_the_gpu_smoke_script_says_why_it_skips_without_a_gpu(tmp_path: Path) -> None:

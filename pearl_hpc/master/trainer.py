@@ -52,6 +52,8 @@ class RemoteTrainer:
             raise PlaneError(f"trainer ranks resumed different versions: {sorted(versions)}")
         self.version = versions.pop()
         self.lead = self.ranks[0]
+        self.lent: set[str] = set()  # ranks whose GPU an overlap engine holds (to the next step)
+        self.save_next = False  # a checkpoint asked for while a GPU was lent: after the next step
 
     async def train(
         self,
@@ -64,6 +66,7 @@ class RemoteTrainer:
         """One step on every rank; with ``checkpoint`` the ranks then save the new
         version (staged before the ack, written while the run goes on), with ``export``
         trainer 0 writes it as a Hugging Face directory (``exports/``)."""
+        checkpoint, self.save_next = checkpoint or self.save_next, False
         encoded = msgspec.msgpack.encode(trajectories)
         batch = Train(step, encoded, checkpoint, export)  # encoded once, for every rank
         acks = await asyncio.gather(*[self.members.call(r, batch, TrainAck) for r in self.ranks])
@@ -79,6 +82,7 @@ class RemoteTrainer:
             if ack.onload is not None:
                 self.members.events("handover", rank=rank, step=step, **ack.onload.fields())
                 handover_s = max(handover_s, ack.onload.wall_s)
+        self.lent.clear()  # each rank took its GPU back for the step
         lead = acks[0]
         if any(a.version != lead.version for a in acks):
             versions = [a.version for a in acks]
@@ -86,9 +90,15 @@ class RemoteTrainer:
         self.version = lead.version
         return TrainResult(lead, handover_s)
 
-    async def save(self) -> float:
+    async def save(self) -> float | None:
         """A checkpoint of the current version on every rank, complete when this returns
-        (before the job's end: Slurm's warning signal); returns its seconds."""
+        (before the job's end: Slurm's warning signal); returns its seconds. While a rank's
+        GPU is lent to an overlap engine its state is not there to save (every rank saves
+        or none does): the checkpoint is taken after the next step instead (None)."""
+        if self.lent:
+            self.save_next = True
+            self.members.events("checkpoint_deferred", lent=sorted(self.lent))
+            return None
         acks = await asyncio.gather(*[self.members.call(r, Save(), SaveAck) for r in self.ranks])
         seconds = max(a.seconds for a in acks)
         self.members.events("checkpoint_saved", version=acks[0].version, s=round(seconds, 3))
@@ -116,9 +126,12 @@ class RemoteTrainer:
         overlap engine can wake there (measured, journalled; nothing moves on cpu). They
         come back with the next step."""
         ranks = [r for r in self.ranks if set(self.members.hellos[r].gpu_ids) & set(gpu_ids)]
+        self.lent.update(ranks)  # from now: a save queued behind the lend would find no state
         acks = await asyncio.gather(*[self.members.call(r, Release(), ReleaseAck) for r in ranks])
         for rank, ack in zip(ranks, acks, strict=True):
-            if ack.offload is not None:
+            if ack.offload is None:  # nothing moved (cpu): its state is still there
+                self.lent.discard(rank)
+            else:
                 fields = ack.offload.fields()
                 self.members.events("handover", rank=rank, gpus=list(gpu_ids), **fields)
 
