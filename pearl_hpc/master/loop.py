@@ -232,6 +232,7 @@ class MasterRun:
             replay_task = asyncio.create_task(self.backend.follow_trace(self._pump_stop))
             # 6. the steps (a control plane that fails ends them: nothing could go on)
             await _unless_failed(pipeline.run(self.first_step), poll_task)
+            await self.trainer.save()  # the last step's checkpoint complete before the end
             await self._settle(executor)
         except BaseException:
             with contextlib.suppress(Exception):

@@ -131,7 +131,9 @@ class Checkpointer:
     the save's collectives never interleave with training's; replicated weights are
     saved by trainer 0 alone."""
 
-    def __init__(self, root: Path | str, keep: int, *, sharded: bool, lead: bool) -> None:
+    def __init__(
+        self, root: Path | str, keep: int, *, sharded: bool, lead: bool, saved: int | None = None
+    ) -> None:
         if keep < 2:
             raise TrainError(f"keep_checkpoints must be >= 2, got {keep}")
         self.root, self.keep, self.lead = Path(root), keep, lead
@@ -150,6 +152,9 @@ class Checkpointer:
         self.writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
         self.pending: concurrent.futures.Future[int] | None = None
         self.saved: list[int] = []  # versions completed since :meth:`take_saved`
+        # the version of the newest save started (or loaded: ``saved``), the same on every
+        # rank: a version is saved once (a complete checkpoint is never written over)
+        self.last = saved
 
     def save(self, trainer: GRPOTrainer) -> float:
         """Start saving ``trainer``'s state at its version; returns the seconds the caller
@@ -159,9 +164,10 @@ class Checkpointer:
         t0 = time.perf_counter()
         self.wait()
         version = trainer.version
-        path = version_dir(self.root, version)
-        if (path / META_FILE).is_file():  # already saved (e.g. by Slurm's warning signal)
+        if version == self.last:  # saved already (Slurm's warning, then the step's own)
             return time.perf_counter() - t0
+        self.last = version
+        path = version_dir(self.root, version)
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         started = time.time()
         written = dcp.async_save(

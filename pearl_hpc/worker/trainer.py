@@ -118,6 +118,7 @@ class TrainerRank:
         self.checkpoints = Checkpointer(
             self.run.checkpoints, cfg.train.keep_checkpoints,
             sharded=self.trainer.sharded, lead=self.index == 0,
+            saved=self.trainer.version if checkpoint is not None else None,
         )  # fmt: skip
         # an overlap engine time-shares this rank's GPU: the trainer's tensors leave it
         # when the master lends the GPU (Op.RELEASE) and come back for the next step (a
