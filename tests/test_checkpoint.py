@@ -60,6 +60,7 @@ def test_a_checkpoint_resumes_weights_adamw_and_version_bitwise(
     for _ in range(3):
         trainer.train_step(_uneven_batch())
         saver.save(trainer)
+    saver.save(trainer)  # v3 again (Slurm's warning, then the step's own): saved once
     saver.close()
     assert saver.take_saved() == [1, 2, 3]
     assert sorted(p.name for p in root.iterdir()) == ["v000002", "v000003"]  # keep 2

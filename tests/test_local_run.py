@@ -346,10 +346,10 @@ def test_fsdp2_checkpoints_and_a_killed_run_replays_its_steps_from_the_log(
         assert e["loss"] == metrics[e["step"]]["loss"]
     rolled = [e["step"] for e in second if e.get("event") == "StepTelemetry"]
     assert rolled == [5]  # steps 3 and 4 were not rolled out again
-    # the engines get the replay's result (none when step 5's batch was in its log whole:
-    # the rollout ahead had finished before the kill)
+    # the replay's result goes out once (to the engines serving then, if any: the others
+    # catch up to it as they start), then step 5's
     publishes = [e["version"] for e in second if e["kind"] == "publish"]
-    assert publishes in ([], [5, 6]), publishes
+    assert publishes == [5, 6], publishes
     saved = [e["version"] for e in events if e["kind"] == "checkpoint"]
     assert saved == [3, 6]  # every 3 steps (the replayed ones had none) and the last
     kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
@@ -375,13 +375,14 @@ def test_fsdp2_checkpoints_and_a_killed_run_replays_its_steps_from_the_log(
     for name, tensor in exported.state_dict().items():
         expected = torch.from_numpy(straight[0][1][name]).to(torch.bfloat16)
         assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, expected), name
-    # to 1e-5, but for an entry whose gradient is float noise (an embedding row barely
-    # used): AdamW normalises it into a step of up to lr either way (measured: 1 of the
-    # 65,536 embedding entries, 1.3e-4 after three steps; every other entry < 6e-6)
+    # to 1e-5, but for entries whose gradient is float noise (embedding rows barely
+    # used): AdamW normalises it into a step of up to lr either way (measured over two
+    # runs: 1 and 10 of the 65,536 embedding entries, up to 1.3e-4 after three steps;
+    # every other entry of every tensor within 6e-6)
     lr = load_run_config(path).train.lr
     for name, expected in straight[0][1].items():
         diff = np.abs(one[name] - expected)
-        assert (diff > 1e-5).mean() <= 1e-4 and diff.max() <= 3 * lr, name
+        assert (diff > 1e-5).mean() <= 1e-3 and diff.max() <= 3 * lr, name
 
 
 @pytest.mark.vllm

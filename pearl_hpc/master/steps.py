@@ -404,12 +404,10 @@ class StepPipeline:
     async def publish(self, version: int) -> float:
         """The trainer's weights to every serving engine (trainer 0 re-forms the group
         first if its members changed); returns the broadcast's seconds. With none serving
-        (a resumed step whose batch was all in its log) there is nothing to send: an
-        engine catches up to trainer 0's newest weights when it joins."""
+        (a replay before the engines start, a resumed step whose batch was all in its
+        log) trainer 0 keeps the version for the engines to catch up to as they start."""
         async with self.executor.weights_lock:
             serving = self.executor.serving_addresses()
-            if not serving:
-                return 0.0
             seconds, dead = await self.trainer.publish(version, serving)
         for name in dead:  # gone since it was listed: its failure, reported once
             self.executor.weights_unreachable(name)

@@ -290,6 +290,9 @@ class TrainerRank:
         if latest is None or latest.version < version:  # a newer one goes instead
             have = None if latest is None else latest.version
             raise RuntimeError(f"publish v{version}: trainer 0 holds v{have}")
+        if not members:  # none serving (a resumed step's batch all in its log, a replay):
+            self.sync.seed(latest)  # each engine catches up to it as it starts serving
+            return PublishAck(latest.version, 0.0, 0.0, 0, 0, [])
         form_s = 0.0
         if set(members) != set(self.sync.members):  # a new epoch of the broadcast group
             t0 = time.perf_counter()
