@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -310,24 +311,15 @@ def test_fsdp2_checkpoints_and_a_killed_run_replays_its_steps_from_the_log(
     path = _write(tmp_path, config)
     env = {**os.environ, "PEARL_HPC_CACHE": str(cache)}
     cmd = [sys.executable, "-m", "pearl_hpc.cli", "run"]
-    with (tmp_path / "first.log").open("w") as log:
-        master = subprocess.Popen([*cmd, str(path)], stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 600
-        run_dir = None
-        while time.monotonic() < deadline and master.poll() is None:
-            found = list((tmp_path / "runs").glob("t-*/journal.json"))
-            with contextlib.suppress(OSError, ValueError, IndexError):  # (not written yet)
-                if json.loads(found[0].read_text())["state"]["next_step"] >= 5:
-                    run_dir = found[0].parent  # step 4 recorded
-                    break
-            time.sleep(0.05)
-        assert run_dir is not None, (tmp_path / "first.log").read_text()[-3000:]
-        master.kill()
-        master.wait()
-    finally:
-        if master.poll() is None:
-            master.kill()
+
+    def step_4_recorded() -> Path | None:
+        found = list((tmp_path / "runs").glob("t-*/journal.json"))
+        with contextlib.suppress(OSError, ValueError, IndexError):  # (not written yet)
+            if json.loads(found[0].read_text())["state"]["next_step"] >= 5:
+                return found[0].parent
+        return None
+
+    run_dir = _run_then_kill(tmp_path, path, env, step_4_recorded)
     assert json.loads((run_dir / "journal.json").read_text())["state"]["next_step"] == 5
     first = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     resumed = subprocess.run(
@@ -414,6 +406,36 @@ def test_a_real_spot_trace_grants_and_reclaims_over_the_run_clock(tmp_path: Path
     assert granted[0]["t_s"] < reclaimed[0]["t_s"]
 
 
+def _run_then_kill(
+    tmp_path: Path,
+    path: Path,
+    env: dict[str, str],
+    found: Callable[[], Path | None],
+    before_kill: Callable[[subprocess.Popen, Path], None] | None = None,
+) -> Path:
+    """`pearl-hpc run` of ``path`` until ``found()`` names its run directory, then
+    ``before_kill`` and SIGKILL of the launcher (its world dies with it); returns the run
+    directory."""
+    cmd = [sys.executable, "-m", "pearl_hpc.cli", "run", str(path)]
+    with (tmp_path / "first.log").open("w") as log:
+        master = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 600
+        run_dir = None
+        while run_dir is None and time.monotonic() < deadline and master.poll() is None:
+            run_dir = found()
+            time.sleep(0.05)
+        assert run_dir is not None, (tmp_path / "first.log").read_text()[-3000:]
+        if before_kill is not None:
+            before_kill(master, run_dir)
+        master.kill()
+        master.wait()
+    finally:
+        if master.poll() is None:
+            master.kill()
+    return run_dir
+
+
 def _saved(run_dir: Path) -> list[int]:
     """The versions of the checkpoints the run's events say are complete."""
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
@@ -465,28 +487,22 @@ def test_a_master_killed_mid_step_resumes_without_losing_anything(
     path = _write(tmp_path, config)
     env = {**os.environ, "PEARL_HPC_CACHE": str(tmp_path / "cache")}
     cmd = [sys.executable, "-m", "pearl_hpc.cli", "run"]
-    with (tmp_path / "first.log").open("w") as log:
-        master = subprocess.Popen([*cmd, str(path)], stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 600
-        run_dir = None
-        while time.monotonic() < deadline and master.poll() is None:
-            found = list((tmp_path / "runs").glob("t-*/trajectories/step-00001.jsonl"))
-            if found and len(found[0].read_text().splitlines()) >= 6:
-                run_dir = found[0].parent.parent
-                break
+
+    def mid_step_1() -> Path | None:
+        found = list((tmp_path / "runs").glob("t-*/trajectories/step-00001.jsonl"))
+        if found and len(found[0].read_text().splitlines()) >= 6:
+            return found[0].parent.parent
+        return None
+
+    def warn(master: subprocess.Popen, run_dir: Path) -> None:
+        """Slurm's warning first: the trainer checkpoints step 0's weights."""
+        master.send_signal(signal.SIGUSR2)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not _saved(run_dir):
             time.sleep(0.05)
-        assert run_dir is not None, (tmp_path / "first.log").read_text()[-3000:]
-        if staleness == 0:  # Slurm's warning first: the trainer checkpoints step 0's weights
-            master.send_signal(signal.SIGUSR2)
-            while time.monotonic() < deadline and not _saved(run_dir):
-                time.sleep(0.05)
-            assert _saved(run_dir) == [1], (tmp_path / "first.log").read_text()[-3000:]
-        master.kill()
-        master.wait()
-    finally:
-        if master.poll() is None:
-            master.kill()
+        assert _saved(run_dir) == [1], (tmp_path / "first.log").read_text()[-3000:]
+
+    run_dir = _run_then_kill(tmp_path, path, env, mid_step_1, warn if staleness == 0 else None)
     workers = [json.loads(p.read_text())["pid"] for p in run_dir.glob("**/*.ready.json")]
     assert len(workers) == 3  # the reserved, overlap and elastic engine ranks
     deadline = time.monotonic() + 30
