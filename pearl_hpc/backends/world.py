@@ -178,10 +178,12 @@ def _world_child() -> None:
 
 
 def _warn_master(run: RunDir) -> None:
-    """Slurm's warning, passed to the live master (its pid is in the run's lock)."""
+    """Slurm's warning, passed to the live master (its pid is in the run's lock while
+    it holds the lock; before, the file may name this process or a dead one)."""
     try:
         pid = int(run.lock_file.read_text().split()[0])
-        os.kill(pid, signal.SIGUSR2)
+        if run.lock_held() and pid != os.getpid():
+            os.kill(pid, signal.SIGUSR2)
     except (OSError, ValueError, IndexError):
         pass  # no live master yet (starting) or any more (ending): nothing to save
 

@@ -375,7 +375,8 @@ class TrainSettings:
     )
     export_every: int = spec_field(
         "steps between Hugging Face exports (RUN_DIR/exports/vN: config, tokenizer, "
-        "sharded safetensors in the engines' dtype); 0: only after the last step",
+        "sharded bf16 safetensors, written by trainer 0 before the step's ack: ~8 s at "
+        "Qwen3-8B); 0: only after the last step",
         default=0,
         ge=0,
     )
