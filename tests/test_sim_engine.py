@@ -76,7 +76,9 @@ def build(
 class AuditedSimulator(Simulator):
     """Checks, after every event, what the engine itself only checks at the end or at
     training start: the census, one owner per GPU among live workers (and agreement with
-    the controller's table), KV accounting, and no borrowed worker while training runs."""
+    the controller's table), KV accounting, and no borrowed worker while training runs;
+    and at every routing decision, that the engine's candidate heap names the worker a
+    scan of every active worker would (the router's least-loaded)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -84,9 +86,16 @@ class AuditedSimulator(Simulator):
         self.training_starts: list[tuple[int, float]] = []
         self.finished_ids: set[str] = set()
         self.audits = 0
+        self.routed_checks = 0
 
     def at(self, time_s: float, prio: int, fn: Callable[..., None], *args: Any) -> None:
         super().at(time_s, prio, self._audited, fn, args)
+
+    def _least(self, role: Role) -> tuple[int, int, int]:
+        got = super()._least(role)
+        assert got == min(w.candidate for w in self._active(role).values()), (role, got)
+        self.routed_checks += 1
+        return got
 
     def _audited(self, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
         fn(*args)
@@ -205,6 +214,7 @@ def test_invariants_every_event(system: str, segment: int, monkeypatch: pytest.M
     assert isinstance(sim, AuditedSimulator)
     assert sim.controller.check  # the role table is checked after every controller event
     assert sim.audits == sim.events > 1000
+    assert sim.routed_checks > 100  # every routing decision was checked against a scan
     sim.check_census()
     steps = finished_steps(sim)
     # 30 minutes hold two batches on 4 GPUs even with rlboost+'s shortest-queue router

@@ -1,5 +1,6 @@
 """Simulator speed: wall time of the four default systems over a 2-hour segment, and how
-cost grows with simulated time and with trajectories per batch.
+cost grows with simulated time, with trajectories per batch and with the cluster (256 and
+1,024 GPUs, fixed).
 
 Run: ``pearl-hpc bench --sim`` (or ``python -m pearl_hpc.bench.sim_speed``).
 """
@@ -43,6 +44,12 @@ def run() -> list[dict[str, Any]]:
     for batch in (64, 128):
         row = _run(model="qwen3-8b", segment=2, batch_size=batch, systems=("pearl",))
         rows.append({"case": f"pearl, segment 2, batch {batch}", **row})
+    for half, batch in ((128, 512), (512, 2048)):  # fixed clusters: cost per event by size
+        row = _run(
+            model="qwen3-8b", segment=2, rollout_gpus=half, training_gpus=half,
+            batch_size=batch, duration_s=600.0, systems=("pearl",),
+        )  # fmt: skip
+        rows.append({"case": f"pearl, {2 * half} GPUs, batch {batch}, 600 s", **row})
     return rows
 
 

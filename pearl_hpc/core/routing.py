@@ -47,12 +47,18 @@ class RoutingRule:
 
     def pick(self, candidates: Sequence[Candidate[K]], last: K | None = None) -> K:
         """The worker for a turn whose prefix ``last`` holds (None: no prefix anywhere)."""
-        best = min(candidates)
-        if self.policy is RoutingPolicy.STICKY and last is not None and last != best[2]:
+        held = None
+        if last is not None:
+            held = next((c for c in candidates if c[2] == last), None)
+        return self.choose(min(candidates), held)
+
+    def choose(self, best: Candidate[K], held: Candidate[K] | None) -> K:
+        """:meth:`pick` given the least candidate ``best`` and the prefix holder's
+        candidate ``held`` (None: no holder among the candidates): for a caller that
+        keeps its candidates in a heap."""
+        if self.policy is RoutingPolicy.STICKY and held is not None and held[2] != best[2]:
             limit = best[0] + self.slack + self.slack_ratio * best[0]
-            for load, _, key in candidates:
-                if key == last:
-                    return key if load <= limit else best[2]
+            return held[2] if held[0] <= limit else best[2]
         return best[2]
 
 

@@ -90,6 +90,12 @@ class Simulator(WorkerPhysics):
         self._heap: list[tuple[float, int, int, Callable[..., None], tuple[Any, ...]]] = []
         self._seq = itertools.count()
         self.workers: dict[int, SimWorker] = {}
+        # the active workers by role, in slot order of arrival (None: every active one);
+        # cleared where a worker is added, removed, re-roled or changes state
+        self._active_by: dict[Role | None, dict[int, SimWorker]] = {}
+        # their router candidates, a heap per role: a worker's entry is pushed when its
+        # load falls and replaced lazily when it rose (cleared with _active_by)
+        self._candidates: dict[Role, list[tuple[int, int, int]]] = {}
         self.pending: deque[Traj] = deque()  # turns waiting for routing
         self.admission_paused_until = 0.0
         self.progress = progress
@@ -230,6 +236,7 @@ class Simulator(WorkerPhysics):
                 add.slot_id, add.role, add.zone, self.cost.kv_capacity_tokens, updated_s=self.now
             )
             self.workers[add.slot_id] = w
+            self._table_changed()
             self._mark(w, "starting")
             if add.reactivate:
                 delay = self.cost.reconfig_s("activation")
@@ -269,6 +276,7 @@ class Simulator(WorkerPhysics):
         for slot_id, role in changes:
             w = self.workers[slot_id]
             w.role = role
+            self._table_changed()
             if w.state == "starting":
                 continue  # joins directly in its new role
             if w.state != "rerole":
@@ -317,6 +325,7 @@ class Simulator(WorkerPhysics):
             self._deactivation_s.append(self.now - self._drain_started.pop(slot_id, self.now))
         self._mark(w, "off")
         del self.workers[slot_id]
+        self._table_changed()
         self.controller.handle(WorkerReleased(slot_id))
 
     def start_training(self, step: int) -> None:
@@ -450,12 +459,44 @@ class Simulator(WorkerPhysics):
         self._maybe_start_next_batch()
 
     # ------------------------------------------------------------------- routing
-    def _active(self, role: Role | None = None) -> list[SimWorker]:
-        return [
-            w
-            for w in self.workers.values()
-            if w.state == "active" and (role is None or w.role is role)
-        ]
+    def _active(self, role: Role | None = None) -> dict[int, SimWorker]:
+        """The active workers (of ``role``) by slot; kept until the table changes (a
+        dispatch per turn must not rescan a thousand workers)."""
+        active = self._active_by.get(role)
+        if active is None:
+            active = self._active_by[role] = {
+                w.slot_id: w
+                for w in self.workers.values()
+                if w.state == "active" and (role is None or w.role is role)
+            }
+        return active
+
+    def _table_changed(self) -> None:
+        self._active_by.clear()
+        self._candidates.clear()
+
+    def _candidate_heap(self, role: Role) -> list[tuple[int, int, int]]:
+        """The candidates of the active workers of ``role`` as a heap whose top, once
+        :meth:`_least` has fixed it, is the least-loaded worker."""
+        heap = self._candidates.get(role)
+        pool = self._active(role)
+        if heap is None or len(heap) > 4 * len(pool) + 64:  # (re)built, or compacted
+            heap = self._candidates[role] = [w.candidate for w in pool.values()]
+            heapq.heapify(heap)
+        return heap
+
+    def _least(self, role: Role) -> tuple[int, int, int]:
+        """The least candidate among the active workers of ``role`` (as ``min`` over
+        them): an entry that is not its worker's candidate any more is replaced."""
+        heap, pool = self._candidate_heap(role), self._active(role)
+        while heap[0] != (now := pool[heap[0][2]].candidate):
+            heapq.heapreplace(heap, now)
+        return heap[0]
+
+    def _unloaded(self, w: SimWorker) -> None:
+        heap = self._candidates.get(w.role) if w.role is not None else None
+        if heap is not None and w.slot_id in self._active(w.role):
+            heapq.heappush(heap, w.candidate)
 
     def _dispatch(self) -> None:
         if self.now < self.admission_paused_until:
@@ -469,8 +510,9 @@ class Simulator(WorkerPhysics):
         mode = route_mode(bool(prefill), bool(coloc), bool(prefill and decode))
         if mode is None:
             return  # nothing can serve: turns wait for capacity
-        pool = {w.slot_id: w for w in (coloc if mode is Mode.COLOCATED else prefill)}
-        local = {w.slot_id: w for w in decode} if self.setup.policy.local_prefill else {}
+        role = Role.COLOCATED if mode is Mode.COLOCATED else Role.PREFILL
+        pool = self._active(role)
+        local = decode if self.setup.policy.local_prefill else {}
         while self.pending:
             traj = self.pending.popleft()
             holder = (
@@ -482,8 +524,10 @@ class Simulator(WorkerPhysics):
                 self.local_prefills += 1
                 self._submit_prefill(holder, traj)
                 continue
-            w = pool[self.setup.routing.pick([p.candidate for p in pool.values()], traj.worker)]
-            self._submit_prefill(w, traj)
+            held = pool.get(traj.worker) if traj.worker is not None else None
+            least = self._least(role)
+            key = self.setup.routing.choose(least, None if held is None else held.candidate)
+            self._submit_prefill(pool[key], traj)
 
     def _prefill_here(self, w: SimWorker, traj: Traj) -> bool:
         """local_prefill: the decode worker holding the turn's prefix prefills it itself
@@ -534,11 +578,11 @@ class Simulator(WorkerPhysics):
 
     def _to_decode(self, req: Request) -> None:
         self._in_transit -= 1
-        decode = {w.slot_id: w for w in self._active(Role.DECODE)}
+        decode = self._active(Role.DECODE)
         if not decode:  # no decode worker any more: the turn is re-routed whole
             self._requeue(req.traj)
             return
-        w = decode[self.setup.routing.pick([d.candidate for d in decode.values()])]
+        w = decode[self.setup.routing.choose(self._least(Role.DECODE), None)]
         w.routed += 1
         req.kv_tokens = self._decode_reservation(req)
         self._admit(w, "decode", req)
@@ -600,6 +644,7 @@ class Simulator(WorkerPhysics):
     # ------------------------------------------------------------------ timeline
     def _mark(self, w: SimWorker, state: str) -> None:
         w.state = state
+        self._table_changed()
         self.timeline.append(
             (
                 self.now,

@@ -51,6 +51,9 @@ class WorkerPhysics:
     def _prefill_done(self, w: SimWorker, req: Request) -> None:
         raise NotImplementedError
 
+    def _unloaded(self, w: SimWorker) -> None:
+        """``w`` carries fewer requests than before (the router's view of it fell)."""
+
     def _admit(self, w: SimWorker, phase: str, req: Request) -> None:
         self._advance(w)
         if not w.fits(req.kv_tokens):
@@ -178,6 +181,8 @@ class WorkerPhysics:
         if w.prefill and w.prefill_left <= eps:
             done_prefill = w.prefill.popleft()
             w.prefill_left = float(w.prefill[0].prefill_tokens) if w.prefill else 0.0
+        if done_decode or done_prefill is not None:
+            self._unloaded(w)  # before the finished turns move on (and route others)
         for req in done_decode:
             if w.role is Role.DECODE:
                 req.traj.decode_worker = w.slot_id
