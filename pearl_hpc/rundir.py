@@ -291,9 +291,8 @@ class RunDir:
         from its log) and every incomplete one (a save that was killed); returns their
         names."""
         dropped = []
-        for entry in sorted(self.checkpoints.iterdir()) if self.checkpoints.is_dir() else []:
-            match = _VERSION_DIR.match(entry.name)
-            if match and (int(match.group(1)) > newer_than or not _complete(entry)):
+        for version, entry in sorted(_version_dirs(self.checkpoints).items()):
+            if version > newer_than or not _complete(entry):
                 shutil.rmtree(entry, ignore_errors=True)
                 dropped.append(entry.name)
         return dropped
@@ -312,15 +311,19 @@ def _complete(entry: Path) -> bool:
     return (entry / CHECKPOINT_META).is_file()
 
 
-def complete_checkpoints(root: Path | str) -> dict[int, Path]:
-    """The complete checkpoints under ``root`` by version."""
-    root = Path(root)
+def _version_dirs(root: Path) -> dict[int, Path]:
+    """The ``vNNNNNN`` directories under ``root`` by version, complete or not."""
     out = {}
     for entry in root.iterdir() if root.is_dir() else []:
         match = _VERSION_DIR.match(entry.name)
-        if match and _complete(entry):
+        if match:
             out[int(match.group(1))] = entry
     return out
+
+
+def complete_checkpoints(root: Path | str) -> dict[int, Path]:
+    """The complete checkpoints under ``root`` by version."""
+    return {v: entry for v, entry in _version_dirs(Path(root)).items() if _complete(entry)}
 
 
 def write_journal(path: str | Path, state: dict[str, Any], *, time_s: float) -> None:

@@ -245,16 +245,10 @@ class StepPipeline:
             )
         return [logged[i] for i in ids]
 
-    def _checkpoint_after(self, step: int) -> bool:
-        """Save after ``step``: every ``train.checkpoint_every`` versions, and the last."""
+    def _due(self, step: int, every: int) -> bool:
+        """After ``step``: every ``every`` versions (0: never), and after the last step
+        (a checkpoint: ``train.checkpoint_every``; an export: ``train.export_every``)."""
         version = step + 1
-        return version % self.checkpoint_every == 0 or version == self.settings.steps
-
-    def _export_after(self, step: int) -> bool:
-        """Export after ``step``: every ``train.export_every`` versions (0: never), and
-        the last."""
-        version = step + 1
-        every = self.export_every
         return (every > 0 and version % every == 0) or version == self.settings.steps
 
     @property
@@ -394,7 +388,10 @@ class StepPipeline:
         t1 = time.perf_counter()
         trained = trainable(step, trajectories)
         stats = await self.trainer.train(
-            step, trained, checkpoint=self._checkpoint_after(step), export=self._export_after(step)
+            step,
+            trained,
+            checkpoint=self._due(step, self.checkpoint_every),
+            export=self._due(step, self.export_every),
         )
         train_s = time.perf_counter() - t1
         if stats.handover_s:

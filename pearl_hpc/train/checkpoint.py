@@ -46,7 +46,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CHECKPOINT_FORMAT = 1  # meta.json "format"; bump when the layout changes
-META_FILE = CHECKPOINT_META
 
 
 def latest_checkpoint(root: Path | str) -> Path | None:
@@ -71,9 +70,9 @@ def checkpoint_of_version(root: Path | str, version: int) -> Path:
 
 def read_meta(checkpoint: Path) -> dict[str, Any]:
     """``meta.json`` of a checkpoint directory, checked."""
-    path = checkpoint / META_FILE
+    path = checkpoint / CHECKPOINT_META
     if not path.is_file():
-        raise TrainError(f"{checkpoint} is not a complete checkpoint (no {META_FILE})")
+        raise TrainError(f"{checkpoint} is not a complete checkpoint (no {CHECKPOINT_META})")
     try:
         meta = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
@@ -200,12 +199,12 @@ class Checkpointer:
                 "staged_s": round(staged_s, 4),
                 "written_at": round(time.time(), 3),
             }
-            tmp = path / f".{META_FILE}.tmp"
+            tmp = path / f".{CHECKPOINT_META}.tmp"
             tmp.write_text(json.dumps(meta, indent=1) + "\n")
             tmp.chmod(0o600)
             with tmp.open("rb") as handle:
                 os.fsync(handle.fileno())
-            tmp.replace(path / META_FILE)
+            tmp.replace(path / CHECKPOINT_META)
             kept = complete_checkpoints(self.root)
             for old in sorted(kept)[: -self.keep]:
                 shutil.rmtree(kept[old], ignore_errors=True)
