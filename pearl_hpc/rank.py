@@ -11,7 +11,8 @@ names), then the trainer ranks (:mod:`pearl_hpc.worker.trainer`), then the engin
 (:mod:`pearl_hpc.worker.engine`). This module is the top of the house: it may import
 every layer, and none imports it. Start-up is two collectives over the world, in this order
 on every rank: one ``Split`` that gives the trainer ranks their own communicator, and the
-control plane's ``Dup``. mpi4py is imported before torch or vLLM.
+control plane's ``Dup``. mpi4py is imported before torch or vLLM; rank 0 starts its
+doorman (:mod:`pearl_hpc.comm.doorman`) before either.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ STARTED_S = time.monotonic()  # this process's start, for the world's start late
 
 
 def _rank(args: argparse.Namespace) -> int:
+    doorman = _doorman(args.run_dir)  # before MPI_Init: it forks
     from mpi4py import MPI
 
     from pearl_hpc.comm.layout import MASTER, TRAINER, base_layout
@@ -77,11 +79,12 @@ def _rank(args: argparse.Namespace) -> int:
     # what this rank's sockets bind: loopback on one machine, the configured interface
     host = "127.0.0.1" if cfg.backend == "local" else bind_address(cfg.slurm.engine_interface)
     if me.kind == MASTER:
-        # members heartbeat every second: a collective call is entered only when each
-        # was heard in the last 3 s (one busy without its control thread -- seen: an
-        # engine starting on CPU -- would hold the master's loop in it)
-        plane = MasterPlane(run_dir, hello_timeout_s=600.0, heartbeat_timeout_s=60.0, fresh_s=3.0)
-        return _master(cfg, run_dir, plane, args, key, world)
+        plane = MasterPlane(run_dir, key, doorman=doorman)
+        try:
+            return _master(cfg, run_dir, plane, args, key, world)
+        finally:
+            if doorman is not None:
+                doorman.close()
     plane_w = WorkerPlane.base(heartbeat_interval_s=1.0)
     hello = member_info(me.kind, gpu_ids=me.gpu_ids, rank=me.rank)
     if me.kind == TRAINER:
@@ -109,6 +112,17 @@ def _rank(args: argparse.Namespace) -> int:
     worker_id = engine_rank_id(me)
     ready_file = run.engine_ready(worker_id)
     return serve_engine(lambda: plane_w, spec, worker_id, ready_file, key, hello, host)
+
+
+def _doorman(run_dir: Path) -> Any:
+    """Rank 0 (the master): its doorman, started before MPI_Init (see
+    :mod:`pearl_hpc.comm.doorman`); None on every other rank."""
+    if os.environ.get("PMI_RANK", os.environ.get("SLURM_PROCID", "0")) != "0":
+        return None
+    from pearl_hpc.comm.doorman import Doorman
+    from pearl_hpc.comm.mpiexec import mpiexec_path
+
+    return Doorman(RunDir(run_dir).mpi_port, mpiexec_path())
 
 
 def _join(args: argparse.Namespace) -> int:
@@ -157,7 +171,8 @@ def _join(args: argparse.Namespace) -> int:
     host = "127.0.0.1" if cfg.backend == "local" else bind_address(cfg.slurm.engine_interface)
 
     def connect() -> WorkerPlane:
-        return WorkerPlane.join(run_dir, args.group, heartbeat_interval_s=1.0, timeout_s=600.0)
+        key = read_key(run.rpc_key)
+        return WorkerPlane.join(run_dir, args.group, key, heartbeat_interval_s=1.0, timeout_s=600.0)
 
     spec = engine_spec(
         cfg, args.model_dir, device=placement.device, gpus=placement.num_gpus, host=host

@@ -1,95 +1,128 @@
 """The ranks of tests/test_mpi_plane.py: a real MPI world of a master (rank 0, the
-product's MasterPlane + Members on an asyncio loop) and two base members, plus one
-elastic member launched as its own ``mpiexec -n 1`` that joins with Connect + Merge.
+product's MasterPlane + Members on an asyncio loop, with its doorman) and two base
+members, plus elastic members and strangers, each launched as its own ``mpiexec -n 1``.
 
-    mpiexec -n 3 python -m tests.mpi_plane_ranks RUN_DIR SLOW_S     (the world)
-    mpiexec -n 1 python -m tests.mpi_plane_ranks RUN_DIR join [GROUP]  (a joiner)
-    mpiexec -n 3 python -m tests.mpi_plane_ranks RUN_DIR SLOW_S hung (a split timing out)
+    mpiexec -n 3 python -m tests.mpi_plane_ranks RUN_DIR world        (the world)
+    mpiexec -n 1 python -m tests.mpi_plane_ranks RUN_DIR join GROUP   (a joiner)
+    mpiexec -n 1 python -m tests.mpi_plane_ranks RUN_DIR pickle GROUP (a joiner whose
+        first message is a pickle that would write RUN_DIR/owned)
+    mpiexec -n 1 python -m tests.mpi_plane_ranks RUN_DIR forged GROUP (a hello signed
+        with another key)
 
-Base member 2 sleeps SLOW_S seconds after each PARTITION before entering it (a process
-busy elsewhere). The master writes RUN_DIR/result.json: the longest its loop went
-without a turn while the members split, and its events.
+The master writes RUN_DIR/result.json: the longest its loop went without a turn, what
+each fault cost, and its events.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import pickle
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-from mpi4py import MPI
-
-from pearl_hpc.comm.members import Members
-from pearl_hpc.comm.messages import COLLECTIVE, Ack, Op
-from pearl_hpc.comm.mpi import MasterPlane, PlaneError, WorkerPlane, member_info
+from pearl_hpc.comm.doorman import Doorman
 from pearl_hpc.comm.mpiexec import mpiexec_path
-from pearl_hpc.master.records import EventLog, read_jsonl
-from pearl_hpc.slurm.client import FORK_LOCK
+from pearl_hpc.rundir import RunDir
+
+KEY = "ab" * 32
+HEARTBEAT_TIMEOUT_S = 4.0
+SEND_TIMEOUT_S = 2.0
 
 
-def member(plane: WorkerPlane, slow_s: float) -> int:
-    """A member's control loop: collectives, LEAVE, SHUTDOWN."""
-    plane.report(member_info("engine"))
+class Owned:
+    """Unpickling this writes a file: the proof that a pickle was executed."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.write_text, (Path(self.path), "owned"))
+
+
+def member(plane: Any) -> int:
+    """A member's control loop: anything but LEAVE/SHUTDOWN is answered Failed."""
+    from pearl_hpc.comm.messages import Ack, Failed, Op
+    from pearl_hpc.comm.mpi import member_info
+
+    group = plane.member_id.split(":")[0] if plane.elastic else ""
+    plane.report(member_info("engine", group=group))
     while True:
         cmd = plane.next_command(0.02)
         if cmd is None:
             continue
-        if cmd.op in COLLECTIVE:
-            if cmd.op is Op.PARTITION:
-                time.sleep(slow_s)
-            plane.report(plane.take_part(cmd), cmd.seq)
-        elif cmd.op in (Op.LEAVE, Op.SHUTDOWN):
+        if cmd.op in (Op.LEAVE, Op.SHUTDOWN):
             plane.report(Ack(cmd.op), cmd.seq)
             if cmd.op is Op.LEAVE:
                 plane.disconnect()
             return 0
+        plane.report(Failed(f"test member: {cmd.op}"), cmd.seq)
 
 
-async def until(what: str, cond, timeout_s: float = 60.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
+def stranger(run_dir: Path, group: str, how: str) -> int:
+    """Announce ``group`` like a joiner, take the go, connect; then send a pickle, or
+    a hello proven with the wrong key."""
+    from mpi4py import MPI
+
+    from pearl_hpc.comm.messages import TAG_REPORT
+    from pearl_hpc.comm.mpi import WorkerPlane, member_info
+
+    plane = WorkerPlane.join(run_dir, group, "cd" * 32, timeout_s=60)
+    if how == "pickle":
+        data = pickle.dumps(Owned(str(run_dir / "owned")))
+        plane.link.Send([data, MPI.BYTE], dest=0, tag=TAG_REPORT)
+    else:
+        plane.report(member_info("engine", group=group))
+    time.sleep(5)  # the master frees its side; MPI_Finalize would wait for it
+    os._exit(0)
+
+
+def launch(run_dir: Path, *args: str) -> subprocess.Popen[bytes]:
+    from pearl_hpc.slurm.client import FORK_LOCK
+
+    with FORK_LOCK:  # as the local backend launches its elastic ranks
+        return subprocess.Popen(
+            [mpiexec_path(), "-launcher", "fork", "-hosts", "localhost", "-n", "1",
+             sys.executable, "-m", "tests.mpi_plane_ranks", str(run_dir), *args]
+        )  # fmt: skip
+
+
+async def spawn(run_dir: Path, *args: str) -> subprocess.Popen[bytes]:
+    """A launch off the loop: it waits for the fork lock while the pump accepts."""
+    return await asyncio.to_thread(launch, run_dir, *args)
+
+
+async def until(what: str, cond: Any, timeout_s: float = 60.0) -> float:
+    t0 = time.monotonic()
     while not cond():
-        if time.monotonic() > deadline:
+        if time.monotonic() - t0 > timeout_s:
             raise TimeoutError(what)
         await asyncio.sleep(0.01)
+    return time.monotonic() - t0
 
 
-async def hung(run_dir: Path) -> None:
-    """A split that a member does not finish in time fails the poll (the run), with
-    the loop serving until then."""
-    plane = MasterPlane(run_dir, heartbeat_timeout_s=10.0, hello_timeout_s=60.0, fresh_s=3.0)
-    members = Members(
-        plane,
-        EventLog(run_dir / "events.jsonl", time.monotonic),
-        roles=lambda: {"base:1": "prefill", "base:2": "decode"},
-        split_timeout_s=2.0,
+async def master(run_dir: Path, doorman: Doorman) -> None:
+    from pearl_hpc.comm.members import Members
+    from pearl_hpc.comm.messages import Train, TrainAck
+    from pearl_hpc.comm.mpi import MasterPlane, PlaneError
+    from pearl_hpc.master.records import EventLog, read_jsonl
+
+    plane = MasterPlane(
+        run_dir, KEY, doorman=doorman, hello_timeout_s=5.0, send_timeout_s=SEND_TIMEOUT_S
     )
-    members.start(since_s=time.monotonic())
-    stop = asyncio.Event()
-    poll = asyncio.create_task(members.poll_forever(stop))
-    members.split()
-    t0 = time.monotonic()
-    try:
-        await asyncio.wait_for(poll, 30)
-        error = ""
-    except PlaneError as exc:
-        error = str(exc)
-    result = {"error": error, "after_s": time.monotonic() - t0}
-    (run_dir / "result.json").write_text(json.dumps(result))
-    MPI.COMM_WORLD.Abort(0)  # the members are inside the split: nothing else ends them
-
-
-async def master(run_dir: Path) -> None:
-    plane = MasterPlane(run_dir, heartbeat_timeout_s=10.0, hello_timeout_s=60.0, fresh_s=3.0)
     events = EventLog(run_dir / "events.jsonl", time.monotonic)
     roles = {"base:1": "prefill", "base:2": "decode"}
-    members = Members(plane, events, roles=lambda: roles)
+    members = Members(plane, events, roles=lambda: roles, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
     members.start(since_s=time.monotonic())
     stop = asyncio.Event()
     poll = asyncio.create_task(members.poll_forever(stop))
     gaps: list[float] = []
+    result: dict[str, Any] = {}
 
     async def beat() -> None:  # how long the loop goes without a turn
         last = time.monotonic()
@@ -99,66 +132,94 @@ async def master(run_dir: Path) -> None:
             gaps.append(now - last)
             last = now
 
+    def kinds(kind: str) -> list[dict[str, Any]]:
+        return [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == kind]
+
     beating = asyncio.create_task(beat())
-
-    def splits() -> int:
-        return sum(1 for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "split")
-
-    members.split()  # base members only: member 2 is slow to enter
-    await until("the first split", lambda: splits() == 1)
-    loop_gap_s = max(gaps)
-    with FORK_LOCK:  # an elastic member, launched like the local backend's
-        joiner = subprocess.Popen(
-            [mpiexec_path(), "-launcher", "fork", "-hosts", "localhost", "-n", "1",
-             sys.executable, "-m", "tests.mpi_plane_ranks", str(run_dir), "join"]
-        )  # fmt: skip
-    await until("the joiner admitted", lambda: bool(members.of_kind("engine")[2:]), 120)
-    (joined,) = members.of_kind("engine")[2:]
-    roles[joined] = "decode"
-    members.split()
-    await until("the split with the joiner", lambda: splits() == 2)
-    del roles[joined]
-    members.leave(joined.split(":")[0])
-    await until("the joiner gone", lambda: members.left(joined.split(":")[0]))
-    members.split()  # the universe shrinks first, then the survivors split
-    await until("the split after it left", lambda: splits() == 3)
-    # a component given back before its rank joins (reclaimed while starting): the rank
-    # that joins afterwards is sent away, never admitted
-    members.leave("el2+0")
-    with FORK_LOCK:
-        late = subprocess.Popen(
-            [mpiexec_path(), "-launcher", "fork", "-hosts", "localhost", "-n", "1",
-             sys.executable, "-m", "tests.mpi_plane_ranks", str(run_dir), "join", "el2+0"]
-        )  # fmt: skip
-
-    def joined_late() -> bool:
-        events = read_jsonl(run_dir / "events.jsonl")
-        return any(e["kind"] == "joined" and e["group"] == "el2+0" for e in events)
-
-    await until("the late joiner", joined_late, 120)
-    await until("the late joiner sent away", lambda: members.left("el2+0"), 60)
+    members.partition()
+    # 1. an elastic member joins (signed hello), takes a role, leaves
+    joiner = await spawn(run_dir, "join", "el1+0")
+    await until("el1+0 joined", lambda: "el1+0:0" in members.of_kind("engine"), 120)
+    roles["el1+0:0"] = "decode"
+    members.partition()
+    del roles["el1+0:0"]
+    members.leave("el1+0")
+    await until("el1+0 gone", lambda: members.left("el1+0"))
+    members.partition()
+    joiner.wait(30)
+    # 2. an announcer that never connects (it died before Connect): the doorman frees
+    #    each Accept, the join is abandoned; the loop never stops turning
+    RunDir(run_dir).join_note("el9+0").write_text(json.dumps({"group": "el9+0"}))
+    result["abandoned_s"] = await until("el9+0 abandoned", lambda: kinds("join_abandoned"), 120)
+    # 3. strangers: a pickle as the first message, a hello signed with another key
+    for how, group in (("pickle", "el7+0"), ("forged", "el8+0")):
+        proc = await spawn(run_dir, how, group)
+        await until(f"{group} dropped", lambda g=group: any(  # type: ignore[misc]
+            e["group"] == g for e in kinds("connection_dropped")), 120)  # fmt: skip
+        proc.kill()
+    # 4. an elastic member SIGKILLed with a command of 1 MiB on its way (rendezvous): the
+    #    command is undelivered, the member failed, the call waiting for it fails
+    killed = await spawn(run_dir, "join", "el2+0")
+    await until("el2+0 joined", lambda: "el2+0:0" in members.of_kind("engine"), 120)
+    pid = members.hellos["el2+0:0"].pid
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        await members.call("el2+0:0", Train(0, b"x" * (1 << 20)), TrainAck)
+        result["call_error"] = ""
+    except PlaneError as exc:
+        result["call_error"] = str(exc)
+    result["killed_call_s"] = time.monotonic() - t0
+    killed.wait(30)
+    # 5. an elastic member SIGSTOPped (a silent node): the heartbeat timeout fails it
+    stopped = await spawn(run_dir, "join", "el3+0")
+    await until("el3+0 joined", lambda: "el3+0:0" in members.of_kind("engine"), 120)
+    pid = members.hellos["el3+0:0"].pid
+    os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    await until("el3+0 failed", lambda: "el3+0:0" not in members.of_kind("engine"), 60)
+    result["stopped_detect_s"] = time.monotonic() - t0
+    os.kill(pid, signal.SIGKILL)
+    stopped.wait(30)
+    # 6. a component given back before its rank joins: sent away once it does
+    members.leave("el4+0")
+    late = await spawn(run_dir, "join", "el4+0")
+    await until("el4+0 sent away", lambda: members.left("el4+0"), 120)
     late.wait(30)
+    members.partition()
     stop.set()
     await poll
     await beating
     members.shutdown()
-    joiner.wait(30)
-    result = {"loop_gap_s": loop_gap_s, "events": read_jsonl(run_dir / "events.jsonl")}
+    result["loop_gap_s"] = max(gaps)
+    result["accept_s"] = plane.timings.accept_s
+    result["events"] = read_jsonl(run_dir / "events.jsonl")
     (run_dir / "result.json").write_text(json.dumps(result))
 
 
 def main() -> int:
     run_dir = Path(sys.argv[1])
-    if sys.argv[2] == "join":
-        group = sys.argv[3] if len(sys.argv) > 3 else "el1+0"
-        plane = WorkerPlane.join(run_dir, group, heartbeat_interval_s=0.5, timeout_s=60)
-        return member(plane, 0.0)
-    rank = MPI.COMM_WORLD.Get_rank()
-    if rank == 0:
-        asyncio.run(hung(run_dir) if len(sys.argv) > 3 else master(run_dir))
+    what = sys.argv[2]
+    if what in ("pickle", "forged"):
+        return stranger(run_dir, sys.argv[3], what)
+    if what == "join":
+        from pearl_hpc.comm.mpi import WorkerPlane
+
+        plane = WorkerPlane.join(run_dir, sys.argv[3], KEY, heartbeat_interval_s=0.5, timeout_s=60)
+        return member(plane)
+    doorman = None
+    if os.environ.get("PMI_RANK") == "0":
+        doorman = Doorman(RunDir(run_dir).mpi_port, mpiexec_path())  # before MPI_Init
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        assert doorman is not None
+        asyncio.run(master(run_dir, doorman))
+        doorman.close()
         return 0
-    slow_s = float(sys.argv[2]) if rank == 2 else 0.0
-    return member(WorkerPlane.base(heartbeat_interval_s=0.5), slow_s)
+    from pearl_hpc.comm.mpi import WorkerPlane
+
+    return member(WorkerPlane.base(heartbeat_interval_s=0.5))
 
 
 if __name__ == "__main__":

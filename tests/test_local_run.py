@@ -156,23 +156,23 @@ def test_local_run_grows_reclaims_borrows_and_loses_nothing(tmp_path: Path, monk
         for e in events
         if "slot" in e
     )
-    plans = [i for i, e in enumerate(events) if e["kind"] == "reconfigure"]
-    splits = [i for i, e in enumerate(events) if e["kind"] == "split"]
-    assert plans and all(any(j > i for j in splits) for i in plans)  # a split after each plan
-    assert 0 < len(splits) <= len(plans)  # (one per batch of events decided together)
-    groups = [events[j]["groups"] for j in splits]
-    assert [events[j]["epoch"] for j in splits] == list(range(1, len(splits) + 1))
-    for group in groups:  # ranks 1-2 train; engine ranks 3-4 (and the elastic rank, 5,
-        # once it joined) serve in a role or idle
-        assert group["training"] == [1, 2]
-        engines = sorted(r for role, ranks in group.items() if role != "training" for r in ranks)
-        assert engines in ([3, 4], [3, 4, 5]), group
-    assert any(5 in ranks for g in groups for ranks in g.values())  # the elastic rank joined
-    joined = [e for e in events if e["kind"] == "admitted"]
+    plans = [e for e in events if e["kind"] == "reconfigure"]
+    partitions = [e for e in events if e["kind"] == "partition"]
+    assert 0 < len(partitions) <= len(plans)  # logged when a plan changed the groups
+    groups = [p["groups"] for p in partitions]
+    assert [p["epoch"] for p in partitions] == list(range(1, len(partitions) + 1))
+    assert all(a != b for a, b in itertools.pairwise(groups))
+    base, elastic = ["base:3", "base:4"], ["base:3", "base:4", "el1+0:0"]
+    for group in groups:  # ranks 1-2 train; engine ranks 3-4 (and the elastic rank, once
+        # it joined) serve in a role or idle
+        assert group["training"] == ["base:1", "base:2"]
+        engines = sorted(m for role, ids in group.items() if role != "training" for m in ids)
+        assert engines in (base, elastic), group
+    assert any("el1+0:0" in ids for g in groups for ids in g.values())  # it joined
+    joined = [e for e in events if e["kind"] == "joined"]
     assert [e["group"] for e in joined] == ["el1+0"]
     assert "leave" in kinds  # given back: it left the world
     assert {"prefill", "decode"} <= set(groups[0])  # the disaggregated start
-    assert "split_mismatch" not in kinds  # every member counted the group it landed in
     assert len(list(run_dir.glob("rank*-trainer.log"))) == 2  # two trainer processes
     # replicated weights: trainer 0 checkpoints them once, after the last step; the export
     meta = json.loads((run_dir / "checkpoints" / "v000003" / "meta.json").read_text())
@@ -616,7 +616,7 @@ def test_a_worker_killed_mid_rollout_loses_no_trajectory(tmp_path: Path, monkeyp
     after = [e for e in events if e.get("t_s", 0) >= failed[0]["t_s"]]
     granted = [e for e in after if e.get("event") == "CapacityGranted"]
     assert granted and granted[0]["source"] == "el2+0", granted
-    assert [e["group"] for e in events if e["kind"] == "admitted"] == ["el1+0", "el2+0"]
+    assert [e["group"] for e in events if e["kind"] == "joined"] == ["el1+0", "el2+0"]
     plan = next(e for e in after if e["kind"] == "reconfigure" and e["add"] == 1)
     assert plan["cause"].startswith("capacity"), plan
     assert all(m["elastic_workers"] == 1 for m in metrics)

@@ -9,14 +9,11 @@ import msgspec
 import pytest
 
 from pearl_hpc.comm.messages import (
-    COLLECTIVE,
     TAG_COMMAND,
     TAG_REPORT,
     Ack,
-    Admit,
     CatchUp,
     CatchUpAck,
-    CollectiveAck,
     Command,
     Failed,
     Heartbeat,
@@ -24,8 +21,6 @@ from pearl_hpc.comm.messages import (
     Leave,
     Move,
     Op,
-    Partition,
-    Prepare,
     Publish,
     PublishAck,
     Release,
@@ -33,7 +28,6 @@ from pearl_hpc.comm.messages import (
     Report,
     Save,
     SaveAck,
-    Shrink,
     Shutdown,
     Train,
     TrainAck,
@@ -44,7 +38,6 @@ from pearl_hpc.comm.messages import (
 from pearl_hpc.rollout.types import Segment, Trajectory, TurnStats
 
 COMMANDS = [
-    Prepare(),
     Release(),
     Train(3, b"\x90"),
     Train(5, b"\x90", checkpoint=True, export=True),
@@ -53,15 +46,12 @@ COMMANDS = [
     CatchUp("g1", "10.0.0.2", 5001),
     Leave(),
     Shutdown(),
-    Admit("123+1"),
-    Shrink([0, 2, 3]),
-    Partition(7, [0, 1, 1, 2]),
 ]
 REPORTS = [
     Hello("engine", "n1", 99, gpu_ids=("rsv:0",), host="10.0.0.1", port=5000),
     Heartbeat(),
     Ack(Op.LEAVE),
-    CollectiveAck(Op.PARTITION, 0.25, 7, 2),
+    Hello("engine", "n2", 98, group="123+1", proof=b"\x01" * 32),
     TrainAck(3, 4, 0.5, 1, 0.1, 900, 2.0, onload=Move("onload", 0.3, 1, 9)),
     TrainAck(5, 6, 0.5, 1, 0.1, 900, 2.0, checkpoint_s=0.3, saved=[3]),
     SaveAck(6, 1.5),
@@ -120,8 +110,7 @@ def test_a_train_batch_travels_as_trajectories() -> None:
     assert msgspec.msgpack.decode(cmd.body.trajectories, type=list[Trajectory]) == [traj]
 
 
-def test_collective_is_exactly_admit_shrink_partition() -> None:
-    assert {Op.ADMIT, Op.SHRINK, Op.PARTITION} == COLLECTIVE
+def test_one_body_per_op() -> None:
     assert {op.value for op in Op} == {
         str(type(b).__struct_config__.tag) for b in COMMANDS  # type: ignore[attr-defined]
     }  # one body per op, no op without one

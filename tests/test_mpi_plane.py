@@ -1,8 +1,9 @@
-"""The control plane on a real MPI world (MPICH, no engines): the members re-partition
-among themselves, so a member slow to enter the split never stalls the master's loop;
-an elastic member launched as its own `mpiexec` joins (Connect + Merge), splits with the
-others and leaves (LEAVE + Disconnect), and the universe shrinks before the next split;
-one whose component was given back before it joined is sent away, never admitted."""
+"""The control plane on a real MPI world (MPICH, no engines; tests/mpi_plane_ranks.py):
+elastic members launched as their own `mpiexec` join with signed hellos, take roles and
+leave; an announcer that never connects is freed by the doorman; strangers (a pickle, a
+hello signed with another key) are dropped without executing anything; a member killed
+with a command on its way and a member stopped (a silent node) are declared failed, and
+the call waiting for the killed one fails at once; the master's loop turns throughout."""
 
 from __future__ import annotations
 
@@ -11,48 +12,59 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pearl_hpc.comm.mpi import base_member_id
 from pearl_hpc.comm.mpiexec import mpiexec_path
+from tests.mpi_plane_ranks import HEARTBEAT_TIMEOUT_S, SEND_TIMEOUT_S
 
 REPO = Path(__file__).resolve().parents[1]
-SLOW_S = 3.0
 
 
-def test_members_split_without_the_master_and_an_elastic_member_joins_and_leaves(
-    tmp_path: Path,
-) -> None:
+def test_joins_strangers_and_faults_never_stop_the_masters_loop(tmp_path: Path) -> None:
     argv = [mpiexec_path(), "-launcher", "fork", "-hosts", "localhost", "-n", "3"]
-    argv += [sys.executable, "-m", "tests.mpi_plane_ranks", str(tmp_path), str(SLOW_S)]
-    run = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=REPO)
+    argv += [sys.executable, "-m", "tests.mpi_plane_ranks", str(tmp_path), "world"]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
     events = result["events"]
-    splits = [e for e in events if e["kind"] == "split"]
-    # member 2 entered each split SLOW_S late: member 1 waited for it inside the
-    # collective, the master's loop turned on (each turn 10 ms apart when idle)
-    assert splits[0]["s"] >= SLOW_S * 0.9 and splits[0]["wait_s"] >= SLOW_S * 0.9
-    assert splits[0]["last"] == base_member_id(2)  # the event names the one waited for:
-    # the least time inside (it entered last)
+    print({k: v for k, v in result.items() if k != "events"})
+
+    def of(kind: str) -> list[dict]:  # type: ignore[type-arg]
+        return [e for e in events if e["kind"] == kind]
+
+    # the role partition is the master's table: logged when it changes
+    partitions = of("partition")
+    assert [p["epoch"] for p in partitions] == [1, 2, 3]
+    assert partitions[0]["groups"] == {"decode": ["base:2"], "prefill": ["base:1"]}
+    assert partitions[1]["groups"] == {"decode": ["base:2", "el1+0:0"], "prefill": ["base:1"]}
+    assert partitions[2]["groups"] == partitions[0]["groups"]
+    # joined with a proven hello, left
+    assert [e["group"] for e in of("joined")] == ["el1+0", "el2+0", "el3+0", "el4+0"]
+    assert {e["group"] for e in of("leave")} == {"el1+0", "el4+0"}
+    # the dead announcer: each Accept freed by the doorman, then the join abandoned
+    dropped = of("connection_dropped")
+    doorman = [e for e in dropped if e["group"] == "el9+0"]
+    assert len(doorman) == 3 and all("doorman" in e["reason"] for e in doorman), dropped
+    # (a stranger that took a go and failed its hello leaves that go to be tried again:
+    # it may have raced the rightful joiner to the port)
+    assert [e["group"] for e in of("join_abandoned")] == ["el9+0", "el7+0", "el8+0"]
+    # strangers: dropped, nothing executed, never members
+    pickled = [e["reason"] for e in dropped if e["group"] == "el7+0"]
+    assert "not a hello" in pickled[0] and all("doorman" in r for r in pickled[1:]), pickled
+    assert not (tmp_path / "owned").exists()
+    forged = [e["reason"] for e in dropped if e["group"] == "el8+0"]
+    assert "not signed by the run's key" in forged[0], forged
+    failed = {e["member"]: e["reason"] for e in of("member_failed")}
+    assert set(failed) == {"el2+0:0", "el3+0:0"}, failed
+    # killed with a command on its way: the waiting call failed before any heartbeat
+    # timeout could have named it
+    assert "el2+0:0" in result["call_error"]
+    assert result["killed_call_s"] < SEND_TIMEOUT_S + 1.0, result
+    # stopped: silent, failed by the heartbeat timeout
+    assert "silent" in failed["el3+0:0"]
+    assert HEARTBEAT_TIMEOUT_S - 0.5 < result["stopped_detect_s"] < HEARTBEAT_TIMEOUT_S + 3
+    # the given-back component that joined late was sent away
+    late = [e["kind"] for e in events if e.get("group") == "el4+0"]
+    assert late == ["joined", "leave"], late
+    # the loop turned throughout (the pump, not the loop, sits in Accept: 3 s each time
+    # the doorman had to knock); generous on two shared cores with MPI processes starting
     assert result["loop_gap_s"] < 0.5, result["loop_gap_s"]
-    assert [s["epoch"] for s in splits] == [1, 2, 3]
-    assert splits[0]["groups"] == {"decode": [2], "prefill": [1]}
-    assert splits[1]["groups"] == {"decode": [2, 3], "prefill": [1]}  # the joiner, rank 3
-    assert splits[2]["groups"] == {"decode": [2], "prefill": [1]}
-    kinds = [e["kind"] for e in events]
-    assert kinds.index("admitted") < kinds.index("leave") < kinds.index("shrink")
-    assert "split_mismatch" not in kinds  # every member counted the group the master sent
-    # given back before it joined: joined, sent away, never admitted
-    late = [e for e in events if e.get("group") == "el2+0"]
-    assert [e["kind"] for e in late] == ["joined", "leave"], late
-
-
-def test_a_split_a_member_does_not_finish_in_time_fails_the_run(tmp_path: Path) -> None:
-    """Member 2 enters 20 s late, the split's timeout is 2 s: the members' poll raises
-    one clear error (what happened, what to do) about 2 s after sending, not at 20 s."""
-    argv = [mpiexec_path(), "-launcher", "fork", "-hosts", "localhost", "-n", "3"]
-    argv += [sys.executable, "-m", "tests.mpi_plane_ranks", str(tmp_path), "20", "hung"]
-    subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO)
-    result = json.loads((tmp_path / "result.json").read_text())
-    assert "re-partition 1: ['base:1', 'base:2'] did not finish in 2 s" in result["error"]
-    assert "resume the run" in result["error"]
-    assert 2.0 <= result["after_s"] < 10.0
+    assert max(result["accept_s"]) > 3.0  # (the pump did sit)

@@ -20,8 +20,8 @@ LEASE_STALE_S = 30.0  # `pearl-hpc status`: a master silent this long is dead
 
 
 class MasterLease:
-    """The master's lease, touched by a thread of its own (the loop may block in a
-    collective call) until :meth:`stop`."""
+    """The master's lease, touched by a thread of its own (the loop may be busy) until
+    :meth:`stop`."""
 
     def __init__(self, path: Path) -> None:
         """``path``: :attr:`pearl_hpc.rundir.RunDir.lease`."""

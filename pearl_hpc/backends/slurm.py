@@ -67,7 +67,7 @@ _SHOWN = {  # a component's state as status and the live view show it
     ComponentState.RELEASING: "draining",
     ComponentState.GONE: "gone",
 }
-LIVE = {MemberState.LINKED, MemberState.MEMBER, MemberState.LEAVING}
+LIVE = {MemberState.MEMBER, MemberState.LEAVING}
 SUBMIT_RETRY_S = 5.0  # a submission that met an unreachable slurmctld is retried after
 # what sbatch says when the controller could not be reached (retried; anything else, e.g.
 # a bad partition, is reported and not retried)
@@ -457,14 +457,14 @@ class SlurmBackend:
         reclaimed = False
         for reclaim in self._signals(now):
             reclaimed = True
-            # Slurm kills the component after its grace: its rank leaves the world now
-            # (a rank killed inside a collective call would hang it), its engine drains
+            # Slurm kills the component after its grace: its rank leaves the world now,
+            # its engine drains
             self.members.leave(reclaim.source.tag)
             await self._put(reclaim)
         actions = self.manager.observe(rows, now)
         for comp in self.manager.components.values():  # ended under its rank: dead
             if comp.state is GONE and self.members.group_state(comp.source.tag) & LIVE:
-                for member in self.members.plane.membership.group(comp.source.tag):
+                for member in self.members.membership.group(comp.source.tag):
                     self.members.fail(member.member_id, "its job component ended")
         for job_id, component in actions.cancel:
             with contextlib.suppress(SlurmError):

@@ -67,21 +67,15 @@ def measured_latencies(events: list[dict[str, Any]]) -> dict[str, list[float]]:
         "intra-scale deactivation": [],
         "mode switch (role change)": [],
         "world start (launch -> every hello)": [],
-        "elastic rank joined -> admitted": [],
-        "Comm.Split after a plan (slowest member)": [],
-        "split sent -> every member's ack": [],
-        "universe shrink (a rank left)": [],
+        "elastic rank: go -> proven hellos (joined)": [],
         "weight group rebuild (new members)": [],
         "weight broadcast, per engine": [],
     }
     ready_at: dict[int, float] = {}
-    joined_at: dict[str, float] = {}
     for ev in events:
         kind = ev["kind"]
         if kind == "joined":
-            joined_at[ev["group"]] = ev["t_s"]
-        elif kind == "admitted" and ev["group"] in joined_at:
-            out["elastic rank joined -> admitted"].append(ev["t_s"] - joined_at[ev["group"]])
+            out["elastic rank: go -> proven hellos (joined)"].append(ev["s"])
         if kind == "ready":
             ready_at[ev["slot"]] = ev["t_s"]
             key = "intra-scale activation" if ev["reactivate"] else "inter-scale preparation"
@@ -96,11 +90,6 @@ def measured_latencies(events: list[dict[str, Any]]) -> dict[str, list[float]]:
             out["mode switch (role change)"].append(ev["s"])
         elif kind == "world":
             out["world start (launch -> every hello)"].append(ev["start_s"])
-        elif kind == "split":
-            out["Comm.Split after a plan (slowest member)"].append(ev["s"])
-            out["split sent -> every member's ack"].append(ev["wait_s"])
-        elif kind == "shrink":
-            out["universe shrink (a rank left)"].append(ev["s"])
         elif kind == "publish" and ev["members"]:
             if ev["form_s"]:
                 out["weight group rebuild (new members)"].append(ev["form_s"])

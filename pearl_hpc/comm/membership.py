@@ -2,21 +2,21 @@
 
 Lifecycle of one member::
 
-    from \\ to  MEMBER   LEAVING   GONE          FAILED
-    LINKED      admit    leave     -             heartbeat overdue
-    MEMBER      -        leave     shrunk away   heartbeat overdue
-    LEAVING     -        -         left          heartbeat overdue
-    FAILED      -        -         shrunk away   -
+    from \\ to  LEAVING   GONE      FAILED
+    MEMBER      leave     -         heartbeat overdue, an undelivered command, a dead socket
+    LEAVING     -         left      heartbeat overdue
+    FAILED      -         -         -
 
-A member is LINKED once its group connected to the master's port and said hello, a
-MEMBER once the universe (the communicator all members share) was extended to it.
-The universe's rank order is the order of :attr:`Membership.universe`: the master
-first, then the base job's ranks, then each joined group in the order it was admitted.
+A member is a MEMBER from its hello on: the base job's ranks over the base world, an
+elastic component's ranks once their hellos proved they hold the run's key. No
+communicator spans members: each talks to the master over its own link, so a member's
+death touches nobody else. :attr:`Membership.order` is the order members joined in (the
+base job's ranks first): the order :meth:`live` lists them in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -27,7 +27,6 @@ MASTER_ID = "master"
 
 
 class MemberState(StrEnum):
-    LINKED = "linked"
     MEMBER = "member"
     LEAVING = "leaving"
     GONE = "gone"
@@ -35,10 +34,9 @@ class MemberState(StrEnum):
 
 
 _LEGAL = {
-    MemberState.LINKED: {MemberState.MEMBER, MemberState.LEAVING, MemberState.FAILED},
-    MemberState.MEMBER: {MemberState.LEAVING, MemberState.GONE, MemberState.FAILED},
+    MemberState.MEMBER: {MemberState.LEAVING, MemberState.FAILED},
     MemberState.LEAVING: {MemberState.GONE, MemberState.FAILED},
-    MemberState.FAILED: {MemberState.GONE},
+    MemberState.FAILED: set(),
     MemberState.GONE: set(),
 }
 
@@ -50,10 +48,10 @@ class Member:
     link_rank: int  # rank in the link communicator (the master is rank 0 there)
     node: str = ""
     gpu_ids: tuple[str, ...] = ()
-    state: MemberState = MemberState.LINKED
+    state: MemberState = MemberState.MEMBER
     last_seen_s: float = 0.0
     joined_s: float = 0.0
-    hello: Hello | None = None  # what it said when it joined (None: not yet)
+    hello: Hello | None = None  # what it said when it joined
 
 
 class Membership:
@@ -62,25 +60,24 @@ class Membership:
             raise ValueError(f"heartbeat_timeout_s must be > 0, got {heartbeat_timeout_s}")
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.members: dict[str, Member] = {}
-        self.universe: list[str] = [MASTER_ID]
 
     # ------------------------------------------------------------------ inputs
-    def link(self, member: Member, now_s: float) -> None:
-        if member.member_id in self.members:
-            raise TransitionError(f"member {member.member_id} joined twice")
-        member.last_seen_s = member.joined_s = now_s
-        self.members[member.member_id] = member
-
-    def start_base(self, members: Iterable[Member], now_s: float) -> None:
-        """The base job's ranks: members of the universe from the start."""
+    def join(self, members: Iterable[Member], now_s: float) -> None:
+        """Members whose hellos arrived (a whole link's at once)."""
         for member in members:
-            self.link(member, now_s)
-            self._move(member, MemberState.MEMBER)
-            self.universe.append(member.member_id)
+            if member.member_id in self.members:
+                raise TransitionError(f"member {member.member_id} joined twice")
+            member.last_seen_s = member.joined_s = now_s
+            self.members[member.member_id] = member
 
     def heard(self, member_id: str, now_s: float) -> None:
         member = self.members.get(member_id)
         if member is not None:
+            member.last_seen_s = max(member.last_seen_s, now_s)
+
+    def heard_all(self, now_s: float) -> None:
+        """The master itself was deaf until now: nobody is late because of that."""
+        for member in self.live():
             member.last_seen_s = max(member.last_seen_s, now_s)
 
     def overdue(self, now_s: float) -> list[Member]:
@@ -88,7 +85,7 @@ class Membership:
         late = [
             m
             for m in self.members.values()
-            if m.state in (MemberState.LINKED, MemberState.MEMBER, MemberState.LEAVING)
+            if m.state in (MemberState.MEMBER, MemberState.LEAVING)
             and now_s - m.last_seen_s > self.heartbeat_timeout_s
         ]
         for member in late:
@@ -96,79 +93,36 @@ class Membership:
         return late
 
     def fail(self, member_id: str) -> Member | None:
+        """Declared failed (once): the member, or None if it was failed or gone."""
         member = self.members.get(member_id)
         if member is None or member.state in (MemberState.GONE, MemberState.FAILED):
             return None
         self._move(member, MemberState.FAILED)
         return member
 
-    # ------------------------------------------------------------- universe
-    def admit(self, group: str) -> list[str]:
-        """The group's linked members join the universe, in link-rank order."""
-        joining = sorted(
-            (m for m in self.group(group) if m.state is MemberState.LINKED),
-            key=lambda m: m.link_rank,
-        )
-        if not joining:
-            raise TransitionError(f"group {group} has no linked member to admit")
-        for member in joining:
-            self._move(member, MemberState.MEMBER)
-            self.universe.append(member.member_id)
-        return [m.member_id for m in joining]
-
     def leave(self, group: str) -> list[Member]:
         """The group is given back: its live members leave (LEAVING)."""
-        leaving = [
-            m for m in self.group(group) if m.state in (MemberState.LINKED, MemberState.MEMBER)
-        ]
+        leaving = [m for m in self.group(group) if m.state is MemberState.MEMBER]
         for member in leaving:
             self._move(member, MemberState.LEAVING)
         return leaving
 
     def gone(self, member_id: str) -> None:
         member = self.members[member_id]
-        if member.state is not MemberState.GONE:
+        if member.state is MemberState.LEAVING:
             self._move(member, MemberState.GONE)
 
-    def needs_shrink(self) -> bool:
-        return any(self._stale(i) for i in self.universe[1:])
-
-    def shrink(self) -> list[str]:
-        """Drop leaving, failed and gone members from the universe; returns the
-        survivors in their new rank order. Failed members become GONE; leaving ones stay
-        LEAVING until :meth:`gone`."""
-        survivors = [i for i in self.universe if i == MASTER_ID or not self._stale(i)]
-        for member_id in self.universe[1:]:
-            if member_id not in survivors and self.members[member_id].state is MemberState.FAILED:
-                self._move(self.members[member_id], MemberState.GONE)
-        self.universe = survivors
-        return list(survivors)
-
-    def rank_of(self, member_id: str) -> int:
-        return self.universe.index(member_id)
-
+    # ------------------------------------------------------------------ queries
     def group(self, group: str) -> list[Member]:
         return [m for m in self.members.values() if m.group == group]
 
     def live(self) -> list[Member]:
-        return [
-            m for m in self.members.values() if m.state in (MemberState.LINKED, MemberState.MEMBER)
-        ]
+        """Members in service (not leaving, gone or failed), in join order."""
+        return [m for m in self.members.values() if m.state is MemberState.MEMBER]
 
-    def colors(self, roles: Mapping[str, str]) -> dict[str, int]:
-        """``Comm.Split`` colours for the universe: one per role name (sorted, so every
-        run numbers them alike); the master and members without a role get colour 0,
-        the ``control`` group."""
-        names = sorted(set(roles.values()))
-        color = {name: i + 1 for i, name in enumerate(names)}
-        return {i: color[roles[i]] if i in roles else 0 for i in self.universe}
-
-    def _stale(self, member_id: str) -> bool:
-        return self.members[member_id].state in (
-            MemberState.LEAVING,
-            MemberState.FAILED,
-            MemberState.GONE,
-        )
+    def ended(self, group: str) -> bool:
+        """Every member of ``group`` is gone or failed: its link can be freed."""
+        return all(m.state in (MemberState.GONE, MemberState.FAILED) for m in self.group(group))
 
     def _move(self, member: Member, state: MemberState) -> None:
         if state not in _LEGAL[member.state]:

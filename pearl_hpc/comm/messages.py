@@ -2,17 +2,17 @@
 
 The master sends a :class:`Command` to one member over that member's *link* (the base
 job's world, or the merged communicator of the elastic job component it joined with);
-members answer with a :class:`Report` on the same link. Collective commands
-(:class:`Admit`, :class:`Shrink`, :class:`Partition`) are sent to every member of the
-universe and then entered by all of them together.
+members answer with a :class:`Report` on the same link. No command is collective:
+nothing a member does can block another member or the master.
 
-    master ──Command(seq, Train | Publish | CatchUp | Release | Prepare | Leave | ...)──> member
+    master ──Command(seq, Train | Publish | CatchUp | Release | Save | Leave | Shutdown)──> member
     member ──Report(member_id, seq, TrainAck | PublishAck | ... | Hello | Heartbeat)──> master
 
 Every body is a ``msgspec.Struct`` whose tag names it on the wire; a command's ack
 echoes its ``seq``. Nothing on the plane is pickled: bytes from a member (an elastic rank
 that joined from another job) are decoded into these types or refused
-(:class:`msgspec.DecodeError` / :class:`msgspec.ValidationError`).
+(:class:`msgspec.DecodeError` / :class:`msgspec.ValidationError`). An elastic rank's
+:class:`Hello` carries a proof that it holds the run's key (:mod:`pearl_hpc.comm.mpi`).
 """
 
 from __future__ import annotations
@@ -36,22 +36,9 @@ class Op(StrEnum):
     CATCH_UP = "catch_up"  # trainer 0: the latest weights to one engine
     LEAVE = "leave"  # leave the plane (Disconnect) and exit: the job is being given back
     SHUTDOWN = "shutdown"  # the run is over: leave and exit
-    PREPARE = "prepare"  # answer now: the master enters a collective call once all have
-    # collective: every member of the universe
-    ADMIT = "admit"
-    SHRINK = "shrink"
-    PARTITION = "partition"
-
-
-COLLECTIVE = frozenset({Op.ADMIT, Op.SHRINK, Op.PARTITION})
 
 
 # ------------------------------------------------------------------------- commands
-class Prepare(msgspec.Struct, frozen=True, tag=Op.PREPARE.value):
-    """Answer at once: the master enters a collective call only once every member it
-    spans answered (a member busy without its control thread would hold it there)."""
-
-
 class Release(msgspec.Struct, frozen=True, tag=Op.RELEASE.value):
     """Move this trainer rank's tensors to host memory: an overlap engine wakes on its
     GPU after the ack. They come back with the next :class:`Train`."""
@@ -96,38 +83,7 @@ class Shutdown(msgspec.Struct, frozen=True, tag=Op.SHUTDOWN.value):
     """The run is over: ack, leave, exit."""
 
 
-class Admit(msgspec.Struct, frozen=True, tag=Op.ADMIT.value):
-    """Collective: merge the linked ``group`` into the universe."""
-
-    group: str  # the elastic job component's tag, e.g. "123+1"
-
-
-class Shrink(msgspec.Struct, frozen=True, tag=Op.SHRINK.value):
-    """Collective: the universe keeps only these ranks (the rest left or failed)."""
-
-    keep: list[int]  # universe ranks that stay, the master (0) first
-
-
-class Partition(msgspec.Struct, frozen=True, tag=Op.PARTITION.value):
-    """Collective over the members: ``Comm.Split`` into role groups."""
-
-    epoch: int  # the re-partition's number (one per applied plan)
-    colors: list[int]  # by universe rank: the colour of the role group it joins
-
-
-CommandBody = (
-    Prepare
-    | Release
-    | Train
-    | Save
-    | Publish
-    | CatchUp
-    | Leave
-    | Shutdown
-    | Admit
-    | Shrink
-    | Partition
-)
+CommandBody = Release | Train | Save | Publish | CatchUp | Leave | Shutdown
 
 
 class Command(msgspec.Struct, frozen=True):
@@ -155,6 +111,9 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     port: int = 0
     version: int = 0  # a trainer rank's weight version (resumed from its checkpoint)
     index: int = 0  # a trainer rank's index among the trainer ranks
+    # an elastic rank's HMAC-SHA256 under the run's key of the master's nonce and this
+    # hello without it (pearl_hpc.comm.mpi.hello_proof); b'' from a base rank
+    proof: bytes = b""
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
@@ -162,18 +121,9 @@ class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
 
 
 class Ack(msgspec.Struct, frozen=True, tag="ack"):
-    """A command done that returns nothing (PREPARE, LEAVE, SHUTDOWN)."""
+    """A command done that returns nothing (LEAVE, SHUTDOWN)."""
 
     op: Op
-
-
-class CollectiveAck(msgspec.Struct, frozen=True, tag="collective"):
-    """A collective command done."""
-
-    op: Op
-    seconds: float  # this member's time inside the call
-    epoch: int  # the member's re-partition epoch after it
-    group_size: int  # PARTITION: its new role group's size as the group counts itself
 
 
 class Move(msgspec.Struct, frozen=True):
@@ -252,16 +202,7 @@ class Failed(msgspec.Struct, frozen=True, tag="error"):
 
 
 ReportBody = (
-    Hello
-    | Heartbeat
-    | Ack
-    | CollectiveAck
-    | TrainAck
-    | SaveAck
-    | ReleaseAck
-    | PublishAck
-    | CatchUpAck
-    | Failed
+    Hello | Heartbeat | Ack | TrainAck | SaveAck | ReleaseAck | PublishAck | CatchUpAck | Failed
 )
 
 

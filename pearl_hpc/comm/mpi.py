@@ -1,81 +1,81 @@
 """The MPI control plane (mpi4py): the master's side and the members' side.
 
-Communicators:
-- **link**: how the master talks to one member, point to point. The base job's ranks
-  share the base world (the master is rank 0); an elastic job component joins with
-  ``Connect`` to the master's port and ``Merge``s with it, giving one link per
-  component (the master is rank 0 there too). Links live as long as their members.
-- **universe**: one intracomm over the master and every admitted member, extended by
-  ``Create_intercomm`` + ``Merge`` when a component is admitted and cut down by
-  ``Create_group`` (collective over the survivors only) when members leave or fail.
-- **members**: the universe without the master (``Create_group``, collective over the
-  members only), made again after each change of the universe.
-- **role groups**: ``members.Split`` by role after every applied plan (one epoch each).
-  The master takes no part: it sends each member its colour and collects the acks, so
-  a member slow to enter (its process busy) delays its peers, never the master's loop.
+The rule: **a blocking MPI call spans only ranks that die together, and the master's
+loop makes no MPI call at all.**
 
-Joining. MPICH holds a global lock inside a blocking ``Accept``, so a master thread
-waiting in ``Accept`` stalls every other MPI call of the process (verified with MPICH
-5.0.2 under ``srun --mpi=pmi2``, whatever the async-progress settings). The master
-therefore never waits in ``Accept`` on spec: a joining component's rank 0 first writes
-an announcement file ``joins/<group>.json`` in the run directory and waits for the
-master's go (``joins/<group>.go``); the master writes one go at a time and ``Accept``s
-that component's ``Connect``. Two components connecting to one port at the same moment
-crashed MPICH's ``Accept`` now and then (seen under load), hence one at a time. The port
-name is in ``mpi-port`` (mode 0600) in the run directory.
+- **Links** are the only communicators between the master and its members: the base
+  job's world (the master is rank 0), and one per elastic job component, made by
+  ``Connect`` to the master's port + ``Merge`` (the master is rank 0 there too). Commands
+  go down a link, reports come up it; nothing spans two links, so a member that dies
+  touches nobody else. A link whose members all left is disconnected, one whose members
+  died is freed (both return at once, measured with SIGKILLed peers).
+- **The pump**: one thread of the master makes every MPI call of the master. It sends
+  with ``Isend`` (a command not delivered within ``send_timeout_s`` fails its member,
+  whatever its size), probes every link, accepts joiners and hands the master's loop
+  what arrived as plain records (:meth:`MasterPlane.take`). The loop never waits on MPI.
 
-Failure detection: every member sends a heartbeat every ``heartbeat_interval_s``;
-the master marks a member silent for ``heartbeat_timeout_s`` as failed and drops it
-from the universe (``Create_group`` needs no call from the dead).
+Joining. MPICH holds a global lock inside a blocking ``Accept``, and two components
+connecting to one port at once crashed it under load, so one component joins at a time:
+its rank 0 writes ``joins/<group>.json``; the pump renames it, writes ``joins/<group>.go``
+(0600) holding a fresh nonce, and ``Accept``s. The joiner's ranks read the nonce, connect
+and each sends a :class:`Hello` carrying ``HMAC(run key, nonce | hello)``
+(:func:`hello_proof`): a connection whose first message is anything else (a pickle, a
+hello not signed by the run's key or for another nonce) is freed and reported, and the
+run goes on. An ``Accept`` whose announcer died before connecting would wait for good: the
+:class:`~pearl_hpc.comm.doorman.Doorman` (a process started before ``MPI_Init``) connects
+instead after ``accept_timeout_s`` and says so; the go is tried again, up to
+``ACCEPT_TRIES`` times.
+
+Failure detection: every member heartbeats every ``heartbeat_interval_s``; the master's
+:class:`~pearl_hpc.comm.members.Members` declares a member silent past the heartbeat
+timeout failed (judged only while the pump turns: a pump held in ``Accept`` heard
+nobody).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import json
 import logging
 import os
+import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
 
-from pearl_hpc.comm.membership import MASTER_ID, Member, Membership, MemberState
+from pearl_hpc.comm.membership import MASTER_ID
 from pearl_hpc.comm.messages import (
-    COLLECTIVE,
     TAG_COMMAND,
     TAG_REPORT,
-    Ack,
-    Admit,
-    CollectiveAck,
     Command,
     CommandBody,
     Heartbeat,
     Hello,
-    Leave,
-    Op,
-    Partition,
     Report,
     ReportBody,
-    Shrink,
-    Shutdown,
     decode_command,
     decode_report,
     encode,
 )
 from pearl_hpc.errors import PearlError
 from pearl_hpc.rundir import RunDir
+from pearl_hpc.slurm.client import FORK_LOCK
 
 log = logging.getLogger(__name__)
 _M = TypeVar("_M", Command, Report)
 
-TAG_INTERCOMM = 21
-TAG_SHRINK = 22
-TAG_MEMBERS = 23
+TAG_KNOCK = 13  # the doorman's message: nobody else connected
+PUMP_S = 0.002  # the pump's sleep between idle turns
+ACCEPT_TRIES = 3  # accepts a go gets before it is abandoned (its joiner never came)
+MAX_HELLO_BYTES = 64 << 10  # an unproven connection's first message, at most
+NONCE_BYTES = 16
 
 
 class PlaneError(PearlError):
@@ -101,297 +101,425 @@ def base_member_id(rank: int) -> str:
     return f"base:{rank}"
 
 
-# ---------------------------------------------------------------------- master side
+def hello_proof(key: str, nonce: bytes, member_id: str, hello: Hello) -> bytes:
+    """What proves a joiner's hello: HMAC-SHA256 under the run's key (hex, the engine
+    sockets' key) of a label, the master's nonce for this join and the report without
+    its proof. A hello replayed for another join, or from a process without the key,
+    does not match."""
+    unsigned = encode(Report(member_id, -1, msgspec.structs.replace(hello, proof=b"")))
+    mac = hmac.new(bytes.fromhex(key), b"pearl-plane-hello", hashlib.sha256)
+    mac.update(nonce)
+    mac.update(unsigned)
+    return mac.digest()
+
+
+# ------------------------------------------------------- what the pump hands the loop
+@dataclass(frozen=True)
+class Received:
+    """A message on a member's link (decoded by the loop: bytes are never unpickled)."""
+
+    group: str
+    source: int  # the sender's rank in the link
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Joined:
+    """Every rank of a link said hello (an elastic component's: proven)."""
+
+    group: str
+    hellos: dict[int, Report]  # link rank -> its hello
+    seconds: float  # from the go (the base world: the pump's start) to the last hello
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """A connection freed before it became a member's link."""
+
+    reason: str
+    group: str = ""  # the join it was accepted for ('' : none claimed)
+
+
+@dataclass(frozen=True)
+class Abandoned:
+    """A join whose component never connected (``ACCEPT_TRIES`` accepts)."""
+
+    group: str
+
+
+@dataclass(frozen=True)
+class Undelivered:
+    """A command not delivered within the send timeout: its member is dead or deaf."""
+
+    group: str
+    rank: int
+
+
+@dataclass(frozen=True)
+class LinkFailed:
+    """An MPI error on a member's link (its peer is gone): its members have failed."""
+
+    group: str
+    error: str
+
+
+@dataclass(frozen=True)
+class Broken:
+    """The pump failed: the plane cannot go on."""
+
+    error: str
+
+
+Arrival = Received | Joined | Dropped | Abandoned | Undelivered | LinkFailed | Broken
+
+
 @dataclass
 class Timings:
-    """Seconds spent in the plane's collective operations, for the latency benchmark."""
+    """The pump's seconds in ``Accept`` (the only call that can block it)."""
 
     accept_s: list[float] = field(default_factory=list)
-    admit_s: list[float] = field(default_factory=list)
-    shrink_s: list[float] = field(default_factory=list)
 
 
-COLLECTIVE_TIMEOUT_S = 120.0
+@dataclass
+class _Pending:
+    """A link whose hellos are awaited."""
+
+    size: int  # ranks in it, the master included
+    proven: bool  # base world: its ranks came with the master's launch
+    deadline_s: float
+    since_s: float
+    hellos: dict[int, Report] = field(default_factory=dict)
 
 
-@contextlib.contextmanager
-def hang_guard(what: str, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> Iterator[None]:
-    """MPI has no fault tolerance inside a collective: a member that dies in the middle
-    of one hangs the others for good. Past ``timeout_s`` the master exits hard, so that
-    ``srun --kill-on-bad-exit`` ends the base job and the elastic jobs end with it
-    (nothing is left running to its time limit; the journal stays for a restart)."""
+@dataclass
+class _Go:
+    """The one join under way: its nonce, and the link accepted for it (if any)."""
 
-    def expire() -> None:
-        log.critical("%s did not finish in %g s: a member died inside it; exiting", what, timeout_s)
-        logging.shutdown()
-        os._exit(3)
+    group: str
+    nonce: bytes
+    issued_s: float
+    tries: int = 0
+    link: str | None = None
 
-    timer = threading.Timer(timeout_s, expire)
-    timer.daemon = True
-    timer.start()
-    try:
-        yield
-    finally:
-        timer.cancel()
+
+@dataclass
+class _Send:
+    request: Any
+    data: bytes  # kept alive until the request completes
+    group: str
+    rank: int
+    deadline_s: float
 
 
 class MasterPlane:
-    """Rank 0 of the base job. Call :meth:`poll` often from the master's loop."""
+    """Rank 0 of the base job. The loop calls :meth:`send`, :meth:`take`, :meth:`close`;
+    the pump thread makes the MPI calls."""
 
     def __init__(
         self,
         run_dir: str | Path,
+        key: str,
         *,
-        heartbeat_timeout_s: float = 10.0,
-        clock: Callable[[], float] = time.monotonic,
+        doorman: Any = None,
         hello_timeout_s: float = 60.0,
-        fresh_s: float | None = None,
+        base_hello_timeout_s: float = 600.0,
+        send_timeout_s: float = 30.0,
+        accept_timeout_s: float = 3.0,
     ) -> None:
+        """``key``: the run's key (hex); ``doorman``: a started
+        :class:`~pearl_hpc.comm.doorman.Doorman` (None: an ``Accept`` whose joiner died
+        waits for good -- tests of the plane alone)."""
         MPI = _mpi()
         self.MPI = MPI
         self.run_dir = Path(run_dir)
-        self.clock = clock
+        self.key = key
+        self.doorman = doorman
         self.hello_timeout_s = hello_timeout_s
-        # collective calls wait until every member was heard this recently (default: a
-        # quarter of the heartbeat timeout)
-        self.fresh_s = heartbeat_timeout_s / 4 if fresh_s is None else fresh_s
+        self.send_timeout_s = send_timeout_s
+        self.accept_timeout_s = accept_timeout_s
         world = MPI.COMM_WORLD
         if world.rank != 0:
             raise PlaneError(f"the master must be rank 0 of the base job, this is {world.rank}")
-        self.universe = world.Dup()
-        self.links: dict[str, Any] = {"base": world}
-        self.membership = Membership(heartbeat_timeout_s)
-        self.epoch = 0
         self.seq = 0
+        self._inbox: queue.SimpleQueue[Arrival] = queue.SimpleQueue()
         self.timings = Timings()
-        self._last_poll_s = clock()
+        self.turned_s = time.monotonic()  # the pump's last turn
+        self._links: dict[str, Any] = {"base": world.Dup()}
+        now = time.monotonic()
+        self._pending = {"base": _Pending(world.size, True, now + base_hello_timeout_s, now)}
+        if world.size == 1:  # the master alone: nobody to wait for
+            self._pending.clear()
+            self._inbox.put(Joined("base", {}, 0.0))
+        self._go: _Go | None = None
+        self._sends: list[_Send] = []
+        self._stuck: list[Any] = []  # requests to dead members: never complete
+        self._accepted = 0
+        self._outbox: queue.SimpleQueue[tuple[str, str, int, bytes]] = queue.SimpleQueue()
         self.port = MPI.Open_port()
-        RunDir(self.run_dir).joins.mkdir(parents=True, exist_ok=True)
+        joins = RunDir(self.run_dir).joins
+        joins.mkdir(parents=True, exist_ok=True)
+        os.chmod(joins, 0o700)
         write_private(RunDir(self.run_dir).mpi_port, self.port)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._pump, name="mpi-pump", daemon=True)
+        self._thread.start()
 
-    # --------------------------------------------------------------- joining
-    def start_base(self) -> list[Member]:
-        """Wait for the hello of every other base rank; they form the first universe."""
-        world = self.links["base"]
-        hellos = self._collect_hellos(world, "base", range(1, world.size))
-        members = [self._member(r, "base", rank) for rank, r in sorted(hellos.items())]
-        self.membership.start_base(members, self.clock())
-        return members
-
-    def joins_waiting(self) -> bool:
-        return any(RunDir(self.run_dir).joins.glob("*.json"))
-
-    def poll_joins(self) -> list[str]:
-        """Accept the components whose rank 0 announced itself; returns their groups."""
-        joined = []
-        for path in sorted(RunDir(self.run_dir).joins.glob("*.json")):
-            try:
-                note = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError):
-                continue  # being written
-            path.rename(path.with_suffix(".accepted"))
-            t0 = time.perf_counter()
-            write_private(path.with_suffix(".go"), "")  # this announcer, and only it, connects
-            intercomm = self.MPI.COMM_SELF.Accept(self.port)
-            link = intercomm.Merge(high=False)
-            intercomm.Free()
-            self.timings.accept_s.append(time.perf_counter() - t0)
-            # the connection accepted may be another announcer's: its hellos say whose
-            hellos = self._collect_hellos(link, str(note["group"]), range(1, link.size))
-            group = _hello(hellos[1]).group or str(note["group"])
-            self.links[group] = link
-            now = self.clock()
-            for rank, report in sorted(hellos.items()):
-                self.membership.link(self._member(report, group, rank), now)
-            joined.append(group)
-            log.info("group %s linked: %d ranks", group, link.size - 1)
-        return joined
-
-    def _collect_hellos(self, link: Any, group: str, ranks: Iterable[int]) -> dict[int, Report]:
-        wanted = set(ranks)
-        hellos: dict[int, Report] = {}
-        deadline = time.monotonic() + self.hello_timeout_s
-        status = self.MPI.Status()
-        while wanted - hellos.keys():
-            if link.iprobe(source=self.MPI.ANY_SOURCE, tag=TAG_REPORT, status=status):
-                report = _receive(link, status, decode_report, group)
-                if report is not None and isinstance(report.body, Hello):
-                    hellos[status.Get_source()] = report
-                continue
-            if time.monotonic() > deadline:
-                missing = sorted(wanted - hellos.keys())
-                raise PlaneError(f"group {group}: ranks {missing} never said hello")
-            time.sleep(0.005)
-        return hellos
-
-    @staticmethod
-    def _member(report: Report, group: str, link_rank: int) -> Member:
-        hello = _hello(report)
-        return Member(
-            report.member_id, group, link_rank, node=hello.node, gpu_ids=hello.gpu_ids, hello=hello
-        )
-
-    # --------------------------------------------------------------- messages
-    def send(self, member_id: str, body: CommandBody) -> int:
-        """Send ``body`` to one member; returns the command's seq (its ack echoes it)."""
-        member = self.membership.members[member_id]
+    # ------------------------------------------------------------ the loop's side
+    def send(self, group: str, rank: int, body: CommandBody) -> int:
+        """Queue ``body`` for the member at ``rank`` of ``group``'s link; returns the
+        command's seq (its ack echoes it)."""
         self.seq += 1
-        data = encode(Command(self.seq, body))
-        self.links[member.group].Send([data, self.MPI.BYTE], dest=member.link_rank, tag=TAG_COMMAND)
+        self._outbox.put(("send", group, rank, encode(Command(self.seq, body))))
         return self.seq
 
-    def poll(self) -> list[Report]:
-        """Reports that arrived on any live link (heartbeats update liveness)."""
-        reports = []
-        status = self.MPI.Status()
-        now = self.clock()
-        if now - self._last_poll_s > self.membership.heartbeat_timeout_s / 4:
-            # the master itself was deaf (blocked): nobody is late because of that
-            for member in self.membership.live():
-                self.membership.heard(member.member_id, now)
-        self._last_poll_s = now
-        for group, link in list(self.links.items()):
-            while group in self.links and link.iprobe(
-                source=self.MPI.ANY_SOURCE, tag=TAG_REPORT, status=status
-            ):
-                report = _receive(link, status, decode_report, group)
-                if report is None:
-                    continue
-                sender = self.membership.members.get(report.member_id)
-                if sender is None or sender.group != group:  # one speaks for its own link only
-                    log.warning("control plane: %s on %s's link: dropped", report.member_id, group)
-                    continue
-                self.membership.heard(report.member_id, now)
-                if not isinstance(report.body, Heartbeat):
-                    reports.append(report)
-                if isinstance(report.body, Ack) and report.body.op is Op.LEAVE:
-                    self._left(group, report.member_id)
-        return reports
+    def take(self) -> list[Arrival]:
+        """What arrived since the last call, in order."""
+        out = []
+        while True:
+            try:
+                out.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return out
 
-    def all_fresh(self, joining: str | None = None) -> bool:
-        """Was every universe member heard within ``fresh_s``? Collective calls wait for
-        this: a member that died since its last heartbeat would hang them (it is
-        declared failed and shrunk away first)."""
-        now = self.clock()
-        window = self.fresh_s
-        members = [self.membership.members[i] for i in self.membership.universe[1:]]
-        if joining is not None:
-            members += self.membership.group(joining)
-        return not any(
-            m.state in (MemberState.MEMBER, MemberState.LINKED) and now - m.last_seen_s > window
-            for m in members
-        )
+    def close_link(self, group: str, *, left: bool) -> None:
+        """The group's members ``left`` (both sides Disconnect) or died (freed)."""
+        self._outbox.put(("disconnect" if left else "free", group, 0, b""))
 
-    def overdue(self) -> list[Member]:
-        """Members silent past the timeout, judged only while the master itself is
-        listening (a master blocked in sbatch or squeue has not heard anyone)."""
-        now = self.clock()
-        if now - self._last_poll_s > self.membership.heartbeat_timeout_s / 4:
-            return []
-        return self.membership.overdue(now)
+    def deaf_s(self) -> float:
+        """Seconds since the pump last turned (it heard nobody meanwhile)."""
+        return time.monotonic() - self.turned_s
 
-    # ------------------------------------------------------------ collectives
-    def admit(self, group: str) -> float:
-        """Extend the universe with a linked group; returns the seconds it took."""
-        t0 = time.perf_counter()
-        self._shrink_if_needed()
-        old = list(self.membership.universe[1:])
-        joining = [
-            m.member_id for m in self.membership.group(group) if m.state is MemberState.LINKED
-        ]
-        for member_id in old + joining:
-            self.send(member_id, Admit(group))
-        with hang_guard(f"admitting {group}"):
-            intercomm = self.universe.Create_intercomm(0, self.links[group], 1, TAG_INTERCOMM)
-            universe = intercomm.Merge(high=False)
-        intercomm.Free()
-        self.universe.Free()
-        self.universe = universe
-        self.membership.admit(group)
-        elapsed = time.perf_counter() - t0
-        self.timings.admit_s.append(elapsed)
-        return elapsed
-
-    def _shrink_if_needed(self) -> None:
-        if self.membership.needs_shrink():
-            self.shrink()
-
-    def shrink(self) -> float:
-        """Drop leaving and failed members from the universe (the survivors only)."""
-        t0 = time.perf_counter()
-        old = list(self.membership.universe)
-        survivors = self.membership.shrink()
-        keep = [old.index(i) for i in survivors]
-        for member_id in survivors[1:]:
-            self.send(member_id, Shrink(keep))
-        group = self.universe.Get_group().Incl(keep)
-        with hang_guard("shrinking the universe"):
-            universe = self.universe.Create_group(group, TAG_SHRINK)
-        group.Free()
-        self.universe = universe  # the old one may hold dead ranks: never freed collectively
-        elapsed = time.perf_counter() - t0
-        self.timings.shrink_s.append(elapsed)
-        return elapsed
-
-    def partition(self, roles: Mapping[str, str]) -> tuple[int, list[str]]:
-        """Ask every member to re-partition into role groups (``Comm.Split`` of the
-        members' communicator, without the master: this returns at once). The universe
-        must hold no leaving or failed member (:meth:`shrink` first). Returns the epoch
-        and the members asked; each acks with its group's size and its seconds."""
-        if self.membership.needs_shrink():
-            raise PlaneError("re-partition: shrink the universe first")
-        self.epoch += 1
-        colors = self.membership.colors(roles)
-        by_rank = [colors[i] for i in self.membership.universe]
-        members = list(self.membership.universe[1:])
-        for member_id in members:
-            self.send(member_id, Partition(self.epoch, by_rank))
-        return self.epoch, members
-
-    # ---------------------------------------------------------------- leaving
-    def leave(self, group: str) -> list[Member]:
-        """The group's job is given back: its members leave the plane."""
-        leaving = self.membership.leave(group)
-        for member in leaving:
-            self.send(member.member_id, Leave())
-        return leaving
-
-    def _left(self, group: str, member_id: str) -> None:
-        self.membership.gone(member_id)
-        if group == "base":
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the pump (after the sends queued so far went out) and close the port."""
+        self._outbox.put(("stop", "", 0, b""))
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("control plane: the pump did not stop in %g s", timeout_s)
             return
-        if all(m.state is MemberState.GONE for m in self.membership.group(group)):
-            link = self.links.pop(group)
-            link.Disconnect()  # every member acked LEAVE and is disconnecting too
-
-    def drop_group(self, group: str) -> None:
-        """A group whose members died: forget its link without a collective call."""
-        self.links.pop(group, None)
-
-    def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Tell every live member to exit and wait (bounded) until they and the members
-        already leaving have acknowledged."""
-        waiting = set()
-        for member in self.membership.live():
-            self.send(member.member_id, Shutdown())
-            waiting.add(member.member_id)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for report in self.poll():
-                if isinstance(report.body, Ack) and report.body.op is Op.SHUTDOWN:
-                    waiting.discard(report.member_id)
-            leaving = {
-                m.member_id
-                for m in self.membership.members.values()
-                if m.state is MemberState.LEAVING
-            }
-            if not waiting and not leaving:
-                break
-            time.sleep(0.01)
-        else:
-            log.warning("no shutdown ack from %s", ", ".join(sorted(waiting | leaving)))
         self.MPI.Close_port(self.port)
         RunDir(self.run_dir).mpi_port.unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ the pump
+    def _pump(self) -> None:
+        try:
+            while not self._stop.is_set():
+                busy = self._turn()
+                self.turned_s = time.monotonic()
+                if not busy:
+                    time.sleep(PUMP_S)
+        except Exception as exc:  # handed to the loop, which fails the run
+            log.exception("control plane: the pump failed")
+            self._inbox.put(Broken(f"{type(exc).__name__}: {exc}"))
+
+    def _turn(self) -> bool:
+        now = time.monotonic()
+        busy = self._outgoing(now)
+        self._completed(now)
+        busy |= self._incoming()
+        self._expire(now)
+        self._join(now)
+        return busy
+
+    def _outgoing(self, now: float) -> bool:
+        busy = False
+        while True:
+            try:
+                what, group, rank, data = self._outbox.get_nowait()
+            except queue.Empty:
+                return busy
+            busy = True
+            if what == "stop":
+                self._flush()
+                self._stop.set()
+                return busy
+            link = self._links.get(group)
+            if link is None:
+                continue  # its members were dropped: nothing to deliver to
+            try:
+                if what == "send":
+                    request = link.Isend([data, self.MPI.BYTE], dest=rank, tag=TAG_COMMAND)
+                    deadline = now + self.send_timeout_s
+                    self._sends.append(_Send(request, data, group, rank, deadline))
+                    continue
+                self._forget(group)
+                if what == "disconnect":
+                    link.Disconnect()
+                else:
+                    link.Free()
+            except self.MPI.Exception as exc:
+                self._link_failed(group, exc)
+
+    def _forget(self, group: str) -> Any:
+        """Stop using ``group``'s link: its sends in flight are abandoned."""
+        self._stuck += [s for s in self._sends if s.group == group]
+        self._sends = [s for s in self._sends if s.group != group]
+        return self._links.pop(group, None)
+
+    def _link_failed(self, group: str, exc: Exception) -> None:
+        """An MPI error on a link: its peer is gone; the link is freed (no wait)."""
+        link = self._forget(group)
+        if link is not None:
+            with contextlib.suppress(self.MPI.Exception):
+                link.Free()
+        log.warning("control plane: link %s failed: %s", group, exc)
+        self._inbox.put(LinkFailed(group, str(exc)[:200]))
+
+    def _completed(self, now: float) -> None:
+        waiting = []
+        for send in self._sends:
+            try:
+                done = send.request.Test()
+            except self.MPI.Exception as exc:
+                self._link_failed(send.group, exc)
+                continue
+            if done:
+                continue
+            if now > send.deadline_s:
+                self._stuck.append(send)
+                self._inbox.put(Undelivered(send.group, send.rank))
+                continue
+            waiting.append(send)
+        self._sends = waiting
+
+    def _flush(self, timeout_s: float = 5.0) -> None:
+        """The queued sends delivered (bounded: the run is ending)."""
+        deadline = time.monotonic() + timeout_s
+        while self._sends and time.monotonic() < deadline:
+            self._sends = [s for s in self._sends if not s.request.Test()]
+            time.sleep(PUMP_S)
+
+    def _incoming(self) -> bool:
+        busy = False
+        for group, link in list(self._links.items()):
+            try:
+                busy |= self._receive_on(group, link)
+            except self.MPI.Exception as exc:
+                if group in self._pending:
+                    self._drop(group, f"an MPI error before its hello: {exc}"[:200])
+                else:
+                    self._link_failed(group, exc)
+        return busy
+
+    def _receive_on(self, group: str, link: Any) -> bool:
+        MPI, status, busy = self.MPI, self.MPI.Status(), False
+        while group in self._links and link.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+            busy = True
+            source, tag, size = status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)
+            pending = self._pending.get(group)
+            if pending is not None and not pending.proven and size > MAX_HELLO_BYTES:
+                self._drop(group, f"a first message of {size} bytes")
+                break
+            data = bytearray(size)
+            link.Recv([data, MPI.BYTE], source=source, tag=tag)
+            if tag == TAG_KNOCK and pending is not None and not pending.proven:
+                self._drop(group, f"nobody connected in {self.accept_timeout_s:g} s (doorman)")
+            elif pending is not None and source not in pending.hellos:
+                self._hello(group, pending, source, bytes(data))
+            elif tag == TAG_REPORT:
+                self._inbox.put(Received(group, source, bytes(data)))
+        return busy
+
+    def _hello(self, group: str, pending: _Pending, source: int, data: bytes) -> None:
+        try:
+            report = decode_report(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self._drop(group, f"a first message that is not a hello ({exc})"[:200])
+            return
+        hello = report.body
+        if not isinstance(hello, Hello):
+            self._drop(group, f"a first message that is not a hello ({type(hello).__name__})")
+            return
+        if pending.proven:
+            claimed = "base"
+            if report.member_id != base_member_id(source):
+                raise PlaneError(f"base rank {source} says it is {report.member_id}")
+        else:
+            go, claimed = self._go, hello.group
+            if go is None or claimed != go.group or report.member_id != f"{claimed}:{source - 1}":
+                self._drop(group, f"a hello for no join under way ({report.member_id})")
+                return
+            expected = hello_proof(self.key, go.nonce, report.member_id, hello)
+            if not hmac.compare_digest(hello.proof, expected):
+                self._drop(group, f"a hello not signed by the run's key ({report.member_id})")
+                return
+        pending.hellos[source] = report
+        if len(pending.hellos) < pending.size - 1:
+            return
+        del self._pending[group]
+        self._links[claimed] = self._links.pop(group)
+        if not pending.proven:
+            self._go = None
+        seconds = time.monotonic() - pending.since_s
+        self._inbox.put(Joined(claimed, dict(sorted(pending.hellos.items())), seconds))
+
+    def _drop(self, group: str, reason: str) -> None:
+        """Free a connection that did not prove itself; its join is tried again."""
+        self._pending.pop(group, None)
+        link = self._forget(group)
+        with contextlib.suppress(self.MPI.Exception):
+            link.Free()
+        go = self._go
+        claimed = ""
+        if go is not None and go.link == group:
+            claimed, go.link = go.group, None
+            if go.tries >= ACCEPT_TRIES:
+                self._abandon(go)
+        log.warning("control plane: dropped a connection: %s", reason)
+        self._inbox.put(Dropped(reason, claimed))
+
+    def _abandon(self, go: _Go) -> None:
+        self._go = None
+        RunDir(self.run_dir).join_note(go.group).with_suffix(".go").unlink(missing_ok=True)
+        self._inbox.put(Abandoned(go.group))
+
+    def _expire(self, now: float) -> None:
+        for group, pending in list(self._pending.items()):
+            if now > pending.deadline_s:
+                missing = sorted(set(range(1, pending.size)) - pending.hellos.keys())
+                if pending.proven:
+                    raise PlaneError(f"base ranks {missing} never said hello")
+                self._drop(group, f"ranks {missing} sent no hello in {self.hello_timeout_s:g} s")
+
+    def _join(self, now: float) -> None:
+        """Give the oldest announcement its go, then accept its connection (one at a
+        time: the doorman bounds the wait)."""
+        if self._go is None:
+            self._go = self._announced(now)
+        go = self._go
+        if go is None or go.link is not None:
+            return
+        if not FORK_LOCK.acquire(blocking=False):
+            return  # MPICH crashed in Accept while a child forked after MPI_Init was alive
+        try:
+            t0 = time.monotonic()
+            if self.doorman is not None:
+                self.doorman.arm(self.accept_timeout_s)
+            intercomm = self.MPI.COMM_SELF.Accept(self.port)
+            if self.doorman is not None:
+                self.doorman.disarm()
+            link = intercomm.Merge(high=False)
+            intercomm.Free()
+        finally:
+            FORK_LOCK.release()
+        self.timings.accept_s.append(time.monotonic() - t0)
+        self._accepted += 1
+        go.tries += 1
+        go.link = f"#{self._accepted}"
+        self._links[go.link] = link
+        deadline = time.monotonic() + self.hello_timeout_s
+        self._pending[go.link] = _Pending(link.size, False, deadline, go.issued_s)
+
+    def _announced(self, now: float) -> _Go | None:
+        for path in sorted(RunDir(self.run_dir).joins.glob("*.json")):
+            try:
+                group = str(json.loads(path.read_text())["group"])
+            except (OSError, json.JSONDecodeError, KeyError, TypeError):
+                continue  # being written
+            path.rename(path.with_suffix(".accepted"))
+            go = _Go(group, os.urandom(NONCE_BYTES), now)
+            write_private(RunDir(self.run_dir).join_note(group).with_suffix(".go"), go.nonce.hex())
+            return go
+        return None
 
 
 # ---------------------------------------------------------------------- member side
@@ -402,31 +530,28 @@ class WorkerPlane:
         self,
         link: Any,
         member_id: str,
-        universe: Any,
-        local: Any,
         *,
+        elastic: bool,
+        key: str = "",
+        nonce: bytes = b"",
         heartbeat_interval_s: float = 1.0,
     ) -> None:
         self.MPI = _mpi()
         self.link = link
         self.member_id = member_id
-        self.universe = universe  # None until admitted
-        self.local = local  # the component's own world (joiners); None for base ranks
-        self.members: Any = None  # the universe without the master, made when first needed
-        self.role_comm: Any = None
-        self.epoch = 0
+        self.elastic = elastic
+        self.key = key
+        self.nonce = nonce
         self.heartbeat_interval_s = heartbeat_interval_s
         self._last_beat = 0.0
 
     @classmethod
     def base(cls, *, heartbeat_interval_s: float = 1.0) -> WorkerPlane:
-        MPI = _mpi()
-        world = MPI.COMM_WORLD
+        world = _mpi().COMM_WORLD
         return cls(
-            world,
-            base_member_id(world.rank),
             world.Dup(),
-            None,
+            base_member_id(world.rank),
+            elastic=False,
             heartbeat_interval_s=heartbeat_interval_s,
         )
 
@@ -435,43 +560,51 @@ class WorkerPlane:
         cls,
         run_dir: str | Path,
         group: str,
+        key: str,
         *,
         timeout_s: float = 300.0,
         heartbeat_interval_s: float = 1.0,
     ) -> WorkerPlane:
         """Connect this component (all its ranks, collectively) to the master."""
         MPI = _mpi()
-        run_dir = Path(run_dir)
+        run = RunDir(Path(run_dir))
         local = MPI.COMM_WORLD
-        port_file = RunDir(run_dir).mpi_port
         deadline = time.monotonic() + timeout_s
-        while not port_file.exists():
+        while not run.mpi_port.exists():
             if time.monotonic() > deadline:
-                raise PlaneError(f"{port_file}: no master port after {timeout_s:g} s")
+                raise PlaneError(f"{run.mpi_port}: no master port after {timeout_s:g} s")
             time.sleep(0.1)
-        port = port_file.read_text()
+        port = run.mpi_port.read_text()
+        nonce = bytearray(NONCE_BYTES)
         if local.rank == 0:
             note = {"group": group, "size": local.size, "pid": os.getpid()}
-            write_private(RunDir(run_dir).join_note(group), json.dumps(note))
-            go = RunDir(run_dir).join_note(group).with_suffix(".go")
+            write_private(run.join_note(group), json.dumps(note))
+            go = run.join_note(group).with_suffix(".go")
             while not go.exists():  # one component connects at a time (see module doc)
                 if time.monotonic() > deadline:
                     raise PlaneError(f"{group}: the master never accepted (no {go})")
                 time.sleep(0.01)
+            nonce[:] = bytes.fromhex(go.read_text())
             go.unlink()
+        local.Bcast([nonce, MPI.BYTE], root=0)
         intercomm = local.Connect(port, root=0)
         link = intercomm.Merge(high=True)
         intercomm.Free()
         return cls(
             link,
             f"{group}:{local.rank}",
-            None,
-            local,
+            elastic=True,
+            key=key,
+            nonce=bytes(nonce),
             heartbeat_interval_s=heartbeat_interval_s,
         )
 
     def report(self, body: ReportBody, seq: int = -1) -> None:
-        """Send ``body`` to the master (``seq``: the command it acknowledges)."""
+        """Send ``body`` to the master (``seq``: the command it acknowledges); a hello
+        from an elastic rank goes with its proof."""
+        if isinstance(body, Hello) and self.elastic:
+            proof = hello_proof(self.key, self.nonce, self.member_id, body)
+            body = msgspec.structs.replace(body, proof=proof)
         data = encode(Report(self.member_id, seq, body))
         self.link.Send([data, self.MPI.BYTE], dest=0, tag=TAG_REPORT)
 
@@ -484,75 +617,18 @@ class WorkerPlane:
             if now - self._last_beat >= self.heartbeat_interval_s:
                 self._last_beat = now
                 self.report(Heartbeat())
-            if self.link.iprobe(source=0, tag=TAG_COMMAND, status=status):
+            if self.link.Iprobe(0, TAG_COMMAND, status):
                 cmd = _receive(self.link, status, decode_command, "the master")
-                if cmd is None:
-                    continue
-                if cmd.op is not Op.PREPARE:
+                if cmd is not None:
                     return cmd
-                # this thread is responsive: the collective call the master makes next
-                # is entered as soon as its command arrives (see comm.members)
-                self.report(Ack(Op.PREPARE), cmd.seq)
                 continue
             if now >= deadline:
                 return None
             time.sleep(0.005)
 
-    def enter(self, cmd: Command) -> float:
-        """Take part in a collective command; returns the seconds it took."""
-        if cmd.op not in COLLECTIVE:
-            raise PlaneError(f"{cmd.op} is not a collective command")
-        body = cmd.body
-        t0 = time.perf_counter()
-        if cmd.op is not Op.PARTITION and self.members is not None:
-            # the universe changes, its members' communicator with it (after a shrink
-            # it may span dead ranks: dropped, not freed)
-            if cmd.op is Op.ADMIT:
-                self.members.Free()
-            self.members = None
-        if cmd.op is Op.ADMIT:
-            if self.universe is None:  # the joining side
-                intercomm = self.local.Create_intercomm(0, self.link, 0, TAG_INTERCOMM)
-                self.universe = intercomm.Merge(high=True)
-            else:
-                intercomm = self.universe.Create_intercomm(0, self.universe, 0, TAG_INTERCOMM)
-                universe = intercomm.Merge(high=False)
-                self.universe.Free()
-                self.universe = universe
-            intercomm.Free()
-        elif isinstance(body, Shrink):
-            group = self.universe.Get_group().Incl(body.keep)
-            self.universe = self.universe.Create_group(group, TAG_SHRINK)
-            group.Free()
-        elif isinstance(body, Partition):
-            colors = body.colors
-            if self.members is None:  # collective over the members: the master stays out
-                others = self.universe.Get_group().Excl([0])
-                self.members = self.universe.Create_group(others, TAG_MEMBERS)
-                others.Free()
-            if self.role_comm is not None:
-                self.role_comm.Free()
-            rank = self.universe.rank
-            self.role_comm = self.members.Split(colors[rank], rank)
-            self.epoch = body.epoch
-        return time.perf_counter() - t0
-
-    def take_part(self, cmd: Command) -> CollectiveAck:
-        """Enter a collective command; returns its ack: the seconds inside it, the
-        epoch and (a re-partition) the new role group's size as the group counts itself
-        (the master checks it)."""
-        seconds = self.enter(cmd)
-        size = self.role_comm.allreduce(1) if cmd.op is Op.PARTITION else 0
-        return CollectiveAck(cmd.op, seconds, self.epoch, size)
-
     def disconnect(self) -> None:
-        """Leave the plane: free the shared communicators, disconnect from the master."""
-        if self.role_comm is not None:
-            self.role_comm.Free()
-            self.role_comm = None
-        self.members = None  # like the universe: may span dead ranks
-        self.universe = None  # may span dead ranks: dropped, not freed collectively
-        if self.local is not None:
+        """Leave the plane: an elastic rank disconnects from the master (who does too)."""
+        if self.elastic:
             self.link.Disconnect()
 
 
@@ -582,10 +658,4 @@ def _receive(link: Any, status: Any, decode: Callable[[bytearray], _M], sender: 
         return None
 
 
-def _hello(report: Report) -> Hello:
-    if not isinstance(report.body, Hello):
-        raise PlaneError(f"{report.member_id}: expected its hello, got {report.body!r}"[:300])
-    return report.body
-
-
-__all__ = ["MASTER_ID", "MasterPlane", "PlaneError", "WorkerPlane", "member_info"]
+__all__ = ["MASTER_ID", "MasterPlane", "PlaneError", "WorkerPlane", "hello_proof", "member_info"]

@@ -262,6 +262,12 @@ class RunSettings:
     )
     temperature: float = spec_field("sampling temperature", default=1.0, ge=0)
     seed: int = spec_field("rollout and training seed", default=0, ge=0)
+    heartbeat_timeout_s: float = spec_field(
+        "a rank of the run silent this long (they heartbeat every second) is declared "
+        "failed: an engine's slot is replaced",
+        default=10.0,
+        ge=3,
+    )
     max_staleness: int = spec_field(
         "1: step k+1's rollout runs while step k trains (its batch is one version "
         "behind); 0: synchronous steps",

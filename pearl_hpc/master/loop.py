@@ -6,7 +6,7 @@ around the controller (no torch model, no engine in this process).
     step pipeline ──StepTelemetry, TrainingBegin/Finished─────────┘              │
                                                                                  ▼
         Controller.handle(event) ──plan──> WorkerExecutor (engine ranks, router)
-                 │                     └──> Comm.Split of the members into role groups
+                 │                     └──> the members' role groups (partition event)
                  └── journal.json, events.jsonl (after every event)
 
     step pipeline ──TRAIN / PUBLISH / CATCH_UP──> trainer ranks (data-parallel GRPO;
@@ -168,7 +168,11 @@ class MasterRun:
         # 1. the world's members said hello: trainer ranks (their resumed version) and
         #    engine ranks (their sockets)
         self.members = Members(
-            self.plane, self.events, roles=self._member_roles, on_failed=self._member_failed
+            self.plane,
+            self.events,
+            roles=self._member_roles,
+            on_failed=self._member_failed,
+            heartbeat_timeout_s=cfg.run.heartbeat_timeout_s,
         )
         self.members.start(since_s=self.started_s)
         self.trainer = RemoteTrainer(self.members)
@@ -272,7 +276,6 @@ class MasterRun:
             if not tasks or left_s <= 0:
                 break
             await asyncio.wait(tasks, timeout=left_s)
-        self.members.flush()  # the split of the last plan, if it still waits
 
     # ------------------------------------------------------------------ setup
     def _build_workload(self) -> Workload:
@@ -423,8 +426,8 @@ class MasterRun:
                     ),
                 )
         self.executor.sync_router()
-        if planned:  # the members follow the applied plan into their role groups
-            self.members.split()
+        if planned:  # the members' role groups after the plan (logged when they change)
+            self.members.partition()
         self._request_capacity()
         table = [
             [s.slot_id, str(s.role), str(s.status), str(s.zone)]

@@ -2,8 +2,7 @@
 
 The master reaches the engine on two channels:
 
-    MPI control plane (this rank's control thread): PARTITION (Comm.Split of the
-        members into role groups, the group size counted), SHUTDOWN; heartbeats
+    MPI control plane (this rank's control thread): LEAVE, SHUTDOWN; heartbeats
     engine socket (:mod:`pearl_hpc.engine.rpc`, the asyncio loop of the main thread):
         activate / set_role / drain / deactivate / weights / generate -- the per-turn
         request path, as vLLM's own API is a socket
@@ -11,7 +10,8 @@ The master reaches the engine on two channels:
 The rank announces the socket's address in its hello (and in its ready file,
 :meth:`pearl_hpc.rundir.RunDir.engine_ready`).
 A base rank is a member from the world's start; an elastic rank (a component of an
-elastic job) joins with Connect + Merge and leaves with LEAVE + Disconnect.
+elastic job) joins with Connect + Merge and a signed hello, and leaves with LEAVE +
+Disconnect.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 import msgspec
 
 from pearl_hpc.comm.layout import RankSpec
-from pearl_hpc.comm.messages import COLLECTIVE, Ack, Failed, Hello, Op
+from pearl_hpc.comm.messages import Ack, Failed, Hello, Op
 from pearl_hpc.comm.mpi import WorkerPlane
 from pearl_hpc.engine.server import EngineService, write_ready
 from pearl_hpc.engine.spec import EngineSpec
@@ -80,7 +80,8 @@ def _control(
     service: EngineService,
     master_alive: Callable[[], bool],
 ) -> None:
-    """The rank's MPI side: collectives and shutdown (the only thread that calls MPI)."""
+    """The rank's MPI side: heartbeats, LEAVE and SHUTDOWN (the only thread that calls
+    MPI)."""
     checked = time.monotonic()
     while True:
         cmd = plane.next_command(0.02)
@@ -91,11 +92,9 @@ def _control(
                 os._exit(0)
         if cmd is None:
             continue
-        if cmd.op in COLLECTIVE:
-            plane.report(plane.take_part(cmd), cmd.seq)
-        elif cmd.op is Op.LEAVE:
-            # an elastic rank whose job is reclaimed or given back: out of the world (and
-            # of its collective calls) at once; the engine socket serves on while the
+        if cmd.op is Op.LEAVE:
+            # an elastic rank whose job is reclaimed or given back: out of the world at
+            # once; the engine socket serves on while the
             # master drains it, and the job's end (scancel) ends the process
             plane.report(Ack(cmd.op), cmd.seq)
             plane.disconnect()

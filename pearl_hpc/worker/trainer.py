@@ -10,8 +10,8 @@ weight broadcast to the engines.
     master ──PUBLISH(version, members)──> trainer 0: re-form the broadcast group if its
                                     members changed, broadcast the weights (WeightSync)
     master ──CATCH_UP(name, host, port)──> trainer 0: latest weights to one engine p2p
-    master ──PARTITION──> Comm.Split (answered while a step trains: the control loop is
-                                    this thread, training and weight sync run in others)
+    (commands are answered while a step trains: the control loop is this thread,
+    training and weight sync run in others)
 
 Trainer rank 0 owns the rendezvous store of the training group and of the weight groups.
 """
@@ -30,7 +30,6 @@ import msgspec
 
 from pearl_hpc.comm.layout import RankSpec
 from pearl_hpc.comm.messages import (
-    COLLECTIVE,
     Ack,
     CatchUp,
     CatchUpAck,
@@ -151,9 +150,7 @@ class TrainerRank:
             if cmd is None:
                 continue
             body = cmd.body
-            if cmd.op in COLLECTIVE:
-                plane.report(plane.take_part(cmd), cmd.seq)
-            elif isinstance(body, Train):
+            if isinstance(body, Train):
                 self.pending.append((cmd, self.pool.submit(self._train, body)))
             elif isinstance(body, Save):  # after any step in flight
                 self.pending.append((cmd, self.pool.submit(self._save)))
