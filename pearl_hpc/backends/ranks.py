@@ -37,12 +37,17 @@ class RankWorker:
         self.client = client
         self.address = address
         self._kill = kill
+        self._closing: asyncio.Task[None] | None = None
 
     async def stop(self, timeout_s: float = 60.0) -> None:
         await self.client.close()
 
     def kill(self) -> None:
+        """Its rank failed: the rank out of the world, its capacity back, and its engine
+        client closed, so the turns in flight on it fail over now."""
         self._kill()
+        if self._closing is None:
+            self._closing = asyncio.get_running_loop().create_task(self.client.close())
 
 
 async def attach_rank(

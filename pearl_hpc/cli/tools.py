@@ -32,6 +32,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from pearl_hpc.bench import checkpoint
 
         return checkpoint.main(["--json"] if args.json else [])
+    if args.plane:
+        from pearl_hpc.bench import plane
+
+        return plane.main(["--ranks", args.plane_ranks] + (["--json"] if args.json else []))
     if args.messages:
         from pearl_hpc.bench import messages
 
@@ -92,6 +96,15 @@ def add_parsers(sub: Any) -> None:
         action="store_true",
         help="the control plane's TRAIN message at PEARL's shape (64 x 32K tokens, 16 "
         "trainer ranks): msgpack of typed records vs mpi4py's pickle",
+    )
+    bench.add_argument(
+        "--plane",
+        action="store_true",
+        help="the MPI control plane on protocol-only ranks: the master's loop per plan and "
+        "per join at 8 .. 256 ranks, a burst of 200 joiners",
+    )
+    bench.add_argument(
+        "--plane-ranks", default="8,32,128,256", help="with --plane: world sizes, comma-separated"
     )
     bench.add_argument(
         "--train",

@@ -415,7 +415,8 @@ class MasterPlane:
                 self._drop(group, f"nobody connected in {self.accept_timeout_s:g} s (doorman)")
             elif pending is not None and source not in pending.hellos:
                 self._hello(group, pending, source, bytes(data))
-            elif tag == TAG_REPORT:
+            elif tag == TAG_REPORT and pending is None:  # (before the whole link said
+                # hello its members have no commands to answer: heartbeats only)
                 self._inbox.put(Received(group, source, bytes(data)))
         return busy
 

@@ -29,6 +29,7 @@ import hmac
 import itertools
 import logging
 import os
+import socket
 import struct
 import typing
 from collections.abc import Awaitable, Callable
@@ -48,6 +49,8 @@ _MAX_FRAME = 1 << 30
 _NONCE_BYTES = 16
 _MAC_BYTES = 32
 _HANDSHAKE_TIMEOUT_S = 10.0
+KEEPALIVE_IDLE_S = 10  # seconds of silence before TCP probes the peer
+KEEPALIVE_INTERVAL_S = 2
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder()  # plain values only: no extension types
 
@@ -211,6 +214,19 @@ async def serve(
     return await asyncio.start_server(on_connect, host, port)
 
 
+def _keepalive(sock: Any) -> None:
+    """A peer that vanished without a word (node or NIC loss: no RST) fails the
+    connection after about ``KEEPALIVE_IDLE_S + 3 * KEEPALIVE_INTERVAL_S`` of silence,
+    and with it every call in flight, instead of when TCP gives up (minutes)."""
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_KEEPIDLE"):  # Linux
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+
+
 class RpcClient:
     """One connection to a worker; many concurrent calls."""
 
@@ -223,6 +239,7 @@ class RpcClient:
 
     async def connect(self, host: str, port: int, key: str) -> None:
         reader, writer = await asyncio.open_connection(host, port)
+        _keepalive(writer.get_extra_info("socket"))
         try:
             self._channel = await asyncio.wait_for(
                 _client_handshake(reader, writer, bytes.fromhex(key), self.name),

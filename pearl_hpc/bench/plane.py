@@ -1,0 +1,231 @@
+"""The control plane at scale: what the master's loop pays per plan and per join, and a
+burst of joiners.
+
+For each world of ``--ranks`` protocol-only ranks (``mpiexec -n N``; rank 0 the master,
+the product's ``MasterPlane`` + ``Members`` with its doorman, the others answering
+commands, no engines):
+
+- start: launch -> every base hello;
+- per plan: the loop's time in ``Members.partition()`` after a role change of every
+  member, and a command fanned out to every member -> every ack (the loop serves
+  meanwhile);
+- a burst of ``--joiners`` elastic components (one ``mpiexec -n 1`` each, all launched
+  at once): go -> proven hellos per join, the pump's time in ``Accept`` per join, the
+  whole burst, and the longest the master's loop went without a turn.
+
+Run: ``pearl-hpc bench --plane`` (or ``python -m pearl_hpc.bench.plane``); ranks share
+this machine's cores, so the figures are upper bounds for dedicated nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+KEY = "5e" * 32  # a key of the benchmark's own (written 0600 as the run's would be)
+PLANS = 20
+
+
+def _member(plane: Any) -> int:
+    from pearl_hpc.comm.messages import Ack, Failed, Op, Release, ReleaseAck
+    from pearl_hpc.comm.mpi import member_info
+
+    group = plane.member_id.split(":")[0] if plane.elastic else ""
+    plane.report(member_info("engine", group=group))
+    while True:
+        cmd = plane.next_command(0.05)
+        if cmd is None:
+            continue
+        if isinstance(cmd.body, Release):
+            plane.report(ReleaseAck(), cmd.seq)
+        elif cmd.op in (Op.LEAVE, Op.SHUTDOWN):
+            plane.report(Ack(cmd.op), cmd.seq)
+            if cmd.op is Op.LEAVE:
+                plane.disconnect()
+            return 0
+        else:
+            plane.report(Failed(f"bench member: {cmd.op}"), cmd.seq)
+
+
+async def _master(run_dir: Path, doorman: Any, joiners: int) -> dict[str, Any]:
+    from pearl_hpc.comm.members import Members
+    from pearl_hpc.comm.messages import Release, ReleaseAck
+    from pearl_hpc.comm.mpi import MasterPlane
+    from pearl_hpc.master.records import EventLog, read_jsonl
+
+    t0 = time.monotonic()
+    plane = MasterPlane(run_dir, KEY, doorman=doorman)
+    roles: dict[str, str] = {}
+    members = Members(
+        plane, EventLog(run_dir / "events.jsonl", time.monotonic), roles=lambda: roles
+    )
+    members.start(since_s=t0)
+    out: dict[str, Any] = {
+        "ranks": 1 + len(members.of_kind("engine")),
+        "start_s": time.monotonic() - t0,
+    }
+    stop = asyncio.Event()
+    poll = asyncio.create_task(members.poll_forever(stop))
+    gaps: list[float] = []
+
+    async def beat() -> None:
+        last = time.monotonic()
+        while not stop.is_set():
+            await asyncio.sleep(0.005)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    beating = asyncio.create_task(beat())
+    partition_s, fanout_s = [], []
+    ids = members.of_kind("engine")
+    for k in range(PLANS):
+        roles.update({m: ("prefill", "decode")[(i + k) % 2] for i, m in enumerate(ids)})
+        t = time.perf_counter()
+        members.partition()
+        partition_s.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        await asyncio.gather(*[members.call(m, Release(), ReleaseAck) for m in ids])
+        fanout_s.append(time.perf_counter() - t)
+    out["partition_ms"] = 1e3 * statistics.median(partition_s)
+    out["fanout_ms"] = 1e3 * statistics.median(fanout_s)
+    out["plan_gap_ms"] = 1e3 * max(gaps)
+    if joiners:
+        gaps.clear()
+        (run_dir / "burst").write_text("")  # the launcher starts the joiners
+        t = time.monotonic()
+        deadline = t + 60 + 2.0 * joiners
+        while len(members.of_kind("engine")) < len(ids) + joiners:
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        out["burst_s"] = time.monotonic() - t
+        out["joined"] = len(members.of_kind("engine")) - len(ids)
+        events = read_jsonl(run_dir / "events.jsonl")
+        joins = [e["s"] for e in events if e["kind"] == "joined"]
+        out["join_ms"] = 1e3 * statistics.median(joins) if joins else None
+        out["accept_ms"] = 1e3 * statistics.median(plane.timings.accept_s or [0.0])
+        out["burst_gap_ms"] = 1e3 * max(gaps)
+        for group in sorted({m.split(":")[0] for m in members.of_kind("engine")} - {"base"}):
+            members.leave(group)
+        await asyncio.sleep(0)
+    stop.set()
+    await poll
+    await beating
+    members.leave_all()
+    members.shutdown()
+    return out
+
+
+def _rank(run_dir: Path, joiners: int) -> int:
+    from pearl_hpc.comm.doorman import Doorman
+    from pearl_hpc.comm.mpiexec import mpiexec_path
+    from pearl_hpc.rundir import RunDir
+
+    doorman = None
+    if os.environ.get("PMI_RANK") == "0":
+        doorman = Doorman(RunDir(run_dir).mpi_port, mpiexec_path())  # before MPI_Init
+    from mpi4py import MPI
+
+    from pearl_hpc.comm.mpi import WorkerPlane
+
+    if MPI.COMM_WORLD.Get_rank() != 0:
+        return _member(WorkerPlane.base(heartbeat_interval_s=1.0))
+    out = asyncio.run(_master(run_dir, doorman, joiners))
+    (run_dir / "result.json").write_text(json.dumps(out))
+    if doorman is not None:
+        doorman.close()
+    return 0
+
+
+def _join(run_dir: Path, group: str) -> int:
+    from pearl_hpc.comm.mpi import WorkerPlane
+
+    return _member(WorkerPlane.join(run_dir, group, KEY, timeout_s=600))
+
+
+def _launch(argv: list[str], *, errors: bool = False) -> subprocess.Popen[bytes]:
+    quiet = subprocess.DEVNULL
+    err = subprocess.PIPE if errors else quiet
+    return subprocess.Popen(argv, stdin=quiet, stdout=quiet, stderr=err)
+
+
+def measure(ranks: int, joiners: int) -> dict[str, Any]:
+    """One world of ``ranks`` ranks and a burst of ``joiners`` joiners."""
+    from pearl_hpc.comm.mpiexec import mpiexec_path
+
+    mpiexec = mpiexec_path()
+    head = [mpiexec, "-launcher", "fork", "-hosts", "localhost"]
+    me = [sys.executable, "-m", "pearl_hpc.bench.plane"]
+    with tempfile.TemporaryDirectory(prefix="pearl-plane-") as tmp:
+        run_dir = Path(tmp)
+        os.chmod(run_dir, 0o700)
+        argv = [*head, "-n", str(ranks), *me, "rank", str(run_dir), str(joiners)]
+        world = _launch(argv, errors=True)
+        burst: list[subprocess.Popen[bytes]] = []
+        while world.poll() is None:
+            if joiners and not burst and (run_dir / "burst").exists():
+                burst = [
+                    _launch([*head, "-n", "1", *me, "join", str(run_dir), f"b{k}+0"])
+                    for k in range(joiners)
+                ]
+            time.sleep(0.05)
+        for proc in burst:
+            proc.wait(60)
+        if world.returncode != 0 or not (run_dir / "result.json").exists():
+            err = world.stderr.read().decode()[-2000:] if world.stderr else ""
+            raise RuntimeError(f"bench --plane: the world of {ranks} ranks failed:\n{err}")
+        return dict(json.loads((run_dir / "result.json").read_text()))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pearl-hpc bench --plane", description=__doc__)
+    parser.add_argument("--ranks", default="8,32,128,256", help="world sizes, comma-separated")
+    parser.add_argument("--joiners", type=int, default=200, help="the burst, at the first size")
+    parser.add_argument("--json", action="store_true")
+    sub = parser.add_subparsers(dest="role")
+    rank = sub.add_parser("rank")
+    rank.add_argument("run_dir", type=Path)
+    rank.add_argument("burst", type=int)
+    join = sub.add_parser("join")
+    join.add_argument("run_dir", type=Path)
+    join.add_argument("group")
+    args = parser.parse_args(argv)
+    if args.role == "rank":
+        return _rank(args.run_dir, args.burst)
+    if args.role == "join":
+        return _join(args.run_dir, args.group)
+    rows = []
+    for i, ranks in enumerate(int(r) for r in args.ranks.split(",")):
+        row = measure(ranks, args.joiners if i == 0 else 0)
+        rows.append(row)
+        if args.json:
+            print(json.dumps(row), flush=True)
+            continue
+        line = (
+            f"{row['ranks']:>4} ranks: start {row['start_s']:6.2f} s | plan: partition "
+            f"{row['partition_ms']:.3f} ms, fan-out to all + acks {row['fanout_ms']:8.1f} ms, "
+            f"loop gap {row['plan_gap_ms']:6.1f} ms"
+        )
+        if "burst_s" in row:
+            line += (
+                f"\n      burst of {row['joined']}/{args.joiners} joiners: {row['burst_s']:.1f} s, "
+                f"go -> joined {row['join_ms']:.1f} ms, Accept {row['accept_ms']:.1f} ms "
+                f"(median), loop gap {row['burst_gap_ms']:.1f} ms"
+            )
+        print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
