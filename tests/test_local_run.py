@@ -286,16 +286,17 @@ def _train_from_logs(tmp_path: Path, run_dir: Path, world: int, start: int, tag:
 
 @pytest.mark.vllm
 @pytest.mark.skipif(vllm_skip_reason() is not None, reason=str(vllm_skip_reason()))
-def test_fsdp2_checkpoints_and_a_killed_run_replays_its_steps_from_the_log(
+def test_fsdp2_checkpoints_and_a_killed_trainer_replays_its_steps_from_the_log(
     tmp_path: Path, monkeypatch
 ):
-    """train.fsdp on two trainer ranks (gloo) with checkpoint_every 3: the master killed
-    after step 4 is recorded; the resumed run's trainers load the checkpoint after step 2,
-    train steps 3 and 4 again from their trajectory logs (not rolled out again), roll out
-    and train step 5. The weights and AdamW state after step 5 are bitwise those of an
-    uninterrupted pair of ranks trained on the same batches; resumed on one rank from the
-    same checkpoint (resharded) they agree to 1e-5. The engines get weights gathered in
-    their dtype."""
+    """train.fsdp on two trainer ranks (gloo) with checkpoint_every 3: trainer rank 2
+    SIGKILLed after step 4 is recorded ends the world (Hydra), and the launcher starts it
+    again with --resume by itself (run.max_restarts); the resumed run's trainers load the
+    checkpoint after step 2, train steps 3 and 4 again from their trajectory logs (not
+    rolled out again), roll out and train step 5. The weights and AdamW state after step
+    5 are bitwise those of an uninterrupted pair of ranks trained on the same batches;
+    resumed on one rank from the same checkpoint (resharded) they agree to 1e-5. The
+    engines get weights gathered in their dtype."""
     cache = tmp_path / "cache"
     monkeypatch.setenv("PEARL_HPC_CACHE", str(cache))
     config = {
@@ -319,13 +320,25 @@ def test_fsdp2_checkpoints_and_a_killed_run_replays_its_steps_from_the_log(
                 return found[0].parent
         return None
 
-    run_dir = _run_then_kill(tmp_path, path, env, step_4_recorded)
-    assert json.loads((run_dir / "journal.json").read_text())["state"]["next_step"] == 5
-    first = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    resumed = subprocess.run(
-        [*cmd, "--resume", str(run_dir)], capture_output=True, text=True, env=env, timeout=900
-    )
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    with (tmp_path / "run.log").open("w") as log:
+        launcher = subprocess.Popen(
+            [*cmd, str(path)], stdout=log, stderr=subprocess.STDOUT, env=env
+        )
+    try:
+        deadline = time.monotonic() + 600
+        while (run_dir := step_4_recorded()) is None and time.monotonic() < deadline:
+            assert launcher.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
+            time.sleep(0.05)
+        assert run_dir is not None
+        first = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        os.kill(_rank_pid(run_dir, 2), signal.SIGKILL)  # the second trainer rank
+        assert launcher.wait(900) == 0, (tmp_path / "run.log").read_text()[-3000:]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    output = (tmp_path / "run.log").read_text()
+    assert output.count("restart 1 of 3 (run.max_restarts)") == 1, output[-3000:]
+    assert "restart 2" not in output
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(6)) and metrics[:5] == first
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
@@ -434,6 +447,18 @@ def _run_then_kill(
         if master.poll() is None:
             master.kill()
     return run_dir
+
+
+def _rank_pid(run_dir: Path, rank: int) -> int:
+    """The pid of the run's world rank ``rank`` (its environment says PMI_RANK)."""
+    for pid in subprocess.run(
+        ["pgrep", "-f", f"pearl_hpc.rank rank --run-dir {run_dir}"], capture_output=True, text=True
+    ).stdout.split():
+        with contextlib.suppress(OSError):
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            if f"PMI_RANK={rank}".encode() in environ:
+                return int(pid)
+    raise AssertionError(f"no rank {rank} of {run_dir} running")
 
 
 def _saved(run_dir: Path) -> list[int]:

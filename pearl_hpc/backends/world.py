@@ -18,9 +18,11 @@ Where the world runs:
   properly terminated in client request"; Hydra's own PMI carries it.)
 Elastic capacity of the Slurm backend comes as heterogeneous jobs (:mod:`.slurm`).
 
-A rank that fails ends the world (rank 0 calls ``Abort``; Hydra ends every rank when
-one dies), so nothing of a run outlives its master; ``--resume`` starts a new world from
-the journal.
+A base rank that fails ends the world (rank 0 calls ``Abort``; Hydra ends every rank
+when one dies), so nothing of a run outlives its master. The launcher then starts a new
+world with ``--resume`` by itself, up to ``run.max_restarts`` times
+(:func:`with_restarts`): the journal, the newest checkpoint and the trajectory log carry
+the run on; elastic jobs are adopted.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +39,7 @@ from pearl_hpc.comm.layout import RankSpec, base_layout
 from pearl_hpc.comm.mpiexec import mpiexec_path
 from pearl_hpc.config.run import RunConfig
 from pearl_hpc.errors import ConfigError, PearlError
-from pearl_hpc.rundir import RunDir
+from pearl_hpc.rundir import RunDir, RunStatus
 
 
 def multi_node(cfg: RunConfig) -> bool:
@@ -146,26 +149,71 @@ def prepare_run(cfg: RunConfig, run_dir: Path, *, resume: bool) -> str:
     return model_dir
 
 
+def with_restarts(
+    cfg: RunConfig,
+    run_dir: Path,
+    resume: bool,
+    start: Callable[[bool], int],
+    stopped: Callable[[], bool] = lambda: False,
+) -> int:
+    """``start(resume)`` the world; a world that failed is started again with resume,
+    up to ``run.max_restarts`` times -- unless it was stopped (``stopped()``: a signal
+    to the launcher), refused its input (exit 2) or left nothing to resume."""
+    rc = start(resume)
+    for attempt in range(1, cfg.run.max_restarts + 1):
+        if rc in (0, 2) or stopped() or not _resumable(run_dir):
+            break
+        print(
+            f"pearl-hpc run: the world ended with exit {rc}; restart {attempt} of "
+            f"{cfg.run.max_restarts} (run.max_restarts): resuming {run_dir}",
+            file=sys.stderr,
+            flush=True,
+        )
+        rc = start(True)
+    return rc
+
+
+def _resumable(run_dir: Path) -> bool:
+    """The run has a journal and did not finish."""
+    run = RunDir(run_dir)
+    if not run.journal.exists():
+        return False
+    try:
+        return run.read_state()["status"] != RunStatus.FINISHED
+    except PearlError:
+        return False
+
+
 def launch_world(cfg: RunConfig, run_dir: Path, *, resume: bool, live: bool) -> int:
-    """Run the world's ``mpiexec`` as this process's child, to its end; returns its exit
-    status. A signal to this process reaches the world: TERM and HUP go to mpiexec
-    (which passes them to every rank; a terminal's INT reaches both already), USR2 --
-    Slurm's warning before the job's time limit or a preemption (``--signal=B:USR2``
-    reaches a batch script's process) -- to the master, which checkpoints. The world
-    dies with this process: a launcher killed outright leaves no mpiexec behind."""
-    model_dir = prepare_run(cfg, run_dir, resume=resume)
-    argv = world_argv(cfg, run_dir, model_dir, resume=resume, live=live, mpiexec=mpiexec_path())
-    proc = subprocess.Popen(argv, env={**os.environ, **world_env(cfg)}, preexec_fn=_world_child)
+    """Run the world's ``mpiexec`` as this process's child, to its end (started again
+    with resume if it failed: :func:`with_restarts`); returns its exit status. A signal
+    to this process reaches the world: TERM and HUP go to mpiexec (which passes them to
+    every rank; a terminal's INT reaches both already), USR2 -- Slurm's warning before
+    the job's time limit or a preemption (``--signal=B:USR2`` reaches a batch script's
+    process) -- to the master, which checkpoints. The world dies with this process: a
+    launcher killed outright leaves no mpiexec behind."""
+    world: list[subprocess.Popen[bytes]] = []
+    stops: list[int] = []
 
     def forward(signum: int, _frame: Any) -> None:
-        proc.send_signal(signum)
+        stops.append(signum)
+        if world:
+            world[-1].send_signal(signum)
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's goes to mpiexec too
+    signal.signal(signal.SIGINT, lambda signum, _: stops.append(signum))  # (reaches mpiexec)
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGHUP, forward)
     signal.signal(signal.SIGUSR2, lambda *_: _warn_master(RunDir(run_dir)))
-    rc = proc.wait()
-    return rc if rc >= 0 else 128 - rc  # killed by a signal: the shell's convention
+
+    def start(resume: bool) -> int:
+        model_dir = prepare_run(cfg, run_dir, resume=resume)
+        argv = world_argv(cfg, run_dir, model_dir, resume=resume, live=live, mpiexec=mpiexec_path())
+        env = {**os.environ, **world_env(cfg)}
+        world.append(subprocess.Popen(argv, env=env, preexec_fn=_world_child))
+        rc = world[-1].wait()
+        return rc if rc >= 0 else 128 - rc  # killed by a signal: the shell's convention
+
+    return with_restarts(cfg, run_dir, resume, start, stopped=lambda: bool(stops))
 
 
 def _world_child() -> None:
@@ -189,13 +237,18 @@ def _warn_master(run: RunDir) -> None:
 
 
 def run_world(cfg: RunConfig, run_dir: Path, *, resume: bool = False, **popen: Any) -> int:
-    """Run the world to its end (a child ``mpiexec``); returns its exit status."""
-    model_dir = prepare_run(cfg, run_dir, resume=resume)
-    argv = world_argv(cfg, run_dir, model_dir, resume=resume, mpiexec=mpiexec_path())
+    """Run the world to its end (a child ``mpiexec``; started again with resume if it
+    failed: :func:`with_restarts`); returns its exit status."""
     env = {**popen.pop("env", os.environ), **world_env(cfg)}
-    return subprocess.run(
-        argv, check=False, env=env, preexec_fn=_survive_warning, **popen
-    ).returncode
+
+    def start(resume: bool) -> int:
+        model_dir = prepare_run(cfg, run_dir, resume=resume)
+        argv = world_argv(cfg, run_dir, model_dir, resume=resume, mpiexec=mpiexec_path())
+        return subprocess.run(
+            argv, check=False, env=env, preexec_fn=_survive_warning, **popen
+        ).returncode
+
+    return with_restarts(cfg, run_dir, resume, start)
 
 
 def _survive_warning() -> None:

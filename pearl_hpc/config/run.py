@@ -262,6 +262,12 @@ class RunSettings:
     )
     temperature: float = spec_field("sampling temperature", default=1.0, ge=0)
     seed: int = spec_field("rollout and training seed", default=0, ge=0)
+    max_restarts: int = spec_field(
+        "a world that fails (a rank died: Hydra ends them all) is started again with "
+        "--resume by its launcher this many times",
+        default=3,
+        ge=0,
+    )
     heartbeat_timeout_s: float = spec_field(
         "a rank of the run silent this long (they heartbeat every second) is declared "
         "failed: an engine's slot is replaced",
