@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pearl_hpc.bench.plane import protocol_member
 from pearl_hpc.comm.doorman import Doorman
 from pearl_hpc.comm.mpiexec import mpiexec_path
 from pearl_hpc.rundir import RunDir
@@ -43,25 +44,6 @@ class Owned:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (Path.write_text, (Path(self.path), "owned"))
-
-
-def member(plane: Any) -> int:
-    """A member's control loop: anything but LEAVE/SHUTDOWN is answered Failed."""
-    from pearl_hpc.comm.messages import Ack, Failed, Op
-    from pearl_hpc.comm.mpi import member_info
-
-    group = plane.member_id.split(":")[0] if plane.elastic else ""
-    plane.report(member_info("engine", group=group))
-    while True:
-        cmd = plane.next_command(0.02)
-        if cmd is None:
-            continue
-        if cmd.op in (Op.LEAVE, Op.SHUTDOWN):
-            plane.report(Ack(cmd.op), cmd.seq)
-            if cmd.op is Op.LEAVE:
-                plane.disconnect()
-            return 0
-        plane.report(Failed(f"test member: {cmd.op}"), cmd.seq)
 
 
 def stranger(run_dir: Path, group: str, how: str) -> int:
@@ -206,7 +188,7 @@ def main() -> int:
         from pearl_hpc.comm.mpi import WorkerPlane
 
         plane = WorkerPlane.join(run_dir, sys.argv[3], KEY, heartbeat_interval_s=0.5, timeout_s=60)
-        return member(plane)
+        return protocol_member(plane)
     doorman = None
     if os.environ.get("PMI_RANK") == "0":
         doorman = Doorman(RunDir(run_dir).mpi_port, mpiexec_path())  # before MPI_Init
@@ -219,7 +201,7 @@ def main() -> int:
         return 0
     from pearl_hpc.comm.mpi import WorkerPlane
 
-    return member(WorkerPlane.base(heartbeat_interval_s=0.5))
+    return protocol_member(WorkerPlane.base(heartbeat_interval_s=0.5))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,9 @@ KEY = "5e" * 32  # a key of the benchmark's own (written 0600 as the run's would
 PLANS = 20
 
 
-def _member(plane: Any) -> int:
+def protocol_member(plane: Any) -> int:
+    """A member that runs the protocol only: hello, heartbeats, RELEASE acked, LEAVE and
+    SHUTDOWN; anything else answered Failed."""
     from pearl_hpc.comm.messages import Ack, Failed, Op, Release, ReleaseAck
     from pearl_hpc.comm.mpi import member_info
 
@@ -151,7 +153,7 @@ def _rank(run_dir: Path, joiners: int) -> int:
     from pearl_hpc.comm.mpi import WorkerPlane
 
     if MPI.COMM_WORLD.Get_rank() != 0:
-        return _member(WorkerPlane.base(heartbeat_interval_s=1.0))
+        return protocol_member(WorkerPlane.base(heartbeat_interval_s=1.0))
     out = asyncio.run(_master(run_dir, doorman, joiners))
     (run_dir / "result.json").write_text(json.dumps(out))
     if doorman is not None:
@@ -162,7 +164,7 @@ def _rank(run_dir: Path, joiners: int) -> int:
 def _join(run_dir: Path, group: str) -> int:
     from pearl_hpc.comm.mpi import WorkerPlane
 
-    return _member(WorkerPlane.join(run_dir, group, KEY, timeout_s=600))
+    return protocol_member(WorkerPlane.join(run_dir, group, KEY, timeout_s=600))
 
 
 def _launch(argv: list[str], *, errors: bool = False) -> subprocess.Popen[bytes]:
