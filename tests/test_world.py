@@ -141,3 +141,39 @@ def test_pearl_32gpu_with_replicated_trainers_is_refused_naming_fsdp(tmp_path: P
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.replace(str(path), "CONFIG") == REPLICATED.read_text()
     assert "set train.fsdp: true" in proc.stderr and len(proc.stderr.splitlines()) == 1
+
+
+def _journal(run_dir: Path, status: str) -> None:
+    from pearl_hpc.rundir import RunDir, write_journal
+
+    write_journal(RunDir(run_dir).journal, {"status": status}, time_s=0.0)
+
+
+@pytest.mark.parametrize(
+    ("codes", "status", "stopped", "starts"),
+    [
+        ([9, 9, 0], "running", False, [False, True, True]),  # failed twice, then finished
+        ([9, 9, 9, 9, 9], "running", False, [False, True, True, True]),  # 3 restarts, no more
+        ([2], "running", False, [False]),  # refused its input: not again
+        ([9], "finished", False, [False]),  # nothing left to resume
+        ([9], "running", True, [False]),  # stopped by a signal to the launcher
+        ([0], "running", False, [False]),
+    ],
+)
+def test_a_failed_world_is_resumed_up_to_max_restarts(
+    tmp_path: Path, codes: list[int], status: str, stopped: bool, starts: list[bool]
+) -> None:
+    from pearl_hpc.backends.world import with_restarts
+
+    cfg = load_run_config(REPO / "configs" / "runs" / "local.yaml")
+    assert cfg.run.max_restarts == 3
+    _journal(tmp_path, status)
+    resumed: list[bool] = []
+
+    def start(resume: bool) -> int:
+        resumed.append(resume)
+        return codes[len(resumed) - 1]
+
+    rc = with_restarts(cfg, tmp_path, False, start, stopped=lambda: stopped)
+    assert resumed == starts
+    assert rc == codes[len(starts) - 1]

@@ -39,7 +39,7 @@ from pearl_hpc.comm.layout import RankSpec, base_layout
 from pearl_hpc.comm.mpiexec import mpiexec_path
 from pearl_hpc.config.run import RunConfig
 from pearl_hpc.errors import ConfigError, PearlError
-from pearl_hpc.rundir import RunDir, RunStatus
+from pearl_hpc.rundir import RunDir, RunStatus, read_journal
 
 
 def multi_node(cfg: RunConfig) -> bool:
@@ -179,7 +179,7 @@ def _resumable(run_dir: Path) -> bool:
     if not run.journal.exists():
         return False
     try:
-        return run.read_state()["status"] != RunStatus.FINISHED
+        return read_journal(run.journal).get("status") != RunStatus.FINISHED
     except PearlError:
         return False
 
