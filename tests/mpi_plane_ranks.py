@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pearl_hpc.bench.plane import protocol_member
+from pearl_hpc.bench.plane import loop_gaps, protocol_member
 from pearl_hpc.comm.doorman import Doorman
 from pearl_hpc.comm.mpiexec import mpiexec_path
 from pearl_hpc.rundir import RunDir
@@ -106,18 +106,10 @@ async def master(run_dir: Path, doorman: Doorman) -> None:
     gaps: list[float] = []
     result: dict[str, Any] = {}
 
-    async def beat() -> None:  # how long the loop goes without a turn
-        last = time.monotonic()
-        while not stop.is_set():
-            await asyncio.sleep(0.01)
-            now = time.monotonic()
-            gaps.append(now - last)
-            last = now
-
     def kinds(kind: str) -> list[dict[str, Any]]:
         return [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == kind]
 
-    beating = asyncio.create_task(beat())
+    beating = asyncio.create_task(loop_gaps(stop, gaps, 0.01))  # the loop's turns
     members.partition()
     # 1. an elastic member joins (signed hello), takes a role, leaves
     joiner = await spawn(run_dir, "join", "el1+0")

@@ -59,6 +59,17 @@ def protocol_member(plane: Any) -> int:
             plane.report(Failed(f"bench member: {cmd.op}"), cmd.seq)
 
 
+async def loop_gaps(stop: asyncio.Event, gaps: list[float], period_s: float = 0.005) -> None:
+    """Until ``stop``: append how long the loop went between turns of this task (each
+    turn asks to wake ``period_s`` later)."""
+    last = time.monotonic()
+    while not stop.is_set():
+        await asyncio.sleep(period_s)
+        now = time.monotonic()
+        gaps.append(now - last)
+        last = now
+
+
 async def _master(run_dir: Path, doorman: Any, joiners: int) -> dict[str, Any]:
     from pearl_hpc.comm.members import Members
     from pearl_hpc.comm.messages import Release, ReleaseAck
@@ -88,16 +99,7 @@ async def _master(run_dir: Path, doorman: Any, joiners: int) -> dict[str, Any]:
     members.poll = timed_poll  # type: ignore[method-assign]
     poll = asyncio.create_task(members.poll_forever(stop))
     gaps: list[float] = []
-
-    async def beat() -> None:
-        last = time.monotonic()
-        while not stop.is_set():
-            await asyncio.sleep(0.005)
-            now = time.monotonic()
-            gaps.append(now - last)
-            last = now
-
-    beating = asyncio.create_task(beat())
+    beating = asyncio.create_task(loop_gaps(stop, gaps))
     partition_s, fanout_s = [], []
     ids = members.of_kind("engine")
     for k in range(PLANS):
