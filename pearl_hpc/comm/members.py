@@ -60,7 +60,7 @@ from pearl_hpc.comm.mpi import (
     PlaneError,
     Received,
     Undelivered,
-    base_member_id,
+    member_id_at,
 )
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ class Members:
             raise PlaneError(f"the control plane failed: {arrival.error}")
 
     def _member_at(self, group: str, rank: int) -> str | None:
-        member_id = base_member_id(rank) if group == "base" else f"{group}:{rank - 1}"
+        member_id = member_id_at(group, rank)
         return member_id if member_id in self.membership.members else None
 
     def _joined(self, joined: Joined) -> None:
@@ -220,7 +220,7 @@ class Members:
             self._shutdown.pop(report.seq, None)
         if isinstance(body, Ack) and body.op is Op.LEAVE:
             self.membership.gone(report.member_id)
-            self._close_if_ended(sender.group, left=True)
+            self._close_if_ended(sender.group)
         entry = self._waiting.pop(report.seq, None)
         if entry is None or entry[1].done():
             return
@@ -246,16 +246,16 @@ class Members:
                     future.set_exception(PlaneError(f"{member_id} failed: {reason}"))
         for seq in [s for s, m in self._shutdown.items() if m == member.member_id]:
             del self._shutdown[seq]
-        self._close_if_ended(member.group, left=False)
+        self._close_if_ended(member.group)
         self.on_failed(member)
 
-    def _close_if_ended(self, group: str, *, left: bool) -> None:
+    def _close_if_ended(self, group: str) -> None:
         """Every member of an elastic ``group`` left or failed: its link goes (both
         sides Disconnect if all left, else the master frees its side)."""
         if group == "base" or not self.membership.ended(group):
             return
-        all_left = all(m.state is MemberState.GONE for m in self.membership.group(group))
-        self.plane.close_link(group, left=left and all_left)
+        left = all(m.state is MemberState.GONE for m in self.membership.group(group))
+        self.plane.close_link(group, left=left)
 
     def leave(self, group: str) -> None:
         """The group's job is given back: its members leave the plane (LEAVE, then both

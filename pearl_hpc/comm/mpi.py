@@ -101,6 +101,13 @@ def base_member_id(rank: int) -> str:
     return f"base:{rank}"
 
 
+def member_id_at(group: str, link_rank: int) -> str:
+    """The id of the member at ``link_rank`` of ``group``'s link: ``base:3`` (the base
+    world's rank 3), ``123+1:0`` (rank 0 of job component 123+1, link rank 1: the master
+    is rank 0 of every link)."""
+    return base_member_id(link_rank) if group == "base" else f"{group}:{link_rank - 1}"
+
+
 def hello_proof(key: str, nonce: bytes, member_id: str, hello: Hello) -> bytes:
     """What proves a joiner's hello: HMAC-SHA256 under the run's key (hex, the engine
     sockets' key) of a label, the master's nonce for this join and the report without
@@ -365,11 +372,14 @@ class MasterPlane:
         self._inbox.put(LinkFailed(group, str(exc)[:200]))
 
     def _completed(self, now: float) -> None:
-        waiting = []
+        waiting, failed = [], set()
         for send in self._sends:
+            if send.group in failed:
+                continue  # its link failed this turn (reported once)
             try:
                 done = send.request.Test()
             except self.MPI.Exception as exc:
+                failed.add(send.group)
                 self._link_failed(send.group, exc)
                 continue
             if done:
@@ -379,7 +389,7 @@ class MasterPlane:
                 self._inbox.put(Undelivered(send.group, send.rank))
                 continue
             waiting.append(send)
-        self._sends = waiting
+        self._sends = [s for s in waiting if s.group not in failed]
 
     def _flush(self, timeout_s: float = 5.0) -> None:
         """The queued sends delivered (bounded: the run is ending)."""
@@ -432,11 +442,15 @@ class MasterPlane:
             return
         if pending.proven:
             claimed = "base"
-            if report.member_id != base_member_id(source):
+            if report.member_id != member_id_at("base", source):
                 raise PlaneError(f"base rank {source} says it is {report.member_id}")
         else:
             go, claimed = self._go, hello.group
-            if go is None or claimed != go.group or report.member_id != f"{claimed}:{source - 1}":
+            if (
+                go is None
+                or claimed != go.group
+                or report.member_id != member_id_at(claimed, source)
+            ):
                 self._drop(group, f"a hello for no join under way ({report.member_id})")
                 return
             expected = hello_proof(self.key, go.nonce, report.member_id, hello)
@@ -593,7 +607,7 @@ class WorkerPlane:
         intercomm.Free()
         return cls(
             link,
-            f"{group}:{local.rank}",
+            member_id_at(group, local.rank + 1),  # (Merge high: after the master)
             elastic=True,
             key=key,
             nonce=bytes(nonce),
