@@ -215,9 +215,9 @@ class RunDir:
     # -- lifecycle -------------------------------------------------------------------
 
     @classmethod
-    def new(cls, runs_dir: str | Path, name: str, config_path: Path) -> RunDir:
+    def new(cls, runs_dir: str | Path, name: str, config_text: str) -> RunDir:
         """``RUNS_DIR/NAME-DATE`` (``-2``, ``-3``... when a run of that name started in
-        the same second) with a copy of the run YAML (what ``--resume`` reads)."""
+        the same second) with the run's YAML (what ``--resume`` reads)."""
         runs = Path(runs_dir)
         if runs.exists() and not runs.is_dir():
             raise ConfigError(f"runs_dir {runs}: is a file; set runs_dir to a directory")
@@ -232,7 +232,7 @@ class RunDir:
                 run.path.mkdir()
             except FileExistsError:
                 continue
-            run.config.write_text(Path(config_path).read_text())
+            run.config.write_text(config_text)
             return run
         raise ConfigError(f"runs_dir {runs}: 999 runs named {stem} already; pick another name")
 

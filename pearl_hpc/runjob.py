@@ -22,6 +22,7 @@ from typing import Any
 import submitit
 
 from pearl_hpc.backends.world import run_world
+from pearl_hpc.config.cluster import run_config_text
 from pearl_hpc.master.preflight import load_run_config
 from pearl_hpc.rundir import RunDir, RunStatus, read_journal
 
@@ -67,7 +68,7 @@ def submit_run(
 ) -> tuple[Any, Path]:
     """Submit the master of a new run; returns (submitit job, run directory)."""
     cfg = load_run_config(config)
-    run_dir = RunDir.new(cfg.runs_dir, cfg.name, Path(config)).path.resolve()
+    run_dir = RunDir.new(cfg.runs_dir, cfg.name, run_config_text(config)).path.resolve()
     executor = submitit.AutoExecutor(folder=str(RunDir(run_dir).submitit), cluster="slurm")
     params: dict[str, Any] = {
         "slurm_job_name": "pearl-run",

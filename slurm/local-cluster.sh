@@ -12,7 +12,8 @@
 #
 # Partitions: `normal` (default), `elastic` (preemptible: cancelled after a 20 s grace
 # time, the job's --signal delivered first) and `high` (priority tier 10: preempts
-# `elastic`). Facts this relies on: shared/notes/slurm-local-cluster.md.
+# `elastic`). Each node's GPUs are GRES type `sim`, its feature `sim`
+# (configs/clusters/local.yaml describes it). Facts this relies on: shared/notes/slurm-local-cluster.md.
 set -euo pipefail
 
 DIR=${PEARL_SLURM_DIR:-/tmp/pearl-slurm}
@@ -86,14 +87,14 @@ PreemptMode=CANCEL
 KillWait=5
 MinJobAge=5
 InactiveLimit=0
-NodeName=n[1-$NODES] NodeHostname=localhost Port=[$((PORT + 1))-$last_port] CPUs=$CPUS RealMemory=16000 Gres=gpu:$GPUS State=UNKNOWN
+NodeName=n[1-$NODES] NodeHostname=localhost Port=[$((PORT + 1))-$last_port] CPUs=$CPUS RealMemory=16000 Gres=gpu:sim:$GPUS Features=sim State=UNKNOWN
 PartitionName=normal Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=OFF
 PartitionName=elastic Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=CANCEL GraceTime=$GRACE_S
 PartitionName=high Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
 EOF
   cat >"$DIR/gres.conf" <<EOF
 AutoDetect=off
-NodeName=n[1-$NODES] Name=gpu File=$DIR/dev/nvidia[0-$((GPUS - 1))]
+NodeName=n[1-$NODES] Name=gpu Type=sim File=$DIR/dev/nvidia[0-$((GPUS - 1))]
 EOF
 }
 

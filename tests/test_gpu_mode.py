@@ -252,7 +252,7 @@ def test_run_refuses_an_unknown_vllm_arg_with_one_line(
 def test_the_dry_run_shows_each_ranks_devices_and_device() -> None:
     from pearl_hpc.cli.dryrun import dry_run
 
-    text = dry_run(load_run_config(RUN_32, need_slurm=False), RUN_32)
+    text = dry_run(load_run_config(RUN_32, need_slurm=False), str(RUN_32), {}, [])
     assert "each rank sets CUDA_VISIBLE_DEVICES to its devices" in text
     rows = [line.split() for line in text.splitlines() if line[:4].strip().isdigit()]
     engines = [r for r in rows if r[1] == ENGINE]

@@ -30,14 +30,14 @@ time.sleep(60)
 
 
 def test_two_runs_in_one_second_get_two_directories(tmp_path: Path) -> None:
-    dirs = {RunDir.new(tmp_path / "runs", "t", LOCAL).path for _ in range(3)}
+    dirs = {RunDir.new(tmp_path / "runs", "t", LOCAL.read_text()).path for _ in range(3)}
     assert len(dirs) == 3 and all((d / "config.yaml").exists() for d in dirs)
 
 
 def test_runs_dir_that_is_a_file_is_one_clear_error(tmp_path: Path) -> None:
     (tmp_path / "runs").write_text("")
     with pytest.raises(ConfigError, match=r"runs_dir .*is a file"):
-        RunDir.new(tmp_path / "runs", "t", LOCAL)
+        RunDir.new(tmp_path / "runs", "t", LOCAL.read_text())
 
 
 @pytest.mark.parametrize("name", ["../../x", "a/b", ".hidden", "", "x" * 101, "a b"])
@@ -55,7 +55,7 @@ def test_a_run_name_is_a_plain_name(tmp_path: Path, name: str) -> None:
 
 
 def test_the_lock_is_exclusive_and_dies_with_its_holder(tmp_path: Path) -> None:
-    run_dir = RunDir.new(tmp_path / "runs", "t", LOCAL).path
+    run_dir = RunDir.new(tmp_path / "runs", "t", LOCAL.read_text()).path
     assert RunDir(run_dir).lock_held() is None  # no master ever ran
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True, cwd=REPO
@@ -98,7 +98,7 @@ def _journal(**state: object) -> bytes:
     ],
 )
 def test_a_bad_journal_is_one_line_from_status(tmp_path: Path, text: bytes, said: str) -> None:
-    run_dir = RunDir.new(tmp_path / "runs", "t", LOCAL).path
+    run_dir = RunDir.new(tmp_path / "runs", "t", LOCAL.read_text()).path
     (run_dir / "journal.json").write_bytes(text)
     proc = subprocess.run(
         [sys.executable, "-m", "pearl_hpc.cli", "status", str(run_dir)],
@@ -143,7 +143,7 @@ def test_status_of_a_running_run_says_how_long_its_steps_left_take(tmp_path: Pat
     from pearl_hpc.cli.view import format_status, run_status
     from pearl_hpc.master.records import StepMetrics
 
-    run_dir = RunDir.new(tmp_path / "runs", "t", LOCAL).path
+    run_dir = RunDir.new(tmp_path / "runs", "t", LOCAL.read_text()).path
     lock = RunDir(run_dir).lock()  # this process is the live master
     try:
         rows = [

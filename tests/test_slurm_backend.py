@@ -16,7 +16,8 @@ import pytest
 
 from pearl_hpc.backends import slurm as backend_mod
 from pearl_hpc.backends.slurm import SlurmBackend
-from pearl_hpc.config.run import ElasticConfig, PoolConfig, RunConfig, SlurmSettings
+from pearl_hpc.config.run import ElasticConfig, PoolConfig, RunConfig
+from pearl_hpc.config.slurm import SlurmSettings
 from pearl_hpc.core.types import Role
 from pearl_hpc.master.capacity import BackendContext
 from pearl_hpc.slurm.client import CommandResult, SlurmClient

@@ -37,12 +37,22 @@ STEPS = 12
 STEPS_SUBMITIT = 10
 OTHERS = "others"  # the --comment of other users' jobs
 
+# the site's env and setup lines (slurm.env, slurm.setup): every job of the run runs
+# them first, and every process of it inherits them
+PROBE = "site-env-applied"
+SITE = {
+    "env": {"PEARL_SITE_PROBE": PROBE},
+    "setup": ['echo "site setup ran: PEARL_SITE_PROBE=$PEARL_SITE_PROBE"'],
+}
+SETUP_RAN = f"site setup ran: PEARL_SITE_PROBE={PROBE}"
+
 CONFIG = {
     **LOCAL_CONFIG,  # the local run test's workload and ungated policies
+    "cluster": "local",  # configs/clusters/local.yaml: its typed GPUs, time, MPI plugin
     "backend": "slurm",
     # the dead master's elastic job outlives it until the resumed master adopts it (its
     # lease would end it after lease_timeout_s; a loaded machine takes minutes to resume)
-    "slurm": {"poll_s": 0.5, "lease_timeout_s": 600},
+    "slurm": {"poll_s": 0.5, "lease_timeout_s": 600, **SITE},
     "elastic": {
         "grace_s": 15,  # the elastic partition's GraceTime is 20 s
         "max_workers": 2,
@@ -91,6 +101,46 @@ def _sbatch(args: list[str], env: dict[str, str]) -> str:
         check=True,
     )
     return out.stdout.strip().split(";")[0]
+
+
+def _submit(config: Path, env: dict[str, str]) -> tuple[str, Path, Path]:
+    """``pearl-hpc run CONFIG --sbatch``: (job id, run directory, the job's log)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "pearl_hpc.cli", "run", str(config), "--sbatch"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    first = out.stdout.splitlines()[0]  # pearl-hpc run: batch job N, run directory D
+    job, run_dir = first.split("batch job ")[1].split(", run directory ")
+    return job, Path(run_dir), Path(run_dir) / f"batch-{job}.out"
+
+
+def _without_site_env(run_dir: Path) -> list[str]:
+    """The run's live rank processes (base and elastic) whose environment lacks the
+    site's variable (read from /proc: the local cluster's nodes are this host)."""
+    lacking = []
+    for proc in _rank_processes(run_dir):
+        try:
+            if f"PEARL_SITE_PROBE={PROBE}".encode() not in (proc / "environ").read_bytes():
+                lacking.append(_cmdline(proc))
+        except OSError:
+            continue  # gone meanwhile
+    return lacking
+
+
+def _rank_processes(run_dir: Path) -> list[Path]:
+    return [
+        proc
+        for proc in Path("/proc").glob("[0-9]*")
+        if "pearl_hpc.rank" in (cmd := _cmdline(proc)) and str(run_dir) in cmd
+    ]
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
 
 
 def _squeue(fmt: str, timeout_s: float = 60.0) -> list[str]:
@@ -173,15 +223,8 @@ def test_slurm_run_harvests_a_standing_request_master_killed_and_resumed(
     others = OtherUsers()
     others.take(3)  # every node but the one the master's job will get
     _wait("other users' jobs running", lambda: others.running() == 3, 60)
-    first_log = tmp_path / "master-1.out"
-    first = _sbatch(["-o", str(first_log), "launch/run.sbatch", str(config)], env)
+    first, run_dir, first_log = _submit(config, env)
     masters = [first]
-
-    def run_dirs() -> list[Path]:
-        return sorted((tmp_path / "runs").glob("t-*"))
-
-    _wait("the run directory", run_dirs, 120, first_log)
-    run_dir = run_dirs()[0]
     tag = run_tag_of(run_dir)
 
     def elastic_serving() -> bool:
@@ -202,6 +245,12 @@ def test_slurm_run_harvests_a_standing_request_master_killed_and_resumed(
             _wait("the elastic workers admitted", elastic_serving, 600, first_log, poll_s=0.05)
         except AssertionError as e:
             raise AssertionError(f"{e}\n{_elastic_logs(run_dir)}") from None
+        # the site's env and setup reached the base job and the elastic job, and every
+        # rank of both: 4 base ranks, 2 elastic ones
+        assert SETUP_RAN in first_log.read_text()
+        elastic_out = "".join(p.read_text() for p in (run_dir / "elastic").glob("job-*.out"))
+        assert SETUP_RAN in elastic_out, elastic_out[-2000:]
+        assert len(_rank_processes(run_dir)) >= 6 and _without_site_env(run_dir) == []
         master_pid = RunDir(run_dir).read_state()["pid"]
         os.kill(master_pid, signal.SIGKILL)  # Hydra ends the world; the launcher resumes it
 
@@ -303,12 +352,9 @@ def test_slurm_run_survives_a_slurmctld_outage_and_a_killed_elastic_rank(
     )  # fmt: skip
     _wait("other users' jobs", lambda: len(_tagged("loadgen:faults")) == 2, 60)
     env = {**os.environ, "PEARL_HPC_CACHE": str(tmp_path / "cache")}
-    log = tmp_path / "master.out"
-    master = _sbatch(["-o", str(log), "launch/run.sbatch", str(config)], env)
+    master, run_dir, log = _submit(config, env)
     conf = Path(slurm_cluster)
     try:
-        _wait("the run directory", lambda: list((tmp_path / "runs").glob("t-*")), 120, log)
-        run_dir = next((tmp_path / "runs").glob("t-*"))
         tag = run_tag_of(run_dir)
 
         def turns_logged() -> int:  # trajectory turns the master has logged
@@ -432,10 +478,20 @@ def test_submitit_run_is_requeued_when_preempted_and_resumes(
 MULTI_NODE = {
     **LOCAL_CONFIG,
     "profile": MEASURED,  # colocated throughout: the placement is under test
+    "cluster": "local",
     "backend": "slurm",
     "workers": {"training_gpus": 2, "reserved_rollout": 1, "overlap": 1},
     "layout": {"gpus_per_node": 8, "training_nodes": 1, "rollout_nodes": 1},
-    "slurm": {"poll_s": 0.5},
+    # a full site section over the local cluster's file (typed GPUs sim, pmi2)
+    "slurm": {
+        "poll_s": 0.5,
+        "account": "lab",
+        "qos": "normal",
+        "time": "0:40:00",
+        "constraint": "sim",
+        "srun_extra": ["--cpu-bind=none"],
+        **SITE,
+    },
     "elastic": {**CONFIG["elastic"], "pools": [{"partition": "elastic", "hetjob_workers": 2}]},
     "run": {**LOCAL_CONFIG["run"], "steps": 3},
 }
@@ -447,26 +503,38 @@ MULTI_NODE = {
 def test_a_base_job_over_two_nodes_trains_on_one_and_serves_on_the_other(
     slurm_cluster: str, tmp_path: Path
 ) -> None:
-    """The sbatch command `--dry-run` prints, submitted: the world is one mpiexec over
-    two nodes of the base job (Hydra's proxies started by srun), the master and the
-    trainer and overlap ranks on the training node, the reserved engine rank on the
-    rollout node; elastic workers are asked for as a 2-component hetjob; every step
-    trains its whole batch."""
-    from pearl_hpc.backends.world import base_job_options
-    from pearl_hpc.master.preflight import load_run_config
-
+    """`pearl-hpc run CONFIG --sbatch` with a full site section: Slurm holds the job
+    with the site's account, qos, time, constraint and typed GPUs; its setup lines and
+    env reach every rank; the world is one mpiexec over two nodes of the base job
+    (Hydra's proxies started by srun), the master and the trainer and overlap ranks on
+    the training node, the reserved engine rank on the rollout node; elastic workers are
+    asked for as a 2-component hetjob; every step trains its whole batch."""
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({**MULTI_NODE, "runs_dir": str(tmp_path / "runs")}))
-    options = base_job_options(load_run_config(config))
-    assert options[:2] == ["--nodes=2", "--ntasks-per-node=4"]
     env = {**os.environ, "PEARL_HPC_CACHE": str(tmp_path / "cache")}
-    log = tmp_path / "base.out"
-    job = _sbatch([*options, "-o", str(log), "launch/run.sbatch", str(config)], env)
+    job, run_dir, log = _submit(config, env)
+    seen: list[list[str]] = []  # the rank processes lacking the site's env, when 5 lived
     try:
+        shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True,
+                               text=True, check=True).stdout  # fmt: skip
+        for field in ("Account=lab", "TimeLimit=00:40:00", "Features=sim", "NumNodes=2",
+                      "TresPerNode=gres:gpu:sim:8"):  # fmt: skip
+            assert field in shown, shown
+        script = subprocess.run(["scontrol", "write", "batch_script", job, "-"],
+                                capture_output=True, text=True, check=True).stdout  # fmt: skip
+        assert "#SBATCH --qos=normal" in script  # (no accounting here: Slurm keeps no QOS)
+
+        def world_up() -> bool:
+            if len(_rank_processes(run_dir)) >= 6:  # mpiexec and its 5 ranks
+                seen.append(_without_site_env(run_dir))
+            return bool(seen) or not _in_squeue(job)
+
+        _wait("the world's ranks", world_up, 600, log, poll_s=0.5)
         _wait("the base job to end", lambda: not _in_squeue(job), 900, log)
     finally:
         subprocess.run(["scancel", job], check=False)
-    run_dir = next((tmp_path / "runs").glob("t-*"))
+    assert seen == [[]], seen
+    assert SETUP_RAN in log.read_text()
     assert (run_dir / "summary.json").exists(), log.read_text()[-3000:]
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["trajectories"] for m in metrics] == [BATCH] * 3

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from pearl_hpc.backends.world import (
-    base_job_options,
+    base_job_spec,
     hostfile_text,
     ranks_per_node,
     world_argv,
@@ -61,7 +61,8 @@ def test_pearl_32_gpu_layout_places_every_rank() -> None:
     gpus = [g for r in layout if not r.overlap for g in r.gpu_ids]
     assert len(gpus) == len(set(gpus)) == 20  # no GPU in two places (overlap aside)
     assert ranks_per_node(layout) == [13, 12, 2]
-    assert base_job_options(cfg)[:2] == ["--nodes=3", "--ntasks-per-node=13"]
+    job = base_job_spec(cfg, Path("R")).components[0]
+    assert (job.nodes, job.ntasks_per_node, job.gpus_per_node) == (3, 13, 8)
     # ranks numbered node by node: Hydra's hostfile gives each node its block
     assert [r.node for r in layout] == sorted(r.node for r in layout)
     argv = world_argv(cfg, Path("R"), "M")
@@ -105,17 +106,21 @@ def test_a_bad_layout_in_a_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
 def test_dry_run_of_pearl_32gpu_matches_the_golden_file() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "pearl_hpc.cli", "run", "configs/runs/pearl-32gpu.yaml",
-         "--dry-run"],
+         "--dry-run", "--offline"],
         capture_output=True, text=True, cwd=REPO, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == GOLDEN.read_text(), (
         "the dry run changed; if on purpose, regenerate the golden file with\n"
-        "  pearl-hpc run configs/runs/pearl-32gpu.yaml --dry-run > " + str(GOLDEN)
+        "  pearl-hpc run configs/runs/pearl-32gpu.yaml --dry-run --offline > " + str(GOLDEN)
     )
     # what the golden file says, spelled out
-    assert "sbatch --nodes=3 --ntasks-per-node=13" in proc.stdout
-    assert "#SBATCH --partition=preemptible" in proc.stdout and "--gres=gpu:2" in proc.stdout
+    assert "#SBATCH --nodes=3\n#SBATCH --ntasks-per-node=13" in proc.stdout
+    assert "#SBATCH --partition=preemptible" in proc.stdout and "--gres=gpu:h800:2" in proc.stdout
+    # the cluster's site section, on the base job and the elastic one
+    for line in ("#SBATCH --account=pearl", "#SBATCH --gres=gpu:h800:8", "--mpi=pmix",
+                 "module load cuda/12.4", "export NCCL_SOCKET_IFNAME=ib0"):  # fmt: skip
+        assert line in proc.stdout
     assert "#SBATCH hetjob" not in proc.stdout  # request: single
     assert "target 5P5D" in proc.stdout
     assert "elastic workers worth requesting: 1 of at most 6" in proc.stdout

@@ -47,7 +47,8 @@ from pearl_hpc.backends.lease import MasterLease
 from pearl_hpc.backends.ranks import RankWorker, attach_rank
 from pearl_hpc.comm.members import LEAVE_TIMEOUT_S
 from pearl_hpc.comm.membership import MemberState
-from pearl_hpc.config.run import ElasticConfig, PoolConfig, SlurmSettings
+from pearl_hpc.config.run import ElasticConfig, PoolConfig
+from pearl_hpc.config.slurm import SlurmSettings, site_options
 from pearl_hpc.core.controller import CapacityGranted, CapacityReclaimed
 from pearl_hpc.core.table import ElasticSource
 from pearl_hpc.core.types import Role
@@ -81,15 +82,19 @@ def run_tag_of(run_dir: Path) -> str:
     return "".join(c if c.isalnum() or c in "_.-" else "-" for c in run_dir.resolve().name)
 
 
-def pool_component(pool: PoolConfig) -> HetComponent:
-    """One elastic worker's component of a request to ``pool`` (pure)."""
-    extra = [f"--{key}={getattr(pool, key)}" for key in ("qos", "account", "constraint")]
+def pool_component(pool: PoolConfig, site: SlurmSettings) -> HetComponent:
+    """One elastic worker's component of a request to ``pool`` (pure): the run's site
+    options (``slurm:``), the pool's own where it sets them."""
+    site_opts = site_options(
+        site, qos=pool.qos, account=pool.account, constraint=pool.constraint, mem=pool.mem
+    )
     return HetComponent(
         partition=pool.partition,
         gpus_per_node=pool.gpus_per_worker,
         cpus_per_task=pool.cpus_per_worker,
         time_limit=pool.time_limit,
-        extra=tuple(e for e in extra if not e.endswith("=")) + tuple(pool.sbatch_extra),
+        extra=(*site_opts, *pool.sbatch_extra),
+        site=site,
     )
 
 
@@ -121,21 +126,26 @@ def elastic_job_spec(
     """One request: a job of one component per worker (heterogeneous when more than
     one), one engine rank each, whose batch step is :mod:`pearl_hpc.backends.slurm_job`
     (pure). Every component is signalled ``signal_lead_s`` before a preemption or its
-    time limit (the first pool's lead: Slurm takes one --signal per job)."""
+    time limit (the first pool's lead: Slurm takes one --signal per job). The site's
+    ``env`` and ``setup`` lines run first; its steps are ``srun --mpi=`` the site's."""
     chosen = [elastic.pools[i] for i in pools]
     engine_args = [
         f"--run-dir={elastic_dir.parent}",
         f"--model={model_dir}",
         f"--lease-timeout-s={s.lease_timeout_s:g}",
         "--gpus=" + ",".join(str(p.gpus_per_worker) for p in chosen),
+        f"--mpi={s.mpi}",
+        *[f"--srun-option={o}" for o in s.srun_extra],
     ]
     return JobSpec(
         name="pearl-elastic",
         run_tag=run_tag,
-        components=tuple(pool_component(p) for p in chosen),
+        components=tuple(pool_component(p, s) for p in chosen),
         command=[python, "-m", "pearl_hpc.backends.slurm_job", *engine_args],
         signal=f"B:USR2@{min(p.signal_lead_s for p in chosen)}",
         output=str(elastic_dir / "job-%j.out"),
+        env=tuple(s.env.items()),
+        setup=tuple(s.setup),
     )
 
 
@@ -368,7 +378,7 @@ class SlurmBackend:
     def _spec(self, pools: list[int]) -> JobSpec:
         return elastic_job_spec(
             self.elastic, pools, self.settings, self.tag, self.dir.resolve(), self.model_dir,
-            sys.executable,
+            self.settings.python or sys.executable,
         )  # fmt: skip
 
     async def submit(

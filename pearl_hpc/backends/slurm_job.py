@@ -4,7 +4,8 @@ first node:
     python -m pearl_hpc.backends.slurm_job --run-dir DIR --model M ...
 
 It starts one engine rank per heterogeneous component, each in its own
-``srun --mpi=pmi2 --het-group=K`` step (so ``scancel JOB+K`` ends only that component):
+``srun --mpi=MPI --het-group=K`` step (MPI: ``slurm.mpi``; ``scancel JOB+K`` ends only
+that component):
 ``python -m pearl_hpc.rank join`` Connects to the master and Merges into the run's
 world. It writes the job's preemption signal for the master (``elastic/JOB.signal``).
 
@@ -57,7 +58,8 @@ def _launch(args: argparse.Namespace) -> int:
     def start(k: int) -> _Step:
         # PMI from srun: the rank is an MPI process of its own, Connecting to the
         # master's port (a Hydra-launched base world accepts it: verified here)
-        argv = ["srun", "-n1", "--mpi=pmi2", *([f"--het-group={k}"] if het else [])]
+        argv = ["srun", "-n1", f"--mpi={args.mpi}", *args.srun_option]
+        argv += [f"--het-group={k}"] if het else []
         argv += [
             sys.executable, "-m", "pearl_hpc.rank", "join",
             "--run-dir", str(args.run_dir), "--model-dir", args.model, "--group", f"{job}+{k}",
@@ -124,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--lease-timeout-s", type=float, default=60.0)
     p.add_argument("--gpus", default="1", help="GPUs of each component's worker: 1,2,...")
+    p.add_argument("--mpi", default="pmi2", help="srun --mpi of each component's step")
+    p.add_argument("--srun-option", action="append", default=[], help="a further srun option")
     return _launch(p.parse_args(argv))
 
 

@@ -12,10 +12,11 @@ Where the world runs:
   same ``mpiexec`` with Hydra's slurm launcher (``srun`` starts one proxy a node, the
   proxies fork the ranks) and ``RUN_DIR/hostfile`` giving each node its block of ranks
   (trainer ranks on the training nodes, reserved engine ranks on the rollout nodes);
-  :func:`base_job_options` gives the allocation it needs, and ``pearl-hpc run CONFIG
-  --dry-run`` prints it. (Not ``srun --mpi=pmi2`` for the ranks: on the CI machine the
-  MPICH wheel's PMI exchange of a 2-node world broke Slurm's pmi2 plugin, "value not
-  properly terminated in client request"; Hydra's own PMI carries it.)
+  :func:`base_job_spec` is the batch job that asks for it (``pearl-hpc run CONFIG
+  --sbatch`` submits it, ``--dry-run`` prints it). (Not ``srun --mpi=pmi2`` for the
+  ranks: on the CI machine the MPICH wheel's PMI exchange of a 2-node world broke
+  Slurm's pmi2 plugin, "value not properly terminated in client request"; Hydra's own
+  PMI carries it.)
 Elastic capacity of the Slurm backend comes as heterogeneous jobs (:mod:`.slurm`).
 
 A base rank that fails ends the world (rank 0 calls ``Abort``; Hydra ends every rank
@@ -38,8 +39,10 @@ from typing import Any
 from pearl_hpc.comm.layout import RankSpec, base_layout
 from pearl_hpc.comm.mpiexec import mpiexec_path
 from pearl_hpc.config.run import RunConfig
+from pearl_hpc.config.slurm import site_options
 from pearl_hpc.errors import ConfigError, PearlError
 from pearl_hpc.rundir import RunDir, RunStatus, read_journal
+from pearl_hpc.slurm.scripts import HetComponent, JobSpec
 
 
 def multi_node(cfg: RunConfig) -> bool:
@@ -73,12 +76,15 @@ def world_argv(
 def world_env(cfg: RunConfig) -> dict[str, str]:
     """What the launcher's environment adds (pure): on several nodes, the CPUs of each
     node's Hydra proxy (the srun step its ranks run in) -- the busiest node's ranks'
-    worth, not the one CPU a task gets by default."""
+    worth, not the one CPU a task gets by default -- and the site's ``slurm.srun_extra``."""
     if not multi_node(cfg):
         return {}
     busiest = max(ranks_per_node(base_layout(cfg.workers, cfg.layout)))
     cpus = busiest * cfg.layout.cpus_per_rank
-    return {"HYDRA_LAUNCHER_EXTRA_ARGS": f"--ntasks-per-node=1 --cpus-per-task={cpus}"}
+    extra = " ".join(cfg.slurm.srun_extra)  # the site's srun options, on every step
+    return {
+        "HYDRA_LAUNCHER_EXTRA_ARGS": f"--ntasks-per-node=1 --cpus-per-task={cpus} {extra}".rstrip()
+    }
 
 
 def ranks_per_node(layout: list[RankSpec]) -> list[int]:
@@ -89,16 +95,41 @@ def ranks_per_node(layout: list[RankSpec]) -> list[int]:
     return counts
 
 
-def base_job_options(cfg: RunConfig) -> list[str]:
-    """The sbatch options of the base job a multi-node layout needs (pure): its nodes,
-    enough tasks on each for the busiest node, their GPUs."""
+def base_job_spec(cfg: RunConfig, run_dir: Path, python: str = "") -> JobSpec:
+    """The base job (pure): the run's site options (``slurm:``); the layout's nodes --
+    several: enough tasks on each for the busiest node's ranks, all their GPUs; one: one
+    task with every rank's CPUs and the GPUs the ranks use; the warning signal. Its step
+    runs the world in ``run_dir`` (``pearl-hpc run --resume``: started there, or resumed
+    from its journal; ``python``: in place of ``slurm.python``, for a description)."""
     layout = base_layout(cfg.workers, cfg.layout)
-    return [
-        f"--nodes={cfg.layout.nodes}",
-        f"--ntasks-per-node={max(ranks_per_node(layout))}",
-        f"--cpus-per-task={cfg.layout.cpus_per_rank}",
-        f"--gres=gpu:{cfg.layout.gpus_per_node}",
-    ]
+    s = cfg.slurm
+    python = python or s.python or sys.executable
+    if multi_node(cfg):
+        nodes, tasks, cpus = cfg.layout.nodes, max(ranks_per_node(layout)), cfg.layout.cpus_per_rank
+        gpus = cfg.layout.gpus_per_node
+    else:
+        nodes, tasks, cpus = 1, 1, len(layout) * cfg.layout.cpus_per_rank
+        gpus = len({d for r in layout for d in r.devices})
+    component = HetComponent(
+        partition=s.partition,
+        nodes=nodes,
+        gpus_per_node=gpus,
+        ntasks_per_node=tasks,
+        cpus_per_task=cpus,
+        time_limit=s.time,
+        extra=(*(["--exclusive"] if s.exclusive else []), *site_options(s)),
+        site=s,
+    )
+    return JobSpec(
+        name=cfg.name,
+        run_tag="",
+        components=(component,),
+        command=[python, "-m", "pearl_hpc.cli", "run", "--resume", str(run_dir)],
+        signal=f"B:USR2@{s.signal_lead_s}",
+        output=str(run_dir / "batch-%j.out"),
+        env=tuple(s.env.items()),
+        setup=tuple(s.setup),
+    )
 
 
 def hostfile_text(layout: list[RankSpec], nodes: list[str]) -> str:
@@ -115,11 +146,10 @@ def _write_hostfile(cfg: RunConfig, run_dir: Path) -> Path:
 
     nodes = expand_hostlist(os.environ.get("SLURM_JOB_NODELIST", ""))
     if "SLURM_JOB_ID" not in os.environ or len(nodes) < cfg.layout.nodes:
-        options = " ".join(base_job_options(cfg))
         raise ConfigError(
             f"layout: {cfg.layout.nodes} nodes, but this is "
             + (f"a job of {len(nodes)}" if "SLURM_JOB_ID" in os.environ else "not a Slurm job")
-            + f"; submit the run as `sbatch {options} launch/run.sbatch CONFIG`"
+            + "; submit the run as its batch job: pearl-hpc run CONFIG --sbatch"
         )
     path = RunDir(run_dir).hostfile
     path.write_text(hostfile_text(base_layout(cfg.workers, cfg.layout), nodes))

@@ -7,7 +7,7 @@ requests side by side.
 
 For each request kind: ``slurm/replay-load`` replays the availability segment on the
 cluster (other users' jobs on ``high`` hold what the trace does not leave idle), the
-run's master is submitted with ``sbatch launch/run.sbatch``, and once both ended the
+run's master is submitted with ``pearl-hpc run CONFIG --sbatch``, and once both ended the
 run's events and the load's log are read. Over the time both ran:
 
 - **offered**: elastic worker-seconds the trace left idle (idle nodes, at most
@@ -167,12 +167,11 @@ def run_one(
     )  # fmt: skip
     time.sleep(2)  # the load holds its nodes first: the master's job gets the fourth
     out = subprocess.run(
-        ["sbatch", "--parsable", "-p", "normal", "-o", str(work / "master.out"),
-         str(REPO / "launch" / "run.sbatch"), str(path)],
+        [sys.executable, "-m", "pearl_hpc.cli", "run", str(path), "--sbatch"],
         capture_output=True, text=True, check=True, cwd=REPO,
         env={**os.environ, "PEARL_HPC_CACHE": os.environ.get("PEARL_HPC_CACHE", str(work))},
     )  # fmt: skip
-    master = out.stdout.strip().split(";")[0]
+    master = out.stdout.split("batch job ")[1].split(",")[0]  # its log: RUN_DIR/batch-JOB.out
     try:
         _wait_gone(master, 3600)
         load.wait(3600)

@@ -1,7 +1,8 @@
 """``pearl-hpc run CONFIG --dry-run``: what a run would start, without starting it.
 
     the config, checked       (one line naming the field and the fix if it is bad)
-    the base job              its sbatch command (a multi-node layout) or "this node"
+    values not in the file    from the cluster's file or --set, and from which
+    the base job              its batch script (``pearl-hpc run CONFIG --sbatch``)
     the world                 the launcher's command and which rank runs what, where
     the elastic request       the sbatch text of the first request (backend slurm)
     the memory plan           a trainer rank's and an engine's GPU memory, a training
@@ -9,6 +10,8 @@
     the first decision        the controller's own, on the base workers (a Controller
                               driven with an executor that only records), and how many
                               elastic workers it finds worth requesting
+    checks before the queue   the model directory, the cluster (sinfo, sbatch
+                              --test-only): pearl_hpc.backends.checks
 
 Paths that exist only once the run starts are written ``RUN_DIR``; the output is the
 same on every machine for the same config (a golden file pins the 32-GPU one).
@@ -58,23 +61,29 @@ class RecordingExecutor:
         self.calls.append(f"release {source.tag}")
 
 
-def dry_run(cfg: RunConfig, config_path: str) -> str:
-    """The dry run's text (pure but for reading the profile file)."""
+def dry_run(
+    cfg: RunConfig, config_path: str, origins: dict[str, str], checks: Sequence[str]
+) -> str:
+    """The dry run's text (pure but for reading the profile file): ``origins``, where
+    the values not in the config file came from; ``checks``, the pre-queue checks'
+    lines."""
     from pearl_hpc.backends.world import (
-        base_job_options,
+        base_job_spec,
         hostfile_text,
         multi_node,
         world_argv,
         world_env,
     )
+    from pearl_hpc.slurm.scripts import render_sbatch
 
     layout = base_layout(cfg.workers, cfg.layout)
     out = [f"# pearl-hpc run {config_path} --dry-run: nothing is submitted or started", ""]
-    out.append("## base job")
-    if multi_node(cfg):
-        out.append(f"sbatch {' '.join(base_job_options(cfg))} launch/run.sbatch {config_path}")
-    else:
-        out.append(f"this node (or `sbatch launch/run.sbatch {config_path}`): {len(layout)} ranks")
+    if origins:
+        out += ["## values from the cluster's file and --set", *_origin_lines(cfg, origins), ""]
+    where = "its nodes" if multi_node(cfg) else "this node, or its one node"
+    out.append(f"## base job ({where}: `pearl-hpc run {config_path} --sbatch` submits it)")
+    python = cfg.slurm.python or "python3"
+    out.append(render_sbatch(base_job_spec(cfg, RUN_DIR, python=python)).rstrip())
     out += ["", "## the world"]
     argv = world_argv(cfg, RUN_DIR, "MODEL_DIR", mpiexec="mpiexec", python="python3")
     env = [f"{k}='{v}'" for k, v in world_env(cfg).items()]
@@ -106,7 +115,33 @@ def dry_run(cfg: RunConfig, config_path: str) -> str:
         "without config.json that is not Qwen3-8B or Qwen3-30B-A3B)"
     ]  # fmt: skip
     out += ["", "## the controller's first decision", *_first_decision(cfg, layout)]
+    out += ["", "## checks before the queue", *checks]
     return "\n".join(out) + "\n"
+
+
+def _origin_lines(cfg: RunConfig, origins: dict[str, str]) -> list[str]:
+    """``key: value  (source)`` for each value the config file does not set."""
+    import dataclasses
+
+    plain = dataclasses.asdict(cfg)
+    lines = []
+    for key, source in sorted(origins.items()):
+        value: Any = plain
+        for part in key.split("."):
+            value = value[int(part)] if isinstance(value, list) else value.get(part)
+        lines.append(f"{key}: {value!r}  ({_relative(source)})")
+    return lines
+
+
+def _relative(source: str) -> str:
+    """A source with its path relative to the working directory where it is below it."""
+    kind, _, path = source.partition(" ")
+    if not path:
+        return source
+    try:
+        return f"{kind} {Path(path).resolve().relative_to(Path.cwd())}"
+    except ValueError:
+        return source
 
 
 def _device_text(cfg: RunConfig, rank: Any) -> str:
@@ -126,7 +161,7 @@ def _elastic_text(cfg: RunConfig) -> str:
     model_dir = cfg.model if cfg.model != "tiny" else "MODEL_DIR"
     pools = request_pools(cfg.elastic, 0)
     job = elastic_job_spec(cfg.elastic, pools, cfg.slurm, "RUN_TAG", RunDir(RUN_DIR).elastic,
-                           model_dir, "python3")  # fmt: skip
+                           model_dir, cfg.slurm.python or "python3")  # fmt: skip
     return render_sbatch(job)
 
 

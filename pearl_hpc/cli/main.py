@@ -11,11 +11,11 @@ import os
 import sys
 from collections.abc import Sequence
 
-from pearl_hpc.cli import calibrate, evaluate, export, plan, run, simulate, tools
+from pearl_hpc.cli import calibrate, cluster, evaluate, export, plan, run, simulate, tools
 from pearl_hpc.cli.common import EXIT_USAGE, Parser
 from pearl_hpc.errors import PearlError
 
-SUBCOMMANDS = (plan, simulate, calibrate, run, evaluate, export, tools)
+SUBCOMMANDS = (plan, simulate, calibrate, run, cluster, evaluate, export, tools)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,10 +24,20 @@ def build_parser() -> argparse.ArgumentParser:
         description="PEARL (adaptive prefill-decode execution with elasticity for agentic RL) "
         "on Slurm clusters: plan, simulate, calibrate, run, benchmark.",
     )
+    parser.add_argument("--version", action="version", version=f"pearl-hpc {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for module in SUBCOMMANDS:
         module.add_parsers(sub)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pearl_hpc")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "(not installed)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,8 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pearl_hpc.cli.common import existing_run_dir, out_dir
+from pearl_hpc.cli.common import EXIT_USAGE, existing_run_dir, out_dir
 from pearl_hpc.config import REPO_CONFIGS
+from pearl_hpc.config.cluster import run_config_text
+from pearl_hpc.errors import ConfigError
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -20,29 +22,85 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from pearl_hpc.comm.mpiexec import mpiexec_path
     from pearl_hpc.engine.spec import check_engine_install
     from pearl_hpc.master.preflight import load_run_config
-    from pearl_hpc.rundir import RunDir
+    from pearl_hpc.rundir import RunDir, RunStatus, read_journal
 
     if args.dry_run:
-        from pearl_hpc.cli.dryrun import dry_run
-
-        print(dry_run(load_run_config(args.config, need_slurm=False), args.config), end="")
-        return 0
+        return _dry_run(args)
     if args.submit:
         return _submit_run(args)
+    if args.sbatch:
+        return _sbatch_run(args)
     if args.resume:
-        run_dir = Path(args.resume)
-        cfg = load_run_config(RunDir(run_dir).config)
-        RunDir(run_dir).lock().close()  # a live master still there: one line, exit 2
+        run = RunDir(Path(args.resume))
+        cfg = load_run_config(run.config)
+        run.lock().close()  # a live master still there: one line, exit 2
+        status = read_journal(run.journal).get("status") if run.journal.exists() else None
+        if status == RunStatus.FINISHED:
+            print(f"pearl-hpc run: {run.path} has finished; nothing to resume", flush=True)
+            return 0
     else:
-        cfg = load_run_config(args.config)
+        cfg = load_run_config(args.config, sets=args.set)
     check_engine_install(cfg.engine)  # vLLM's version and engine.vllm_args, one line
     mpiexec_path()  # no MPI: one clear line before a run directory is made
-    if args.resume:
-        print(f"pearl-hpc run: resuming {run_dir}", flush=True)
+    if args.resume:  # (a directory made by --sbatch starts there: it has no journal yet)
+        resume = status is not None
+        print(f"pearl-hpc run: {'resuming ' if resume else ''}{run.path}", flush=True)
     else:
-        run_dir = RunDir.new(cfg.runs_dir, cfg.name, Path(args.config)).path
-        print(f"pearl-hpc run: {run_dir}", flush=True)
-    return launch_world(cfg, run_dir, resume=bool(args.resume), live=sys.stdout.isatty())
+        run = RunDir.new(cfg.runs_dir, cfg.name, run_config_text(args.config, args.set))
+        resume = False
+        print(f"pearl-hpc run: {run.path}", flush=True)
+    return launch_world(cfg, run.path, resume=resume, live=sys.stdout.isatty())
+
+
+def _dry_run(args: argparse.Namespace) -> int:
+    """The dry run's text; the pre-queue checks' problems, one line each, exit 2."""
+    from pearl_hpc.backends.checks import prequeue_checks
+    from pearl_hpc.cli.dryrun import dry_run
+    from pearl_hpc.config.cluster import resolve_run_mapping
+    from pearl_hpc.master.preflight import load_run_config
+
+    cfg = load_run_config(args.config, need_slurm=False, sets=args.set)
+    origins = resolve_run_mapping(args.config, args.set).origins
+    checks = prequeue_checks(cfg, slurm=cfg.backend == "slurm", offline=args.offline)
+    print(dry_run(cfg, args.config, origins, checks.lines()), end="", flush=True)
+    for problem in checks.problems:
+        print(f"pearl-hpc: error: {args.config}: {problem}", file=sys.stderr)
+    return EXIT_USAGE if checks.problems else 0
+
+
+def _sbatch_run(args: argparse.Namespace) -> int:
+    """The run as its base batch job: checked, its directory made, its script (from the
+    config's site settings) submitted; a refusal leaves no directory behind. With
+    ``--resume RUN_DIR``: a batch job that resumes that run."""
+    import shutil
+
+    from pearl_hpc.backends.checks import prequeue_checks
+    from pearl_hpc.backends.world import base_job_spec
+    from pearl_hpc.master.preflight import load_run_config
+    from pearl_hpc.rundir import RunDir
+    from pearl_hpc.slurm.client import SlurmClient, SlurmError
+
+    source = str(RunDir(Path(args.resume)).config) if args.resume else args.config
+    cfg = load_run_config(source, sets=[] if args.resume else args.set)
+    checks = prequeue_checks(cfg, slurm=True, offline=args.offline)
+    if checks.problems:
+        for problem in checks.problems:
+            print(f"pearl-hpc: error: {source}: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.resume:
+        run_dir = Path(args.resume).resolve()
+    else:
+        run = RunDir.new(cfg.runs_dir, cfg.name, run_config_text(args.config, args.set))
+        run_dir = run.path.resolve()
+    try:
+        job = SlurmClient().submit(base_job_spec(cfg, run_dir))
+    except SlurmError as exc:
+        if not args.resume:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise ConfigError(f"{source}: the base job was not queued: {exc}") from None
+    print(f"pearl-hpc run: batch job {job}, run directory {run_dir}", flush=True)
+    print(f"its log: {run_dir / f'batch-{job}.out'}; follow it: pearl-hpc status {run_dir}")
+    return 0
 
 
 def _submit_run(args: argparse.Namespace) -> int:
@@ -88,7 +146,28 @@ def add_parsers(sub: Any) -> None:
         "--resume",
         metavar="RUN_DIR",
         type=existing_run_dir,
-        help="continue the run in RUN_DIR after its master died (config from RUN_DIR)",
+        help="continue the run in RUN_DIR after its master died (config from RUN_DIR; "
+        "one --sbatch made and nothing ran in yet starts there)",
+    )
+    run_p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="override one config value (YAML), e.g. --set run.steps=3 --set "
+        "slurm.partition=gpu; the run directory keeps the result",
+    )
+    run_p.add_argument(
+        "--sbatch",
+        action="store_true",
+        help="check the run against the cluster, then submit it as its batch job (the "
+        "script --dry-run prints: the config's slurm: site settings)",
+    )
+    run_p.add_argument(
+        "--offline",
+        action="store_true",
+        help="with --dry-run or --sbatch: skip the checks against the cluster (Slurm, the "
+        "model directory)",
     )
     run_p.add_argument(
         "--submit",

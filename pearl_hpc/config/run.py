@@ -21,11 +21,13 @@ Strict: an unknown key, a value out of range or an inconsistent pair is a
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pearl_hpc.config.files import load_yaml
+from pearl_hpc.config.cluster import ClusterFile, resolve_run_mapping
+from pearl_hpc.config.slurm import SLURM_MEM, SLURM_NAME, SLURM_TIME, SlurmSettings, slurm_problem
 from pearl_hpc.config.traces import AvailabilityTrace, load_segment, load_trace
 from pearl_hpc.core.policies import PolicyConfig
 from pearl_hpc.core.schema import from_mapping, spec_field
@@ -35,7 +37,6 @@ BACKENDS = ("local", "slurm")
 LR_SCHEDULES = ("constant", "cosine")  # the trainer's learning-rate schedules
 CORRECTIONS = ("none", "tis", "decoupled")  # the objective's options (train/objective.py)
 LOSS_TYPES = ("bnpo", "grpo", "dr_grpo")
-SLURM_TIME = re.compile(r"(\d+-)?\d{1,2}(:\d{2}){0,2}|\d+")  # fullmatch: a Slurm time
 # vLLM EngineArgs the engines set themselves (engine.vllm_args may not), and from what
 OWNED_ARGS = {
     "model": "the run's model",
@@ -139,9 +140,14 @@ class PoolConfig:
     shape of one worker there."""
 
     partition: str = spec_field("partition (preemptible, or with idle nodes)", default="elastic")
-    qos: str = spec_field("sbatch --qos ('': the partition's default)", default="")
-    account: str = spec_field("sbatch --account ('': the user's default)", default="")
-    constraint: str = spec_field("sbatch --constraint, e.g. h100 ('': none)", default="")
+    qos: str = spec_field("sbatch --qos ('': slurm.qos)", default="")
+    account: str = spec_field("sbatch --account ('': slurm.account)", default="")
+    constraint: str = spec_field(
+        "sbatch --constraint, e.g. h100 ('': slurm.constraint)", default=""
+    )
+    mem: str = spec_field(
+        "sbatch --mem of one worker ('': slurm.mem_per_gpu, else Slurm's default)", default=""
+    )
     gpus_per_worker: int = spec_field("GPUs of one elastic engine worker", default=1, ge=1)
     cpus_per_worker: int = spec_field("CPUs of one elastic engine worker", default=1, ge=1)
     time_limit: str = spec_field("time limit of a request (Slurm time)", default="1:00:00")
@@ -151,7 +157,9 @@ class PoolConfig:
         ge=1,
     )
     sbatch_extra: list[str] = spec_field(
-        "further sbatch options of each worker's component (e.g. --exclusive)", default=[]
+        "further sbatch options of each worker's component (e.g. --exclusive; after "
+        "slurm.sbatch_extra)",
+        default=[],
     )
     hetjob_workers: int = spec_field(
         "request: hetjob: components one request takes from this pool", default=1, ge=0
@@ -199,22 +207,6 @@ class ElasticConfig:
     replay: TraceReplay = spec_field(
         "backend local: or availability over time, from a real trace (replaces trace)",
         default=TraceReplay(),
-    )
-
-
-@dataclass(frozen=True)
-class SlurmSettings:
-    poll_s: float = spec_field("squeue poll interval, seconds", default=1.0, gt=0)
-    engine_interface: str = spec_field(
-        "what engine and trainer sockets bind on each node: 'hostname' (what the node's "
-        "name resolves to), an interface (e.g. ib0, eth0) or an IPv4 address",
-        default="hostname",
-    )
-    lease_timeout_s: float = spec_field(
-        "an elastic job whose master's lease is this old ends itself (a resume within it "
-        "finds the job and adopts it)",
-        default=60.0,
-        gt=0,
     )
 
 
@@ -462,7 +454,16 @@ class RunConfig:
         "heterogeneous Slurm jobs, reclaimed by preemption)",
         default="local",
     )
-    slurm: SlurmSettings = spec_field("elastic jobs (backend: slurm)", default=SlurmSettings())
+    cluster: str = spec_field(
+        "the cluster's file whose values this config starts from: a name "
+        "(configs/clusters/NAME.yaml, or one in $PEARL_CLUSTER_CONFIG) or a path; '': "
+        "$PEARL_CLUSTER_CONFIG when it names a file, else none",
+        default="",
+    )
+    slurm: SlurmSettings = spec_field(
+        "site settings of every job the run submits, elastic job polling (backend slurm)",
+        default=SlurmSettings(),
+    )
     profile: str = spec_field(
         "workload profile YAML (relative: to configs/)", default="profiles/tiny-cpu.yaml"
     )
@@ -481,12 +482,16 @@ class RunConfig:
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")  # a run directory's stem
 
 
-def read_run_config(path: str | Path) -> RunConfig:
-    """Read a run config and check its values (pure but for reading the file and an
+def read_run_config(path: str | Path, sets: Sequence[str] = ()) -> RunConfig:
+    """Read a run config -- over its cluster's file, with ``--set key.path=value``
+    overrides on top -- and check its values (pure but for reading the files and an
     availability trace it names); every error names the field and the fix. What needs
     the installed runtimes (environments, task files, vLLM, Slurm) is checked by
     :func:`pearl_hpc.master.preflight.load_run_config`."""
-    cfg = from_mapping(RunConfig, load_yaml(path), where=str(path))
+    resolved = resolve_run_mapping(path, sets)
+    if resolved.cluster:
+        check_cluster_defaults(resolved.cluster)
+    cfg = from_mapping(RunConfig, resolved.mapping, where=str(path))
     if cfg.workers.overlap > cfg.workers.training_gpus:
         raise ConfigError(
             f"{path}: workers.overlap ({cfg.workers.overlap}) > "
@@ -524,10 +529,20 @@ def read_run_config(path: str | Path) -> RunConfig:
         or engine_problem(cfg.engine)
         or train_problem(cfg.train, cfg.workers)
         or dashboards_problem(cfg.dashboards)
+        or slurm_problem(cfg.slurm)
     )
     if problem:
         raise ConfigError(f"{path}: {problem}")
     return cfg
+
+
+def check_cluster_defaults(cluster: ClusterFile) -> None:
+    """A cluster file's run-config keys, each error naming the cluster's file."""
+    mapping = {"name": "cluster-defaults", **cluster.defaults}
+    defaults = from_mapping(RunConfig, mapping, where=str(cluster.path))
+    problem = slurm_problem(defaults.slurm)
+    if problem:
+        raise ConfigError(f"{cluster.path}: {problem}")
 
 
 def dashboards_problem(dashboards: DashboardSettings) -> str:
@@ -598,8 +613,10 @@ def elastic_problem(backend: str, elastic: ElasticConfig) -> str:
     for i, pool in enumerate(elastic.pools):
         for key in ("partition", "qos", "account", "constraint"):
             value = getattr(pool, key)
-            if value and not _SLURM_NAME.fullmatch(value):
+            if value and not SLURM_NAME.fullmatch(value):
                 return f"elastic.pools[{i}].{key} {value!r}: letters, digits, _ . + - & | only"
+        if pool.mem and not SLURM_MEM.fullmatch(pool.mem):
+            return f"elastic.pools[{i}].mem {pool.mem!r}: a Slurm size, e.g. 500G or 0"
         if pool.role not in POOL_ROLES:
             return f"elastic.pools[{i}].role {pool.role!r}: use any, prefill or decode"
         if not SLURM_TIME.fullmatch(pool.time_limit):
@@ -608,9 +625,6 @@ def elastic_problem(backend: str, elastic: ElasticConfig) -> str:
                 "MM, MM:SS, HH:MM:SS or D-HH:MM:SS"
             )
     return ""
-
-
-_SLURM_NAME = re.compile(r"[A-Za-z0-9_.+\-&|]+")
 
 
 def layout_problem(workers: WorkersConfig, layout: LayoutConfig) -> str:

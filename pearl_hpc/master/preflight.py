@@ -10,7 +10,9 @@ started, not described) Slurm's commands are on PATH. Every problem is one
 
 from __future__ import annotations
 
+import re
 import shutil
+from collections.abc import Sequence
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -21,10 +23,16 @@ from pearl_hpc.rollout.envs.registry import check_environment
 from pearl_hpc.rollout.tasks import load_tasks
 
 
-def load_run_config(path: str | Path, *, need_slurm: bool = True) -> RunConfig:
-    """Read and check a run config for this machine (``need_slurm=False``: a Slurm run
-    described, not started, e.g. ``--dry-run``)."""
-    cfg = read_run_config(path)
+def load_run_config(
+    path: str | Path, *, need_slurm: bool = True, sets: Sequence[str] = ()
+) -> RunConfig:
+    """Read and check a run config for this machine (``need_slurm=False``: a run
+    described, not started, e.g. ``--dry-run``: neither Slurm's commands nor the model
+    directory are looked for); ``sets``: ``--set key.path=value`` overrides."""
+    cfg = read_run_config(path, sets)
+    problem = model_problem(cfg.model) if need_slurm else ""
+    if problem:
+        raise ConfigError(f"{path}: {problem}")
     if need_slurm and cfg.backend == "slurm" and not shutil.which("sbatch"):
         raise ConfigError(
             f"{path}: backend slurm needs the Slurm commands (sbatch not on PATH); run on a "
@@ -49,6 +57,40 @@ def load_run_config(path: str | Path, *, need_slurm: bool = True) -> RunConfig:
     if problem:
         raise ConfigError(f"{path}: {problem}")
     return cfg
+
+
+def model_problem(model: str) -> str:
+    """What keeps ``model`` from loading on a compute node ('' if nothing): a model
+    directory with its config, tokenizer and weights; a hub id is not downloaded there."""
+    if model == "tiny":
+        return ""
+    path = Path(model)
+    if not path.is_dir():
+        where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
+        if _HUB_ID.fullmatch(model):
+            return (
+                f"model {model}: no such directory{where}; set model to a model directory "
+                "(a Hugging Face hub id is not downloaded on compute nodes: on a login "
+                f"node, `huggingface-cli download {model} --local-dir DIR`, then model: DIR)"
+            )
+        return f"model {model}: no such directory{where}; set model to a model directory"
+    missing = [
+        what for what, names in _MODEL_FILES if not any(any(path.glob(name)) for name in names)
+    ]
+    if missing:
+        return (
+            f"model {model}: the directory has no {', '.join(missing)}; point model at a "
+            "whole Hugging Face model directory (config, tokenizer, weights)"
+        )
+    return ""
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+")
+_MODEL_FILES = (
+    ("config.json", ("config.json",)),
+    ("tokenizer (tokenizer.json)", ("tokenizer.json", "tokenizer.model", "vocab.json")),
+    ("weights (*.safetensors)", ("*.safetensors", "*.bin")),
+)
 
 
 def _engines_on_cpu(cfg: RunConfig) -> bool:

@@ -8,7 +8,7 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pearl_hpc.config.run import SLURM_TIME
+from pearl_hpc.config.slurm import SLURM_TIME, SlurmSettings, gpu_request
 from pearl_hpc.errors import ConfigError
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
@@ -18,16 +18,17 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 class HetComponent:
     """One component of a (heterogeneous) job: one role shape."""
 
-    partition: str
+    partition: str  # '': the cluster's default partition
     nodes: int = 1
     gpus_per_node: int = 0
     ntasks_per_node: int = 1
     cpus_per_task: int = 1
-    time_limit: str = "01:00:00"  # Slurm time format, e.g. 30:00, 2:00:00, 1-00:00:00
+    time_limit: str = "01:00:00"  # Slurm time format, e.g. 30:00, 2:00:00, 1-00:00:00 ('': none)
     extra: tuple[str, ...] = ()  # further raw sbatch options, e.g. "--exclusive"
+    site: SlurmSettings = SlurmSettings()  # how GPUs are asked (gpu_type, gpu_option)
 
     def __post_init__(self) -> None:
-        if not _NAME_RE.match(self.partition):
+        if self.partition and not _NAME_RE.match(self.partition):
             raise ConfigError(f"partition {self.partition!r}: letters, digits, _ . + - only")
         for what, value in (
             ("nodes", self.nodes),
@@ -38,23 +39,21 @@ class HetComponent:
                 raise ConfigError(f"{what} must be >= 1, got {value}")
         if self.gpus_per_node < 0:
             raise ConfigError(f"gpus_per_node must be >= 0, got {self.gpus_per_node}")
-        if not SLURM_TIME.fullmatch(self.time_limit):
+        if self.time_limit and not SLURM_TIME.fullmatch(self.time_limit):
             raise ConfigError(
                 f"time_limit {self.time_limit!r} is not a Slurm time: use MM, MM:SS, "
                 "HH:MM:SS or D-HH:MM:SS"
             )
 
     def options(self) -> list[str]:
-        opts = [
-            f"--partition={self.partition}",
+        opts = [f"--partition={self.partition}"] if self.partition else []
+        opts += [
             f"--nodes={self.nodes}",
             f"--ntasks-per-node={self.ntasks_per_node}",
             f"--cpus-per-task={self.cpus_per_task}",
-            f"--time={self.time_limit}",
         ]
-        if self.gpus_per_node:
-            opts.append(f"--gres=gpu:{self.gpus_per_node}")
-        return opts + list(self.extra)
+        opts += [f"--time={self.time_limit}"] if self.time_limit else []
+        return opts + gpu_request(self.site, self.gpus_per_node) + list(self.extra)
 
 
 @dataclass(frozen=True)
@@ -62,7 +61,7 @@ class JobSpec:
     """A batch job of one or more components, tagged so a restarted master finds it."""
 
     name: str  # job name, e.g. pearl-elastic
-    run_tag: str  # identifies the pearl run: written to --comment as pearl:<run_tag>
+    run_tag: str  # identifies the pearl run: written to --comment as pearl:<run_tag> ('': none)
     components: tuple[HetComponent, ...]
     command: Sequence[str]  # what the batch step runs (e.g. srun ... python -m ...)
     signal: str | None = "B:USR2@30"  # delivered before preemption / time limit
@@ -70,13 +69,14 @@ class JobSpec:
     output: str | None = None  # stdout path (%j allowed); None: Slurm's default
     workdir: str | None = None
     env: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+    setup: tuple[str, ...] = ()  # shell lines run before the command (after env)
 
     def __post_init__(self) -> None:
         if not self.components:
             raise ConfigError("a job needs at least one component")
         if not _NAME_RE.match(self.name):
             raise ConfigError(f"job name {self.name!r}: letters, digits, _ . + - only")
-        if not _NAME_RE.match(self.run_tag):
+        if self.run_tag and not _NAME_RE.match(self.run_tag):
             raise ConfigError(f"run tag {self.run_tag!r}: letters, digits, _ . + - only")
         if not self.command:
             raise ConfigError("a job needs a command")
@@ -89,7 +89,9 @@ class JobSpec:
 def render_sbatch(spec: JobSpec) -> str:
     """The sbatch script text: options of component 0, then ``#SBATCH hetjob`` and the
     options of each further component; job-wide options go with component 0."""
-    lines = ["#!/bin/bash", f"#SBATCH --job-name={spec.name}", f"#SBATCH --comment={spec.comment}"]
+    lines = ["#!/bin/bash", f"#SBATCH --job-name={spec.name}"]
+    if spec.run_tag:
+        lines.append(f"#SBATCH --comment={spec.comment}")
     if spec.signal:
         lines.append(f"#SBATCH --signal={spec.signal}")
     lines.append("#SBATCH --requeue" if spec.requeue else "#SBATCH --no-requeue")
@@ -104,6 +106,7 @@ def render_sbatch(spec: JobSpec) -> str:
     lines.append("set -euo pipefail")
     for key, value in spec.env:
         lines.append(f"export {key}={shlex.quote(value)}")
+    lines.extend(spec.setup)
     # exec: the command replaces the batch shell, so a B: --signal reaches it
     lines.append("exec " + " ".join(shlex.quote(part) for part in spec.command))
     return "\n".join(lines) + "\n"

@@ -1,0 +1,66 @@
+"""Checks before anything is queued (``pearl-hpc run --dry-run``, ``--sbatch``,
+``--submit``): the model directory, then -- when Slurm answers -- the cluster itself:
+
+    the base job's partition exists and is up, its nodes have the GPUs (of the
+    cluster's type), CPUs and node count it asks      (sinfo)
+    each elastic pool's partition, and one worker's GPUs and CPUs there
+    sbatch --test-only takes the base job             (account, qos, time, constraint)
+
+Each problem is one line naming the key and the fix. ``offline`` (a dry run away from
+the cluster) skips what needs the cluster: Slurm and the model directory on its file
+system.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pearl_hpc.backends.world import base_job_spec
+from pearl_hpc.config.run import RunConfig
+from pearl_hpc.master.preflight import model_problem
+from pearl_hpc.slurm.client import Runner, run_command
+from pearl_hpc.slurm.cluster import base_problems, pool_problems, read_sinfo, test_only
+
+
+@dataclass
+class Checks:
+    """What was checked (lines for the dry run) and what failed (one line each)."""
+
+    done: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        return [*(f"ok: {d}" for d in self.done), *(f"PROBLEM: {p}" for p in self.problems)]
+
+
+def prequeue_checks(
+    cfg: RunConfig, *, slurm: bool, offline: bool = False, run: Runner = run_command
+) -> Checks:
+    """The checks of a run about to be queued (``slurm``: as a Slurm job, or with
+    elastic Slurm jobs)."""
+    checks = Checks()
+    if offline:
+        checks.done.append("nothing against the cluster (--offline)")
+        return checks
+    problem = model_problem(cfg.model)
+    (checks.problems if problem else checks.done).append(problem or f"model {cfg.model}")
+    if not slurm:
+        return checks
+    groups = read_sinfo(run)
+    if isinstance(groups, str):
+        checks.problems.append(f"the cluster did not answer ({groups}); --offline to skip")
+        return checks
+    job = base_job_spec(cfg, Path(tempfile.gettempdir()) / "pearl-check")
+    found = base_problems(cfg, groups, job) + pool_problems(cfg, groups)
+    checks.problems += [message for _, message in found]
+    if found:
+        return checks
+    checks.done.append("partitions, GPUs, CPUs and nodes (sinfo)")
+    refused = test_only(job, run)
+    if refused:
+        checks.problems.append(f"slurm: sbatch --test-only refuses the base job: {refused}")
+    else:
+        checks.done.append("sbatch --test-only takes the base job")
+    return checks

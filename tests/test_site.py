@@ -1,0 +1,256 @@
+"""The site settings of a run (``slurm:``), cluster files and ``--set``, and the checks
+against what ``sinfo`` reports -- pure, without a cluster (the local cluster's own
+checks: tests/test_site_cluster.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from pearl_hpc.backends.slurm import elastic_job_spec
+from pearl_hpc.backends.world import base_job_spec
+from pearl_hpc.config.cluster import CLUSTER_ENV, key_lines, resolve_run_mapping
+from pearl_hpc.config.run import RunConfig, read_run_config
+from pearl_hpc.errors import ConfigError
+from pearl_hpc.master.preflight import model_problem
+from pearl_hpc.slurm.cluster import (
+    NodeGroup,
+    base_problems,
+    parse_sinfo,
+    pool_problems,
+    shape_problems,
+)
+from pearl_hpc.slurm.scripts import render_sbatch
+
+REPO = Path(__file__).resolve().parents[1]
+
+CLUSTER = {
+    "name": "lab",
+    "nodes": [{"partitions": ["gpu", "scav"], "gpus": 8, "gpu_type": "a100", "cpus": 64}],
+    "slurm": {
+        "partition": "gpu",
+        "account": "lab",
+        "gpu_type": "a100",
+        "mpi": "pmix",
+        "env": {"HF_HUB_OFFLINE": "1"},
+        "setup": ["module load cuda"],
+    },
+    "layout": {"gpus_per_node": 8},
+    "elastic": {"pools": [{"partition": "scav"}]},
+}
+RUN = {"name": "r", "backend": "slurm", "cluster": "lab", "slurm": {"qos": "high"}}
+
+
+def _write(tmp_path: Path, run: dict[str, Any], cluster: dict[str, Any] | None = None) -> Path:
+    (tmp_path / "clusters").mkdir(exist_ok=True)
+    (tmp_path / "clusters" / "lab.yaml").write_text(yaml.safe_dump(cluster or CLUSTER))
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(run))
+    return path
+
+
+@pytest.fixture
+def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv(CLUSTER_ENV, str(tmp_path / "clusters"))
+    return tmp_path
+
+
+def test_a_run_starts_from_its_clusters_file_and_overrides_what_differs(site: Path) -> None:
+    path = _write(site, {**RUN, "slurm": {"qos": "high", "env": {"NCCL_DEBUG": "WARN"}}})
+    cfg = read_run_config(path)
+    s = cfg.slurm
+    assert (s.partition, s.account, s.qos, s.mpi, s.gpu_type) == (
+        "gpu",
+        "lab",
+        "high",
+        "pmix",
+        "a100",
+    )
+    assert s.env == {"HF_HUB_OFFLINE": "1", "NCCL_DEBUG": "WARN"}  # mappings merge
+    assert s.setup == ["module load cuda"] and cfg.elastic.pools[0].partition == "scav"
+    origins = resolve_run_mapping(path).origins
+    assert origins["slurm.account"].startswith("cluster ") and "slurm.qos" not in origins
+    assert "slurm.env.HF_HUB_OFFLINE" in origins and "slurm.env.NCCL_DEBUG" not in origins
+
+
+def test_set_overrides_both_and_the_run_directory_keeps_the_result(site: Path) -> None:
+    path = _write(site, RUN)
+    sets = ["slurm.account=other", "run.steps=7", "elastic.pools.0.partition=gpu"]
+    cfg = read_run_config(path, sets)
+    assert (cfg.slurm.account, cfg.run.steps, cfg.elastic.pools[0].partition) == ("other", 7, "gpu")
+    resolved = resolve_run_mapping(path, sets)
+    assert resolved.origins["slurm.account"] == "--set" and resolved.origins["run.steps"] == "--set"
+    kept = site / "kept.yaml"
+    kept.write_text(resolved.text(path))
+    again = read_run_config(kept)  # what --resume reads: the same run, its cluster's path
+    assert again.cluster == str(site / "clusters" / "lab.yaml")
+    assert dataclasses.replace(again, cluster="lab") == cfg
+
+
+@pytest.mark.parametrize(
+    ("item", "message"),
+    [
+        ("run.steps", "KEY.PATH=VALUE"),
+        ("elastic.pools.3.partition=x", "the list has items 0-0"),
+        ("run.steps.x=1", "run.steps: expected an integer"),
+        ("elastic.pools.0.partition.x=1", "partition is a value"),
+        ("slurm.acount=x", "unknown key 'acount'"),
+        ("run.steps=[", "not YAML"),
+    ],
+)
+def test_a_bad_set_is_one_line_naming_it(site: Path, item: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        read_run_config(_write(site, RUN), [item])
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"time": "two days"}, "slurm.time 'two days' is not a Slurm time"),
+        ({"mem": "lots"}, "slurm.mem 'lots': a Slurm size"),
+        ({"mem": "10G", "mem_per_gpu": "1G"}, "Slurm takes one"),
+        ({"gpu_option": "gpus"}, "use gres or gpus-per-node"),
+        ({"env": {"NO-DASH": "1"}}, "not a shell variable name"),
+        ({"setup": ["a\nb"]}, "one non-empty shell line"),
+        ({"sbatch_extra": ["exclusive"]}, "an option"),
+        ({"account": "a b"}, "slurm.account"),
+    ],
+)
+def test_a_bad_site_value_in_a_cluster_file_names_that_file(
+    site: Path, change: dict[str, Any], message: str
+) -> None:
+    cluster = {**CLUSTER, "slurm": {**CLUSTER["slurm"], **change}}
+    with pytest.raises(ConfigError, match=message) as err:
+        read_run_config(_write(site, RUN, cluster))
+    assert "clusters/lab.yaml" in str(err.value)
+
+
+def test_where_a_cluster_is_found(site: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match=r"cluster 'nope': no such cluster file.*local"):
+        read_run_config(_write(site, {**RUN, "cluster": "nope"}))
+    # a site's one file: used by a run that names no cluster, and by its own name
+    monkeypatch.setenv(CLUSTER_ENV, str(site / "clusters" / "lab.yaml"))
+    assert read_run_config(_write(site, {"name": "r"})).slurm.account == "lab"
+    assert read_run_config(_write(site, RUN)).slurm.account == "lab"
+    # a path, relative to the run config; the repository's own by name
+    assert (
+        read_run_config(_write(site, {**RUN, "cluster": "clusters/lab.yaml"})).slurm.mpi == "pmix"
+    )
+    monkeypatch.delenv(CLUSTER_ENV)
+    assert read_run_config(_write(site, {**RUN, "cluster": "local"})).slurm.gpu_type == "sim"
+    (site / "clusters" / "bad.yaml").write_text(yaml.safe_dump({**CLUSTER, "cluster": "x"}))
+    with pytest.raises(ConfigError, match="cluster: a run's own key"):
+        read_run_config(_write(site, {**RUN, "cluster": "clusters/bad.yaml"}))
+
+
+def test_the_base_job_carries_the_site_and_asks_for_typed_gpus(site: Path) -> None:
+    cfg = read_run_config(_write(site, RUN))
+    text = render_sbatch(base_job_spec(cfg, Path("/runs/r-1"), python="py"))
+    for line in ("--partition=gpu", "--account=lab", "--qos=high", "--gres=gpu:a100:2",
+                 "--signal=B:USR2@300", "--output=/runs/r-1/batch-%j.out"):  # fmt: skip
+        assert f"#SBATCH {line}\n" in text
+    body = text.split("set -euo pipefail\n")[1].splitlines()
+    assert body == ["export HF_HUB_OFFLINE=1", "module load cuda",
+                    "exec py -m pearl_hpc.cli run --resume /runs/r-1"]  # fmt: skip
+    cfg = read_run_config(_write(site, RUN), ["slurm.gpu_option=gpus-per-node"])
+    assert "#SBATCH --gpus-per-node=a100:2\n" in render_sbatch(base_job_spec(cfg, Path("/r")))
+
+
+def test_an_elastic_job_inherits_the_site_and_a_pool_overrides_it(site: Path) -> None:
+    pools = [{"partition": "scav", "account": "scavenger", "mem": "100G"}]
+    sets = ["slurm.mem_per_gpu=64G", "slurm.srun_extra=[--cpu-bind=none]"]
+    cfg = read_run_config(_write(site, {**RUN, "elastic": {"pools": pools}}), sets)
+    job = elastic_job_spec(cfg.elastic, [0], cfg.slurm, "tag", Path("/r/elastic"), "/m", "py")
+    text = render_sbatch(job)
+    assert "#SBATCH --account=scavenger\n" in text and "#SBATCH --qos=high\n" in text
+    assert "#SBATCH --mem=100G\n" in text and "--mem-per-gpu" not in text  # the pool's own
+    assert "#SBATCH --gres=gpu:a100:1\n" in text and "module load cuda\n" in text
+    assert "--mpi=pmix" in text and "--srun-option=--cpu-bind=none" in text
+    cfg = read_run_config(_write(site, RUN), sets)
+    job = elastic_job_spec(cfg.elastic, [0], cfg.slurm, "tag", Path("/r/elastic"), "/m", "py")
+    assert "#SBATCH --mem-per-gpu=64G\n" in render_sbatch(job)
+
+
+SINFO = """gpu*|4|gpu:a100:8(S:0-1)|64+|512000|up
+gpu*|2|gpu:a100:4,gpu:v100:4|32|256000|up
+scav|6|gpu:a100:2|16|128000|down
+"""
+
+
+def test_sinfo_lines_parse_into_node_groups() -> None:
+    groups = parse_sinfo(SINFO)
+    assert groups[0] == NodeGroup("gpu", True, 4, 8, "a100", 64, 512000, True)
+    assert (groups[1].gpus, groups[1].gpu_type) == (8, "a100")
+    assert (groups[2].gpus, groups[2].default, groups[2].up) == (2, False, False)
+    assert parse_sinfo("cpu|2|(null)|8|1000|up")[0].gpus == 0
+
+
+def _cfg(**changes: Any) -> RunConfig:
+    from pearl_hpc.core.schema import from_mapping
+
+    pools = [{"partition": "scav", "gpus_per_worker": 1}]
+    doc: dict[str, Any] = {
+        "name": "r", "backend": "slurm", "slurm": {"gpu_type": "a100"}, "elastic": {"pools": pools}
+    }  # fmt: skip
+    for key, value in changes.items():
+        section, field = key.split("__")
+        doc.setdefault(section, {})[field] = value
+    return from_mapping(RunConfig, doc)
+
+
+@pytest.mark.parametrize(
+    ("changes", "key", "message"),
+    [
+        ({"slurm__partition": "gpux"}, "slurm.partition", "no such partition"),
+        ({"slurm__gpu_type": "h100"}, "slurm.gpu_type", "are a100"),
+        ({"layout__cpus_per_rank": 32}, "layout.cpus_per_rank", "at most 64"),
+        ({"workers__reserved_rollout": 8, "layout__rollout_nodes": 1, "layout__training_nodes": 6},
+         "layout", "7 nodes, but partition gpu has 6"),
+    ],
+)  # fmt: skip
+def test_a_base_job_the_cluster_cannot_hold_is_named(
+    changes: dict[str, Any], key: str, message: str
+) -> None:
+    cfg = _cfg(**changes)
+    found = base_problems(cfg, parse_sinfo(SINFO), base_job_spec(cfg, Path("/r")))
+    assert [k for k, _ in found] == [key] and message in found[0][1], found
+
+
+def test_a_pool_the_cluster_cannot_hold_is_named() -> None:
+    groups = parse_sinfo(SINFO)
+    assert pool_problems(_cfg(), groups) == []
+    bad = _cfg(elastic__pools=[{"partition": "nope"}, {"partition": "gpu", "gpus_per_worker": 16}])
+    assert [k for k, _ in pool_problems(bad, groups)] == [
+        "elastic.pools.0.partition", "elastic.pools.1.gpus_per_worker"
+    ]  # fmt: skip
+
+
+def test_a_cluster_files_shapes_are_checked_and_named_by_line(tmp_path: Path) -> None:
+    from pearl_hpc.config.cluster import read_cluster
+
+    path = tmp_path / "lab.yaml"
+    doc = {**CLUSTER, "nodes": [{"partitions": ["gpu", "gpux"], "gpus": 10, "gpu_type": "h100"}]}
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    found = dict(shape_problems(read_cluster(path), parse_sinfo(SINFO)))
+    assert set(found) == {"nodes.0.gpus", "nodes.0.gpu_type", "nodes.0.partitions.1"}
+    lines = key_lines(path)
+    text = path.read_text().splitlines()
+    assert text[lines["nodes.0.gpus"] - 1].strip() == "gpus: 10"
+    assert "gpux" in text[lines["nodes.0.partitions.1"] - 1]
+
+
+def test_a_model_directory_is_whole_or_named(tmp_path: Path) -> None:
+    assert model_problem("tiny") == ""
+    assert "no such directory" in model_problem(str(tmp_path / "nope"))
+    assert "huggingface-cli download Qwen/Qwen3-8B" in model_problem("Qwen/Qwen3-8B")
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    assert "tokenizer" in model_problem(str(model)) and "weights" in model_problem(str(model))
+    (model / "tokenizer.json").write_text("{}")
+    (model / "model-00001-of-00002.safetensors").write_bytes(b"")
+    assert model_problem(str(model)) == ""
