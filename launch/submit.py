@@ -1,10 +1,12 @@
 """Start a pearl_hpc run from Python with submitit (what `pearl-hpc run --submit` does).
 
-    python launch/submit.py configs/runs/slurm-local.yaml [PARTITION]
+    python launch/submit.py configs/runs/slurm-local.yaml [KEY.PATH=VALUE ...]
 
-The submitted job runs the run's MPI world (rank 0 the master); on preemption or at its
-time limit it requeues itself and resumes from the journal. ``job.result()`` is the run's
-summary.
+The job's site settings (partition, account, time, setup lines...) are the config's
+``slurm:`` section (over its cluster's file); ``KEY.PATH=VALUE`` overrides one, as
+``--set`` does. The submitted job runs the run's MPI world (rank 0 the master); on
+preemption or at its time limit it requeues itself and resumes from the journal.
+``job.result()`` is the run's summary.
 """
 
 from __future__ import annotations
@@ -15,12 +17,12 @@ from pearl_hpc.master.records import format_summary
 from pearl_hpc.runjob import submit_run
 
 
-def main(config: str, partition: str | None = None) -> int:
-    job, run_dir = submit_run(config, partition=partition)
+def main(config: str, *sets: str) -> int:
+    job, run_dir = submit_run(config, sets)
     print(f"master job {job.job_id}, run directory {run_dir}", flush=True)
     print(format_summary(job.result()))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:3]) if len(sys.argv) > 1 else main("configs/runs/slurm-local.yaml"))
+    sys.exit(main(*sys.argv[1:]) if len(sys.argv) > 1 else main("configs/runs/slurm-local.yaml"))

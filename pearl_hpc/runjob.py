@@ -15,14 +15,20 @@ always resumed.
 from __future__ import annotations
 
 import json
+import shlex
+import shutil
 import signal
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import submitit
 
-from pearl_hpc.backends.world import run_world
+from pearl_hpc.backends.world import base_job_spec, multi_node, run_world
 from pearl_hpc.config.cluster import run_config_text
+from pearl_hpc.config.run import RunConfig
+from pearl_hpc.config.slurm import gpu_request, slurm_minutes
+from pearl_hpc.errors import ConfigError
 from pearl_hpc.master.preflight import load_run_config
 from pearl_hpc.rundir import RunDir, RunStatus, read_journal
 
@@ -58,28 +64,53 @@ class RunJob(submitit.helpers.Checkpointable):
         return submitit.helpers.DelayedSubmission(RunJob(), run_dir)
 
 
-def submit_run(
-    config: str | Path,
-    *,
-    partition: str | None = None,
-    gpus: int = 0,
-    cpus: int = 4,
-    timeout_min: int = 60,
-) -> tuple[Any, Path]:
-    """Submit the master of a new run; returns (submitit job, run directory)."""
-    cfg = load_run_config(config)
-    run_dir = RunDir.new(cfg.runs_dir, cfg.name, run_config_text(config)).path.resolve()
+def submit_run(config: str | Path, sets: Sequence[str] = ()) -> tuple[Any, Path]:
+    """Submit the master of a new run as a submitit job with the config's site settings
+    (``slurm:``) and its one node's tasks, CPUs and GPUs; returns (submitit job, run
+    directory). A layout of several nodes is one line: its base job is ``--sbatch``."""
+    cfg = load_run_config(config, sets=sets)
+    if multi_node(cfg):
+        raise ConfigError(
+            f"{config}: layout over {cfg.layout.nodes} nodes: --submit runs a one-node "
+            "layout; submit this one with `pearl-hpc run CONFIG --sbatch`"
+        )
+    if not cfg.slurm.time:
+        raise ConfigError(
+            f"{config}: --submit needs slurm.time (the job's time limit: submitit requeues "
+            "the job when it comes), e.g. --set slurm.time=1-00:00:00"
+        )
+    run_dir = RunDir.new(cfg.runs_dir, cfg.name, run_config_text(config, sets)).path.resolve()
     executor = submitit.AutoExecutor(folder=str(RunDir(run_dir).submitit), cluster="slurm")
-    params: dict[str, Any] = {
-        "slurm_job_name": "pearl-run",
-        "cpus_per_task": cpus,
-        "timeout_min": timeout_min,
-        "tasks_per_node": 1,
+    executor.update_parameters(**submitit_parameters(cfg, run_dir))
+    try:
+        return executor.submit(RunJob(), str(run_dir)), run_dir
+    except Exception as exc:  # submitit's sbatch failed: one line, no directory left
+        shutil.rmtree(run_dir, ignore_errors=True)
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+        raise ConfigError(f"{config}: the job was not queued: {why}") from None
+
+
+def submitit_parameters(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
+    """submitit's parameters for the run's one-node base job (pure): the shape and the
+    site options of :func:`~pearl_hpc.backends.world.base_job_spec`, its env and setup
+    lines, the warning before the time limit."""
+    job = base_job_spec(cfg, run_dir)
+    shape = job.components[0]
+    s = cfg.slurm
+    setup = [f"export {k}={shlex.quote(v)}" for k, v in s.env.items()] + list(s.setup)
+    sbatch = {}  # the site's sbatch options (account, qos, gres...): submitit writes them
+    for option in [*shape.extra, *gpu_request(s, shape.gpus_per_node)]:
+        key, eq, value = option.removeprefix("--").partition("=")
+        sbatch[key.replace("-", "_")] = value if eq else True
+    return {
+        "slurm_job_name": cfg.name,
         "nodes": 1,
+        "tasks_per_node": 1,
+        "cpus_per_task": shape.cpus_per_task,
+        "timeout_min": slurm_minutes(s.time),
+        "slurm_signal_delay_s": s.signal_lead_s,
+        "slurm_setup": setup,
+        "slurm_srun_args": list(s.srun_extra),
+        **({"slurm_partition": s.partition} if s.partition else {}),
+        "slurm_additional_parameters": sbatch,
     }
-    if partition:
-        params["slurm_partition"] = partition
-    if gpus:
-        params["slurm_gres"] = f"gpu:{gpus}"
-    executor.update_parameters(**params)
-    return executor.submit(RunJob(), str(run_dir)), run_dir

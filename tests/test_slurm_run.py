@@ -452,7 +452,7 @@ def test_submitit_run_is_requeued_when_preempted_and_resumes(
     }
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
-    job, run_dir = submit_run(path, partition="normal", cpus=2)
+    job, run_dir = submit_run(path)  # the local cluster's site (configs/clusters/local.yaml)
     try:
         _wait("step 0", lambda: bool(read_jsonl(run_dir / "metrics.jsonl")), 600, poll_s=0.1)
         job._interrupt()  # preemption as submitit simulates it

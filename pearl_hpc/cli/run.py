@@ -104,11 +104,20 @@ def _sbatch_run(args: argparse.Namespace) -> int:
 
 
 def _submit_run(args: argparse.Namespace) -> int:
-    """The master as a submitit job (requeued on preemption, resumed from its journal)."""
+    """The master as a submitit job (requeued on preemption, resumed from its journal),
+    checked before it is queued."""
+    from pearl_hpc.backends.checks import prequeue_checks
+    from pearl_hpc.master.preflight import load_run_config
     from pearl_hpc.master.records import format_summary
     from pearl_hpc.runjob import submit_run
 
-    job, run_dir = submit_run(args.config, partition=args.partition, gpus=args.gpus, cpus=args.cpus)
+    cfg = load_run_config(args.config, sets=args.set)
+    checks = prequeue_checks(cfg, slurm=True, offline=args.offline)
+    for problem in checks.problems:
+        print(f"pearl-hpc: error: {args.config}: {problem}", file=sys.stderr)
+    if checks.problems:
+        return EXIT_USAGE
+    job, run_dir = submit_run(args.config, args.set)
     print(f"pearl-hpc run: job {job.job_id}, run directory {run_dir}", flush=True)
     print(f"follow it: pearl-hpc status {run_dir}", flush=True)
     if args.wait:
@@ -181,9 +190,6 @@ def add_parsers(sub: Any) -> None:
         help="check the config and print the base job, which rank runs what where, the "
         "elastic job and the controller's first decision; start nothing",
     )
-    run_p.add_argument("--partition", help="with --submit: the master's partition")
-    run_p.add_argument("--gpus", type=int, default=0, help="with --submit: GPUs of the master")
-    run_p.add_argument("--cpus", type=int, default=4, help="with --submit: CPUs of the master")
     run_p.add_argument("--wait", action="store_true", help="with --submit: wait, print summary")
     run_p.set_defaults(func=_cmd_run)
 

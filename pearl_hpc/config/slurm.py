@@ -131,6 +131,21 @@ def slurm_problem(s: SlurmSettings) -> str:
     return ""
 
 
+def slurm_minutes(time: str) -> int:
+    """A Slurm time (checked by :func:`slurm_problem`) in whole minutes, at least 1
+    (pure): MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
+    days, _, rest = time.rpartition("-")
+    parts = [int(p) for p in rest.split(":")]
+    if days:  # D-HH[:MM[:SS]]
+        parts += [0] * (3 - len(parts))
+        seconds = int(days) * 86400 + parts[0] * 3600 + parts[1] * 60 + parts[2]
+    elif len(parts) == 3:
+        seconds = parts[0] * 3600 + parts[1] * 60 + parts[2]
+    else:  # MM or MM:SS
+        seconds = parts[0] * 60 + (parts[1] if len(parts) == 2 else 0)
+    return max(1, seconds // 60)
+
+
 def gpu_request(s: SlurmSettings, gpus: int) -> list[str]:
     """The option asking for ``gpus`` GPUs a node (none for 0), typed when the cluster
     types them (pure)."""
