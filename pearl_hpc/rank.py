@@ -39,7 +39,7 @@ def _rank(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     from pearl_hpc.comm.layout import MASTER, TRAINER, base_layout
-    from pearl_hpc.comm.mpi import MasterPlane, WorkerPlane, member_info
+    from pearl_hpc.comm.mpi import MasterPlane, WorkerPlane
     from pearl_hpc.comm.net import bind_address
     from pearl_hpc.engine.rpc import read_key
     from pearl_hpc.engine.spec import check_vllm
@@ -86,29 +86,40 @@ def _rank(args: argparse.Namespace) -> int:
             if doorman is not None:
                 doorman.close()
     plane_w = WorkerPlane.base(heartbeat_interval_s=1.0)
+    try:
+        return _member(cfg, run, me, plane_w, trainers, args, key, host, placement.device)
+    except BaseException as exc:  # the run cannot go on without this rank: end the world
+        if isinstance(exc, KeyboardInterrupt):  # (a terminal's Ctrl-C reaches every rank)
+            return 130
+        traceback.print_exc()
+        error = (f"{type(exc).__name__}: {exc}".splitlines() or ["?"])[0][:500]
+        run.record_failure(me.rank, me.kind, error, joined=plane_w.joined)
+        sys.stderr.flush()
+        world.Abort(1)
+        return 1
+
+
+def _member(
+    cfg: Any, run: RunDir, me: Any, plane_w: Any, trainers: Any, args: argparse.Namespace,
+    key: str, host: str, device: str,
+) -> int:  # fmt: skip
+    """A trainer or engine rank of the base world, served to its end."""
+    from pearl_hpc.comm.layout import TRAINER
+    from pearl_hpc.comm.mpi import member_info
+
     hello = member_info(me.kind, gpu_ids=me.gpu_ids, rank=me.rank)
     if me.kind == TRAINER:
         from pearl_hpc.worker.trainer import TrainerRank
 
         rank = TrainerRank(
-            plane_w,
-            trainers,
-            cfg,
-            me,
-            run_dir,
-            args.model_dir,
-            key,
-            host,
-            args.resume,
-            device=placement.device,
-        )
+            plane_w, trainers, cfg, me, run.path, args.model_dir, key, host, args.resume,
+            device=device,
+        )  # fmt: skip
         return rank.serve(hello)
     from pearl_hpc.engine.spec import engine_spec
     from pearl_hpc.worker.engine import engine_rank_id, serve_engine
 
-    spec = engine_spec(
-        cfg, args.model_dir, device=placement.device, gpus=len(me.devices), host=host
-    )
+    spec = engine_spec(cfg, args.model_dir, device=device, gpus=len(me.devices), host=host)
     worker_id = engine_rank_id(me)
     ready_file = run.engine_ready(worker_id)
     return serve_engine(lambda: plane_w, spec, worker_id, ready_file, key, hello, host)
@@ -242,6 +253,8 @@ def _master(
             print("pearl-hpc run: interrupted", file=sys.stderr, flush=True)
         else:
             traceback.print_exc()
+            error = (f"{type(exc).__name__}: {exc}".splitlines() or ["?"])[0][:500]
+            RunDir(run_dir).record_failure(0, "master", error, joined=True)
         print(
             f"pearl-hpc run: failed; resume with: pearl-hpc run --resume {run_dir}",
             file=sys.stderr,

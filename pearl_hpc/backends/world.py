@@ -165,6 +165,7 @@ def prepare_run(cfg: RunConfig, run_dir: Path, *, resume: bool) -> str:
 
     run = RunDir(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    run.failure.unlink(missing_ok=True)  # the last world's: this one's is its own
     write_key(run.rpc_key, new_key())
     if cfg.model == "tiny":
         from pearl_hpc.engine.tinymodel import build_tiny_model, default_model_dir
@@ -188,11 +189,18 @@ def with_restarts(
 ) -> int:
     """``start(resume)`` the world; a world that failed is started again with resume,
     up to ``run.max_restarts`` times -- unless it was stopped (``stopped()``: a signal
-    to the launcher), refused its input (exit 2) or left nothing to resume."""
+    to the launcher), refused its input (exit 2), left nothing to resume, or a rank of
+    it failed before it joined (a start that would fail the same way: a bad model, an
+    import or CUDA error). The failed rank's error is printed as one line."""
     rc = start(resume)
-    for attempt in range(1, cfg.run.max_restarts + 1):
-        if rc in (0, 2) or stopped() or not _resumable(run_dir):
+    attempt = 0
+    while rc not in (0, 2):
+        restartable = _report_failure(run_dir)
+        if not restartable or stopped() or not _resumable(run_dir):
             break
+        if attempt == cfg.run.max_restarts:
+            break
+        attempt += 1
         print(
             f"pearl-hpc run: the world ended with exit {rc}; restart {attempt} of "
             f"{cfg.run.max_restarts} (run.max_restarts): resuming {run_dir}",
@@ -201,6 +209,25 @@ def with_restarts(
         )
         rc = start(True)
     return rc
+
+
+def _report_failure(run_dir: Path) -> bool:
+    """Print the world's failed rank's error (if one recorded it); may it restart?"""
+    run = RunDir(run_dir)
+    note = run.read_failure()
+    if note is None:
+        return True
+    print(f"pearl-hpc run: rank {note['rank']} ({note['kind']}) failed: {note['error']} "
+          f"(its log: {run.path / note['log']})", file=sys.stderr, flush=True)  # fmt: skip
+    if not note.get("joined", True):
+        print(
+            f"pearl-hpc run: it failed before it joined the run, so a restart would fail "
+            f"the same way; fix it, then: pearl-hpc run --resume {run.path}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return False
+    return True
 
 
 def _resumable(run_dir: Path) -> bool:

@@ -44,13 +44,35 @@ def _alive(pid: int) -> bool:
 
 def run_status(run_dir: Path) -> dict[str, Any]:
     """The run's state as one dict (what ``status`` prints)."""
-    state = RunDir(run_dir).read_state()
+    run = RunDir(run_dir)
+    if not run.journal.exists() and run.config.exists():
+        return _before_journal(run)
+    state = run.read_state()
     try:
         return _status_of(run_dir, state)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise JournalError(
             f"{RunDir(run_dir).journal}: corrupt journal ({type(exc).__name__}: {exc})"[:400]
         ) from None
+
+
+def _before_journal(run: RunDir) -> dict[str, Any]:
+    """A run whose master has written no journal yet: waiting for its job (no master),
+    starting (a master holds the lock: the world's ranks and engines coming up), or
+    failed at start (a rank recorded why)."""
+    failure = run.read_failure()
+    if failure is not None:
+        status, since = RunStatus.FAILED, run.failure
+    elif run.lock_held():
+        status, since = RunStatus.STARTING, run.lock_file
+    else:
+        status, since = RunStatus.WAITING, run.config
+    return {
+        "run_dir": str(run.path),
+        "status": status,
+        "for_s": round(max(0.0, time.time() - since.stat().st_mtime)),
+        "failure": failure,
+    }
 
 
 def _status_of(run_dir: Path, state: dict[str, Any]) -> dict[str, Any]:
@@ -83,6 +105,7 @@ def _status_of(run_dir: Path, state: dict[str, Any]) -> dict[str, Any]:
         ],
         "counters": {k: v for k, v in state["counters"].items() if not isinstance(v, list)},
         "last_step": asdict(metrics[-1]) if metrics else None,
+        "failure": RunDir(run_dir).read_failure() if status != RunStatus.RUNNING else None,
     }
 
 
@@ -124,6 +147,19 @@ def format_status(doc: dict[str, Any]) -> str:
     from rich.table import Table
 
     hint = ""
+    failure = doc.get("failure")
+    cause = [] if not failure else [
+        f"rank {failure['rank']} ({failure['kind']}) failed: {failure['error']} (its log: "
+        f"{Path(doc['run_dir']) / failure['log']})"
+    ]  # fmt: skip
+    if "for_s" in doc:  # before the master's first journal
+        what = {
+            RunStatus.WAITING: "no master yet (its batch job waiting, or not started)",
+            RunStatus.STARTING: "the world's ranks and engines coming up",
+            RunStatus.FAILED: "failed at start",
+        }[doc["status"]]
+        when = f"{_duration(doc['for_s'])} ago" if failure else f"for {_duration(doc['for_s'])}"
+        return "\n".join([f"{doc['run_dir']}: {doc['status']}: {what}, {when}", *cause])
     left = "" if doc.get("left_s") is None else f" (~{_duration(doc['left_s'])} left)"
     if doc["status"] in (RunStatus.DEAD, RunStatus.FAILED):
         hint = f"  (continue it: pearl-hpc run --resume {doc['run_dir']})"
@@ -133,6 +169,7 @@ def format_status(doc: dict[str, Any]) -> str:
         f"{doc['t_s']:.0f} s; elastic workers {doc['elastic_workers']}, "
         f"borrowed slots {doc['borrowed'] or 'none'}",
         "counters: " + ", ".join(f"{k} {v}" for k, v in doc["counters"].items()),
+        *cause,
     ]
     if doc["elastic_jobs"]:
         lines.append("elastic workers by pool: " + format_pools(doc["elastic_jobs"]))

@@ -559,6 +559,7 @@ class WorkerPlane:
         self.nonce = nonce
         self.heartbeat_interval_s = heartbeat_interval_s
         self._last_beat = 0.0
+        self.joined = False  # its hello went out: the master counts it as a member
 
     @classmethod
     def base(cls, *, heartbeat_interval_s: float = 1.0) -> WorkerPlane:
@@ -622,6 +623,7 @@ class WorkerPlane:
             body = msgspec.structs.replace(body, proof=proof)
         data = encode(Report(self.member_id, seq, body))
         self.link.Send([data, self.MPI.BYTE], dest=0, tag=TAG_REPORT)
+        self.joined = self.joined or isinstance(body, Hello)
 
     def next_command(self, timeout_s: float) -> Command | None:
         """Wait up to ``timeout_s`` for a command, heartbeating meanwhile."""
