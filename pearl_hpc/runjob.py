@@ -1,6 +1,9 @@
 """``pearl-hpc run`` through submitit: the master as a Slurm job that requeues itself.
 
-    pearl-hpc run configs/runs/slurm-local.yaml --submit --partition normal --wait
+    pearl-hpc run configs/runs/slurm-local.yaml --submit --wait
+
+The job's partition, account, time, typed GPUs, env and setup lines are the config's
+``slurm:`` site settings (:func:`submitit_parameters`); ``--set`` overrides them.
 
 The job runs the run's MPI world (:func:`pearl_hpc.backends.world.run_world`) on the run
 directory it was given. On preemption or at its time limit, submitit's signal handler calls

@@ -1,5 +1,5 @@
 """`pearl-hpc run` on the Slurm backend, on the local cluster, with real engines: the
-master is a batch job (launch/run.sbatch); elastic engine workers are a standing
+master is a batch job (`pearl-hpc run CONFIG --sbatch`); elastic engine workers are a standing
 heterogeneous request on the preemptible partition that Slurm starts when other users'
 jobs free two nodes and preempts when they come back; the master is SIGKILLed mid-run
 and the batch job's launcher resumes it by itself (run.max_restarts), adopting the

@@ -13,6 +13,7 @@ system.
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,10 +37,16 @@ class Checks:
 
 
 def prequeue_checks(
-    cfg: RunConfig, *, slurm: bool, offline: bool = False, run: Runner = run_command
+    cfg: RunConfig,
+    *,
+    slurm: bool,
+    offline: bool = False,
+    queue: bool = True,
+    run: Runner = run_command,
 ) -> Checks:
     """The checks of a run about to be queued (``slurm``: as a Slurm job, or with
-    elastic Slurm jobs)."""
+    elastic Slurm jobs; ``queue``: it is, so a cluster that does not answer is a
+    problem -- for a description, a note)."""
     checks = Checks()
     if offline:
         checks.done.append("nothing against the cluster (--offline)")
@@ -48,9 +55,15 @@ def prequeue_checks(
     (checks.problems if problem else checks.done).append(problem or f"model {cfg.model}")
     if not slurm:
         return checks
+    if shutil.which("sinfo") is None:  # a description away from any cluster
+        checks.done.append("nothing against a cluster: Slurm is not installed here")
+        return checks
     groups = read_sinfo(run)
     if isinstance(groups, str):
-        checks.problems.append(f"the cluster did not answer ({groups}); --offline to skip")
+        why = f"the cluster did not answer ({groups})"
+        (checks.problems if queue else checks.done).append(
+            f"{why}; --offline to skip" if queue else f"nothing against the cluster: {why}"
+        )
         return checks
     job = base_job_spec(cfg, Path(tempfile.gettempdir()) / "pearl-check")
     found = base_problems(cfg, groups, job) + pool_problems(cfg, groups)

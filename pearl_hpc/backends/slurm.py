@@ -1,6 +1,6 @@
 """The Slurm backend: elastic engine workers harvested from Slurm as standing requests.
 
-    sbatch launch/run.sbatch configs/runs/slurm-local.yaml     # the master as a batch job
+    pearl-hpc run configs/runs/slurm-local.yaml --sbatch     # the master as a batch job
 
 The base job is the run's MPI world (:mod:`pearl_hpc.backends.world`). Elastic capacity
 is asked of Slurm, not scripted: the controller's demand (:meth:`want`, the expansion

@@ -61,7 +61,9 @@ def _dry_run(args: argparse.Namespace) -> int:
 
     cfg = load_run_config(args.config, need_slurm=False, sets=args.set)
     origins = resolve_run_mapping(args.config, args.set).origins
-    checks = prequeue_checks(cfg, slurm=cfg.backend == "slurm", offline=args.offline)
+    checks = prequeue_checks(
+        cfg, slurm=cfg.backend == "slurm", offline=args.offline, queue=False
+    )
     print(dry_run(cfg, args.config, origins, checks.lines()), end="", flush=True)
     for problem in checks.problems:
         print(f"pearl-hpc: error: {args.config}: {problem}", file=sys.stderr)

@@ -6,7 +6,9 @@
     layout:  nodes and GPUs of the base world (backend slurm: its batch job's nodes)
     elastic: max_workers, grace_s; pools and request (slurm: what is asked of Slurm) or
              trace | replay (local: the machine's availability)
-    slurm:   squeue polling, socket interface, lease (backend slurm)
+    cluster: the cluster's file the config starts from (config/cluster.py)
+    slurm:   site settings of every job the run submits, squeue polling, socket
+             interface, lease (config/slurm.py)
     run:     the workload (steps, env and its options, tasks, batch, sampling, staleness)
     engine:  the vLLM engines (device, memory, batch, any further vLLM EngineArgs)
     train:   the trainer's device, sharding, micro-batches and memory, the optimizer and its
