@@ -210,6 +210,13 @@ def _log_to(path: Path) -> None:
     os.close(fd)
 
 
+def _periodic(every_s: float) -> Any:
+    """The rollout line every ``every_s`` s in a log (None: 0, off)."""
+    from pearl_hpc.cli.live import PeriodicLine
+
+    return PeriodicLine(every_s) if every_s > 0 else None
+
+
 def _master(
     cfg: Any, run_dir: Path, plane: Any, args: argparse.Namespace, key: str, world: Any
 ) -> int:
@@ -231,6 +238,7 @@ def _master(
         from pearl_hpc.cli.live import LiveRollout
 
         live = LiveRollout()
+    progress = live or _periodic(cfg.run.log_every_s)
     try:
         summary = asyncio.run(
             run_master(
@@ -242,8 +250,9 @@ def _master(
                 key=key,
                 resume=args.resume,
                 on_step=lambda m: print(format_step(m), flush=True),
-                on_progress=live.update if live is not None else None,
+                on_progress=progress.update if progress is not None else None,
                 started_s=STARTED_S,
+                say=lambda line: print(line, flush=True),
             )
         )
     except BaseException as exc:

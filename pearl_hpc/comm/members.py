@@ -100,13 +100,22 @@ class Members:
         self._base_joined = False
         self._shutdown: dict[int, str] = {}  # SHUTDOWN seq -> member, until acked
 
-    def start(self, since_s: float, timeout_s: float = 900.0) -> None:
+    def start(
+        self, since_s: float, timeout_s: float = 900.0, say: Callable[[str], None] | None = None
+    ) -> None:
         """Every base rank said hello (blocking: before the loop serves anything);
         ``since_s``: when this rank started (``time.monotonic``), for the world's start
-        latency."""
+        latency; ``say``: a line each time more ranks are up (a trainer once its weights
+        are loaded, an engine once it serves)."""
         deadline = time.monotonic() + timeout_s
+        seen: tuple[int, int] | None = None
         while not self._base_joined:
             self.poll()
+            count = self.plane.base_hellos() if say is not None else None
+            if say is not None and count is not None and count != seen:
+                seen = count
+                up, size = count
+                say(f"starting: {up}/{size} ranks up ({time.monotonic() - since_s:.0f} s)")
             if time.monotonic() > deadline:
                 raise PlaneError(f"the base ranks did not all say hello in {timeout_s:g} s")
             time.sleep(POLL_S)
@@ -118,6 +127,8 @@ class Members:
             nodes={str(h.rank): h.node for h in self.hellos.values() if h.rank >= 0},
             start_s=round(time.monotonic() - since_s, 3),
         )
+        if say is not None:
+            say(f"started: {1 + len(self.hellos)} ranks up in {time.monotonic() - since_s:.0f} s")
 
     def of_kind(self, kind: str) -> list[str]:
         """Live members running ``kind`` (trainer, engine), in join order (the base

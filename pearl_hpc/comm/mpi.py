@@ -292,6 +292,12 @@ class MasterPlane:
         """The group's members ``left`` (both sides Disconnect) or died (freed)."""
         self._outbox.put(("disconnect" if left else "free", group, 0, b""))
 
+    def base_hellos(self) -> tuple[int, int] | None:
+        """(hellos in, ranks besides the master) of the base world while it starts (a
+        read of the pump's state: a moment old); None once it has."""
+        pending = self._pending.get("base")
+        return None if pending is None else (len(pending.hellos), pending.size - 1)
+
     def deaf_s(self) -> float:
         """Seconds since the pump last turned (it heard nobody meanwhile)."""
         return time.monotonic() - self.turned_s

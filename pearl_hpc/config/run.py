@@ -256,6 +256,12 @@ class RunSettings:
     )
     temperature: float = spec_field("sampling temperature", default=1.0, ge=0)
     seed: int = spec_field("rollout and training seed", default=0, ge=0)
+    log_every_s: float = spec_field(
+        "a batch job's log (not a terminal: that has a live line) gets the rollout line "
+        "every this many seconds between the step lines (0: never)",
+        default=60.0,
+        ge=0,
+    )
     max_restarts: int = spec_field(
         "a world that fails (a rank died: Hydra ends them all) is started again with "
         "--resume by its launcher this many times",

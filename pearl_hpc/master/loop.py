@@ -80,12 +80,14 @@ async def run_master(
     on_step: Callable[[StepMetrics], None] | None = None,
     on_progress: Callable[..., None] | None = None,
     started_s: float | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """One training run (or its continuation, ``resume``) as rank 0 of the world whose
     master side is ``plane``, with the capacity backend ``make_backend`` builds (the
     entry picks it: :func:`pearl_hpc.backends.backend_factory`); returns the summary
     (also written to ``summary.json``). ``on_step`` sees each recorded step's metrics,
-    ``on_progress(step, trajectory, batch_size, executor)`` each finished turn."""
+    ``on_progress(step, trajectory, batch_size, executor)`` each finished turn, ``say``
+    a line per start-up phase (ranks up)."""
     master = MasterRun(
         cfg,
         run_dir,
@@ -96,6 +98,7 @@ async def run_master(
         resume=resume,
         on_step=on_step,
         started_s=time.monotonic() if started_s is None else started_s,
+        say=say,
     )
     return await master.run(on_progress)
 
@@ -134,6 +137,7 @@ class MasterRun:
         resume: bool,
         on_step: Callable[[StepMetrics], None] | None,
         started_s: float,
+        say: Callable[[str], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.make_backend = make_backend
@@ -145,6 +149,7 @@ class MasterRun:
         self.key = key
         self.resume = resume
         self.on_step = on_step
+        self.say = say
         self.state = self.paths.read_state() if resume else None
         self._t_start = time.monotonic()
         self._offset_s = float(self.state["t_s"]) if self.state else 0.0  # across masters
@@ -174,7 +179,7 @@ class MasterRun:
             on_failed=self._member_failed,
             heartbeat_timeout_s=cfg.run.heartbeat_timeout_s,
         )
-        self.members.start(since_s=self.started_s)
+        self.members.start(since_s=self.started_s, say=self.say)
         self.trainer = RemoteTrainer(self.members)
         # the weights of the recorded steps (the trainer may resume an older checkpoint:
         # the steps after it are trained again from their logs)
