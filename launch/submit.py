@@ -6,7 +6,7 @@ The job's site settings (partition, account, time, setup lines...) are the confi
 ``slurm:`` section (over its cluster's file); ``KEY.PATH=VALUE`` overrides one, as
 ``--set`` does. The submitted job runs the run's MPI world (rank 0 the master); on
 preemption or at its time limit it requeues itself and resumes from the journal.
-``job.result()`` is the run's summary.
+``job.results()[0]`` is the run's summary.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pearl_hpc.runjob import submit_run
 def main(config: str, *sets: str) -> int:
     job, run_dir = submit_run(config, sets)
     print(f"master job {job.job_id}, run directory {run_dir}", flush=True)
-    print(format_summary(job.result()))
+    print(format_summary(job.results()[0]))
     return 0
 
 

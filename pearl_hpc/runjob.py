@@ -27,7 +27,7 @@ from typing import Any
 
 import submitit
 
-from pearl_hpc.backends.world import base_job_spec, multi_node, run_world
+from pearl_hpc.backends.world import base_job_spec, run_world
 from pearl_hpc.config.cluster import run_config_text
 from pearl_hpc.config.run import RunConfig
 from pearl_hpc.config.slurm import gpu_request, slurm_minutes
@@ -40,6 +40,10 @@ class RunJob(submitit.helpers.Checkpointable):
     """The submitted callable: one master of the run in ``run_dir``."""
 
     def __call__(self, run_dir: str) -> dict[str, Any]:
+        if submitit.JobEnvironment().global_rank != 0:
+            # a layout over several nodes: one task a node holds the allocation; the
+            # first's world starts the ranks on every node (Hydra's srun --overlap)
+            return {}
         run = RunDir(Path(run_dir))
         path = run.path
         cfg = load_run_config(run.config)
@@ -70,13 +74,9 @@ class RunJob(submitit.helpers.Checkpointable):
 def submit_run(config: str | Path, sets: Sequence[str] = ()) -> tuple[Any, Path]:
     """Submit the master of a new run as a submitit job with the config's site settings
     (``slurm:``) and its one node's tasks, CPUs and GPUs; returns (submitit job, run
-    directory). A layout of several nodes is one line: its base job is ``--sbatch``."""
+    directory). ``job.results()[0]`` is the run's summary (a layout over several nodes
+    has a task a node)."""
     cfg = load_run_config(config, sets=sets)
-    if multi_node(cfg):
-        raise ConfigError(
-            f"{config}: layout over {cfg.layout.nodes} nodes: --submit runs a one-node "
-            "layout; submit this one with `pearl-hpc run CONFIG --sbatch`"
-        )
     if not cfg.slurm.time:
         raise ConfigError(
             f"{config}: --submit needs slurm.time (the job's time limit: submitit requeues "
@@ -94,12 +94,14 @@ def submit_run(config: str | Path, sets: Sequence[str] = ()) -> tuple[Any, Path]
 
 
 def submitit_parameters(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
-    """submitit's parameters for the run's one-node base job (pure): the shape and the
-    site options of :func:`~pearl_hpc.backends.world.base_job_spec`, its env and setup
-    lines, the warning before the time limit."""
+    """submitit's parameters for the run's base job (pure): the nodes, GPUs and site
+    options of :func:`~pearl_hpc.backends.world.base_job_spec`, one task a node with
+    the CPUs of the busiest node's ranks, its env and setup lines, the warning before
+    the time limit."""
     job = base_job_spec(cfg, run_dir)
     shape = job.components[0]
     s = cfg.slurm
+    cpus = shape.ntasks_per_node * shape.cpus_per_task
     setup = [f"export {k}={shlex.quote(v)}" for k, v in s.env.items()] + list(s.setup)
     sbatch = {}  # the site's sbatch options (account, qos, gres...): submitit writes them
     for option in [*shape.extra, *gpu_request(s, shape.gpus_per_node)]:
@@ -107,9 +109,9 @@ def submitit_parameters(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
         sbatch[key.replace("-", "_")] = value if eq else True
     return {
         "slurm_job_name": cfg.name,
-        "nodes": 1,
+        "nodes": shape.nodes,
         "tasks_per_node": 1,
-        "cpus_per_task": shape.cpus_per_task,
+        "cpus_per_task": cpus,
         "timeout_min": slurm_minutes(s.time),
         "slurm_signal_delay_s": s.signal_lead_s,
         "slurm_setup": setup,

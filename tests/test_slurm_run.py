@@ -422,59 +422,6 @@ def test_slurm_run_survives_a_slurmctld_outage_and_a_killed_elastic_rank(
     assert stray.stdout.strip() == "", f"processes of the run left: {stray.stdout}"
 
 
-@pytest.mark.slurm
-@pytest.mark.vllm
-@pytest.mark.skipif(vllm_skip_reason() is not None, reason=str(vllm_skip_reason()))
-def test_submitit_run_is_requeued_when_preempted_and_resumes(
-    slurm_cluster: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`pearl-hpc run --submit`: the master as a submitit job. A preemption after step 0
-    (submitit's own test hook: SIGTERM, then USR2) checkpoints and requeues it; the next
-    start resumes from the journal and the run ends with every step trained once."""
-    from pearl_hpc.runjob import submit_run
-
-    monkeypatch.setenv("PEARL_HPC_CACHE", str(tmp_path / "cache"))
-    config = {
-        **CONFIG,
-        "backend": "local",
-        "workers": {"training_gpus": 1, "reserved_rollout": 1, "overlap": 0},
-        "elastic": {"grace_s": 15, "trace": []},
-        # synchronous steps of a few seconds each (trainer ranks train a step in well under
-        # a second): the preemption lands after step 0, well before the end
-        "run": {
-            **CONFIG["run"],
-            "steps": STEPS_SUBMITIT,
-            "max_turns": 3,
-            "max_tokens_per_turn": 64,
-            "max_staleness": 0,
-        },
-        "runs_dir": str(tmp_path / "runs"),
-    }
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(config))
-    job, run_dir = submit_run(path)  # the local cluster's site (configs/clusters/local.yaml)
-    try:
-        _wait("step 0", lambda: bool(read_jsonl(run_dir / "metrics.jsonl")), 600, poll_s=0.1)
-        job._interrupt()  # preemption as submitit simulates it
-        _wait("the requeued job to finish", job.done, 900)
-        summary = job.result()
-    finally:
-        subprocess.run(["scancel", str(job.job_id)], check=False)
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == list(range(STEPS_SUBMITIT))
-    assert [m["version"] for m in metrics] == list(range(1, STEPS_SUBMITIT + 1))
-    assert [m["trajectories"] for m in metrics] == [BATCH] * STEPS_SUBMITIT
-    assert summary["steps"] == STEPS_SUBMITIT
-    events = read_jsonl(run_dir / "events.jsonl")
-    resumed = [e for e in events if e["kind"] == "resumed"]
-    assert resumed, "the requeued job did not resume"
-    assert resumed[0]["step"] < STEPS_SUBMITIT, "the preemption came after the last step"
-    assert RunDir(run_dir).read_state()["status"] == "finished"
-    _wait("the job to leave squeue", lambda: not _in_squeue(str(job.job_id)), 60)
-    stray = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
-    assert stray.stdout.strip() == "", f"processes of the run left: {stray.stdout}"
-
-
 MULTI_NODE = {
     **LOCAL_CONFIG,
     "profile": MEASURED,  # colocated throughout: the placement is under test
@@ -495,6 +442,57 @@ MULTI_NODE = {
     "elastic": {**CONFIG["elastic"], "pools": [{"partition": "elastic", "hetjob_workers": 2}]},
     "run": {**LOCAL_CONFIG["run"], "steps": 3},
 }
+
+
+@pytest.mark.slurm
+@pytest.mark.vllm
+@pytest.mark.skipif(vllm_skip_reason() is not None, reason=str(vllm_skip_reason()))
+def test_submitit_runs_a_two_node_layout_requeued_when_preempted_and_resumed(
+    slurm_cluster: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`pearl-hpc run --submit` of a layout over two nodes: the master as a submitit job
+    of a task a node, with the site settings of the local cluster's file; the first
+    task's world starts the ranks on both nodes (Hydra's srun --overlap inside the
+    job's step). A preemption after step 0 (submitit's own test hook: SIGTERM, then
+    USR2) checkpoints and requeues it; the next start resumes from the journal and the
+    run ends with every step trained once."""
+    from pearl_hpc.runjob import submit_run
+
+    monkeypatch.setenv("PEARL_HPC_CACHE", str(tmp_path / "cache"))
+    config = {
+        **MULTI_NODE,
+        "elastic": {**MULTI_NODE["elastic"], "max_workers": 0},  # the base job under test
+        # synchronous steps of a few seconds each: the preemption lands after step 0,
+        # well before the end
+        "run": {**MULTI_NODE["run"], "steps": STEPS_SUBMITIT, "max_staleness": 0},
+        "runs_dir": str(tmp_path / "runs"),
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    job, run_dir = submit_run(path)
+    try:
+        _wait("step 0", lambda: bool(read_jsonl(run_dir / "metrics.jsonl")), 600, poll_s=0.1)
+        job._interrupt()  # preemption as submitit simulates it
+        _wait("the requeued job to finish", job.done, 900)
+        summary = job.results()[0]
+    finally:
+        subprocess.run(["scancel", str(job.job_id)], check=False)
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(STEPS_SUBMITIT))
+    assert [m["version"] for m in metrics] == list(range(1, STEPS_SUBMITIT + 1))
+    assert [m["trajectories"] for m in metrics] == [BATCH] * STEPS_SUBMITIT
+    assert summary["steps"] == STEPS_SUBMITIT
+    events = read_jsonl(run_dir / "events.jsonl")
+    worlds = [e for e in events if e["kind"] == "world"]
+    assert len(worlds) == 2 and all(w["ranks"] == 5 for w in worlds)  # before and after
+    assert all(w["nodes"]["4"] != w["nodes"]["1"] for w in worlds)  # over both nodes
+    resumed = [e for e in events if e["kind"] == "resumed"]
+    assert resumed, "the requeued job did not resume"
+    assert resumed[0]["step"] < STEPS_SUBMITIT, "the preemption came after the last step"
+    assert RunDir(run_dir).read_state()["status"] == "finished"
+    _wait("the job to leave squeue", lambda: not _in_squeue(str(job.job_id)), 60)
+    stray = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
+    assert stray.stdout.strip() == "", f"processes of the run left: {stray.stdout}"
 
 
 @pytest.mark.slurm

@@ -73,15 +73,17 @@ def world_argv(
     ]  # fmt: skip
 
 
-def world_env(cfg: RunConfig) -> dict[str, str]:
+def world_env(cfg: RunConfig, *, in_step: bool = False) -> dict[str, str]:
     """What the launcher's environment adds (pure): on several nodes, the CPUs of each
     node's Hydra proxy (the srun step its ranks run in) -- the busiest node's ranks'
-    worth, not the one CPU a task gets by default -- and the site's ``slurm.srun_extra``."""
+    worth, not the one CPU a task gets by default -- and the site's ``slurm.srun_extra``;
+    ``in_step``: the launcher is itself a task of a job step (a submitit job), whose
+    resources the proxies' step shares (``--overlap``)."""
     if not multi_node(cfg):
         return {}
     busiest = max(ranks_per_node(base_layout(cfg.workers, cfg.layout)))
     cpus = busiest * cfg.layout.cpus_per_rank
-    extra = " ".join(cfg.slurm.srun_extra)  # the site's srun options, on every step
+    extra = " ".join([*(["--overlap"] if in_step else []), *cfg.slurm.srun_extra])
     return {
         "HYDRA_LAUNCHER_EXTRA_ARGS": f"--ntasks-per-node=1 --cpus-per-task={cpus} {extra}".rstrip()
     }
@@ -296,7 +298,8 @@ def _warn_master(run: RunDir) -> None:
 def run_world(cfg: RunConfig, run_dir: Path, *, resume: bool = False, **popen: Any) -> int:
     """Run the world to its end (a child ``mpiexec``; started again with resume if it
     failed: :func:`with_restarts`); returns its exit status."""
-    env = {**popen.pop("env", os.environ), **world_env(cfg)}
+    env = dict(popen.pop("env", os.environ))
+    env.update(world_env(cfg, in_step="SLURM_STEP_ID" in env))
 
     def start(resume: bool) -> int:
         model_dir = prepare_run(cfg, run_dir, resume=resume)

@@ -123,7 +123,7 @@ def _submit_run(args: argparse.Namespace) -> int:
     print(f"pearl-hpc run: job {job.job_id}, run directory {run_dir}", flush=True)
     print(f"follow it: pearl-hpc status {run_dir}", flush=True)
     if args.wait:
-        print(format_summary(job.result()))
+        print(format_summary(job.results()[0]))
     return 0
 
 
