@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import sys
 
+import pearl_hpc
 from pearl_hpc.master.records import format_summary
-from pearl_hpc.runjob import submit_run
 
 
 def main(config: str, *sets: str) -> int:
-    job, run_dir = submit_run(config, sets)
+    job, run_dir = pearl_hpc.submit(config, sets)
     print(f"master job {job.job_id}, run directory {run_dir}", flush=True)
     print(format_summary(job.results()[0]))
     return 0
