@@ -254,3 +254,32 @@ def test_a_model_directory_is_whole_or_named(tmp_path: Path) -> None:
     (model / "tokenizer.json").write_text("{}")
     (model / "model-00001-of-00002.safetensors").write_bytes(b"")
     assert model_problem(str(model)) == ""
+
+
+def test_relative_paths_are_read_from_the_file_that_sets_them(
+    site: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (site / "exp").mkdir()
+    (site / "exp" / "model").mkdir()
+    (site / "exp" / "my-profile.yaml").write_text(
+        (REPO / "configs/profiles/tiny-cpu.yaml").read_text()
+    )
+    cluster = {**CLUSTER, "runs_dir": "../scratch"}  # the cluster's: beside its file
+    run = {**RUN, "model": "model", "profile": "my-profile.yaml"}
+    (site / "clusters").mkdir(exist_ok=True)
+    (site / "clusters" / "lab.yaml").write_text(yaml.safe_dump(cluster))
+    path = site / "exp" / "run.yaml"
+    path.write_text(yaml.safe_dump(run))
+    monkeypatch.chdir(site / "clusters")  # not where any of them is
+    cfg = read_run_config(path)
+    assert cfg.model == str(site / "exp" / "model")
+    assert cfg.profile == str(site / "exp" / "my-profile.yaml")
+    assert cfg.runs_dir == str(site / "scratch")
+    # a profile not beside the config: the shipped one of that name
+    path.write_text(yaml.safe_dump({**run, "profile": "profiles/tiny-cpu.yaml"}))
+    assert read_run_config(path).profile == str(REPO / "configs/profiles/tiny-cpu.yaml")
+    # --set: the working directory's
+    assert read_run_config(path, ["runs_dir=out"]).runs_dir == str(site / "clusters" / "out")
+    # a model that is not there stays as written (its check says so, a hub id's how)
+    path.write_text(yaml.safe_dump({**run, "model": "lab/agent-7b"}))
+    assert read_run_config(path).model == "lab/agent-7b"

@@ -129,6 +129,8 @@ def _origin_lines(cfg: RunConfig, origins: dict[str, str]) -> list[str]:
         value: Any = plain
         for part in key.split("."):
             value = value[int(part)] if isinstance(value, list) else value.get(part)
+        if isinstance(value, str) and Path(value).is_absolute():
+            value = _below_cwd(value)
         lines.append(f"{key}: {value!r}  ({_relative(source)})")
     return lines
 
@@ -136,12 +138,16 @@ def _origin_lines(cfg: RunConfig, origins: dict[str, str]) -> list[str]:
 def _relative(source: str) -> str:
     """A source with its path relative to the working directory where it is below it."""
     kind, _, path = source.partition(" ")
-    if not path:
-        return source
+    return f"{kind} {_below_cwd(path)}" if path else source
+
+
+def _below_cwd(path: str) -> str:
+    """``path`` relative to the working directory where it is below it (the dry run's
+    text is the same on every machine)."""
     try:
-        return f"{kind} {Path(path).resolve().relative_to(Path.cwd())}"
+        return str(Path(path).resolve().relative_to(Path.cwd()))
     except ValueError:
-        return source
+        return path
 
 
 def _device_text(cfg: RunConfig, rank: Any) -> str:

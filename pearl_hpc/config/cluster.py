@@ -154,9 +154,14 @@ def resolve_run_mapping(path: str | Path, sets: Sequence[str] = ()) -> Resolved:
     mapping = copy.deepcopy(cluster.defaults) if cluster else {}
     if cluster:
         origins = {key: f"cluster {cluster.path}" for key in _leaves(mapping)}
+        absolute_paths(mapping, cluster.path.parent)
+    own = copy.deepcopy(own)
+    absolute_paths(own, path.parent)
     _merge(mapping, own, origins)
     for item in sets:
         key, value = _parse_set(item)
+        if key in PATH_KEYS:
+            value = _absolute(key, value, Path.cwd())
         _set(mapping, key, value, item)
         for old in [k for k in origins if k == key or k.startswith(key + ".")]:
             del origins[old]
@@ -168,6 +173,39 @@ def run_config_text(path: str | Path, sets: Sequence[str] = ()) -> str:
     """What a run directory keeps of its config (``--resume`` reads it): the config
     resolved over its cluster, with ``sets``."""
     return resolve_run_mapping(path, sets).text(Path(path))
+
+
+# the keys that name files or directories: a relative one is read from the directory of
+# the file that sets it (a cluster's, a run config's; --set: the working directory)
+PATH_KEYS = ("model", "runs_dir", "profile", "run.tasks.path", "run.tasks.eval_path",
+             "elastic.replay.file")  # fmt: skip
+
+
+def absolute_paths(mapping: dict[str, Any], base: Path) -> None:
+    """Make the relative paths of ``mapping`` (its :data:`PATH_KEYS`) absolute against
+    ``base``, in place."""
+    for key in PATH_KEYS:
+        *parents, last = key.split(".")
+        node: Any = mapping
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and isinstance(node.get(last), str):
+            node[last] = _absolute(key, node[last], base)
+
+
+def _absolute(key: str, value: Any, base: Path) -> Any:
+    """``value`` of ``key`` against ``base``: as written when empty, absolute, a model
+    named ``tiny``, or a model or profile not found there (a model: its check names it
+    as written, a hub id too; a profile: the shipped one of that name, e.g.
+    ``profiles/qwen3-8b-h800-tp2.yaml``)."""
+    if not isinstance(value, str) or not value or Path(value).is_absolute():
+        return value
+    here = (base / value).resolve()
+    if key == "model" and (value == "tiny" or not here.exists()):
+        return value
+    if key == "profile" and not here.exists() and (REPO_CONFIGS / value).is_file():
+        return str(REPO_CONFIGS / value)
+    return str(here)
 
 
 def _leaves(mapping: dict[str, Any], prefix: str = "") -> list[str]:

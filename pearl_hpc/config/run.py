@@ -455,8 +455,15 @@ class DashboardSettings:
 @dataclass(frozen=True)
 class RunConfig:
     name: str = spec_field("run name (labels the run directory)")
-    runs_dir: str = spec_field("where run directories go", default="runs")
-    model: str = spec_field("'tiny' (built locally) or a model directory", default="tiny")
+    runs_dir: str = spec_field(
+        "where run directories go (relative paths, here and below: to the file that sets "
+        "them -- this config, its cluster's file; --set: the working directory)",
+        default="runs",
+    )
+    model: str = spec_field(
+        "'tiny' (built locally) or a model directory (config, tokenizer, weights)",
+        default="tiny",
+    )
     backend: str = spec_field(
         "local (elastic workers are local processes) | slurm (elastic workers are "
         "heterogeneous Slurm jobs, reclaimed by preemption)",
@@ -473,7 +480,9 @@ class RunConfig:
         default=SlurmSettings(),
     )
     profile: str = spec_field(
-        "workload profile YAML (relative: to configs/)", default="profiles/tiny-cpu.yaml"
+        "workload profile YAML (relative: beside the config, else a shipped one: "
+        "profiles/NAME.yaml of configs/)",
+        default="profiles/tiny-cpu.yaml",
     )
     policy: PolicyConfig = spec_field("controller policies", default=PolicyConfig())
     workers: WorkersConfig = spec_field("worker counts", default=WorkersConfig())

@@ -66,7 +66,7 @@ def model_problem(model: str) -> str:
         return ""
     path = Path(model)
     if not path.is_dir():
-        where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
+        where = "" if path.is_absolute() else " (beside the config file)"
         if _HUB_ID.fullmatch(model):
             return (
                 f"model {model}: no such directory{where}; set model to a model directory "
