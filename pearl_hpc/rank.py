@@ -274,6 +274,14 @@ def _master(
         return 1
     if live is not None:
         live.stop()
+    if summary.get("stopped"):
+        print(
+            f"pearl-hpc run: stopped (pearl-hpc cancel) before step {summary['next_step']}, "
+            f"a checkpoint written; continue it: pearl-hpc run --resume {run_dir}",
+            flush=True,
+        )
+        lock.close()
+        return 0
     print(format_summary(summary), flush=True)
     lock.close()
     print(f"status: pearl-hpc status {run_dir}; plots: pearl-hpc report {run_dir}", flush=True)

@@ -34,108 +34,57 @@ JOURNAL_FORMAT = "pearl-hpc-journal/1"
 # (attribute, name in the run directory, what it holds): docs/running.md's table
 FILES: tuple[tuple[str, str, str], ...] = (
     ("config", "config.yaml", "the run YAML it started from (`--resume` reads it)"),
-    (
-        "journal",
-        "journal.json",
-        "status, pid, next step, weight version, counters, the "
-        "controller's snapshot (role table, fitted profile, toggle estimate); replaced "
-        "atomically after every event batch and step",
-    ),
-    (
-        "lock_file",
-        "lock",
-        "the live master's `flock` (its pid inside): a second master, or "
-        "`--resume` of a live run, is refused in one line; the kernel frees a dead master's "
-        "lock, and `pearl-hpc status` reads it",
-    ),
-    (
-        "checkpoints",
-        "checkpoints/",
-        "`vNNNNNN/`: the trainer's state after N updates (steps "
-        "0..N-1): weights and AdamW state, one shard file per trainer rank "
-        "(`torch.distributed.checkpoint`), complete once its `meta.json` is there; every "
-        "`train.checkpoint_every` steps and after the last, the newest `train.keep_checkpoints` "
-        "kept",
-    ),
-    (
-        "exports",
-        "exports/",
-        "`vNNNNNN/`: Hugging Face model directories (config, tokenizer, "
-        "sharded safetensors) every `train.export_every` steps and after the last; "
-        "`pearl-hpc export` writes one from any checkpoint",
-    ),
-    (
-        "trajectories",
-        "trajectories/",
-        "`step-NNNNN.jsonl`: a line per turn of each "
-        "trajectory, what the turn added (token ids, masks, log-probs, versions); a "
-        "trajectory is the fold of its lines",
-    ),
-    (
-        "metrics",
-        "metrics.jsonl",
-        "one line per step: tokens/s, reward, rollout / train / "
-        "sync time, return latency, the serving config, the predicted rollout time, the "
-        "batch's tail and idle worker-seconds, the off-policy figures",
-    ),
-    (
-        "events",
-        "events.jsonl",
-        "every controller event, reconfiguration (decision and gate "
-        "reasons), worker start / re-role / release, membership change, and the role table "
-        "after each change",
-    ),
-    (
-        "summary",
-        "summary.json",
-        "the run's totals, written when it ends: counters, targets, "
-        "the refitted profile, aggregate tokens/s, idle shares (`slurm`: requests, grants, "
-        "submit -> RUNNING latencies, worker-seconds held)",
-    ),
+    ("journal", "journal.json", "status, pid, next step, weight version, counters, the "
+     "controller's snapshot (role table, fitted profile, toggle estimate); replaced "
+     "atomically after every event batch and step"),
+    ("lock_file", "lock", "the live master's `flock` (its pid inside): a second master, or "
+     "`--resume` of a live run, is refused in one line; the kernel frees a dead master's "
+     "lock, and `pearl-hpc status` reads it"),
+    ("checkpoints", "checkpoints/", "`vNNNNNN/`: the trainer's state after N updates (steps "
+     "0..N-1): weights and AdamW state, one shard file per trainer rank "
+     "(`torch.distributed.checkpoint`), complete once its `meta.json` is there; every "
+     "`train.checkpoint_every` steps and after the last, the newest `train.keep_checkpoints` "
+     "kept"),
+    ("exports", "exports/", "`vNNNNNN/`: Hugging Face model directories (config, tokenizer, "
+     "sharded safetensors) every `train.export_every` steps and after the last; "
+     "`pearl-hpc export` writes one from any checkpoint"),
+    ("trajectories", "trajectories/", "`step-NNNNN.jsonl`: a line per turn of each "
+     "trajectory, what the turn added (token ids, masks, log-probs, versions); a "
+     "trajectory is the fold of its lines"),
+    ("metrics", "metrics.jsonl", "one line per step: tokens/s, reward, rollout / train / "
+     "sync time, return latency, the serving config, the predicted rollout time, the "
+     "batch's tail and idle worker-seconds, the off-policy figures"),
+    ("events", "events.jsonl", "every controller event, reconfiguration (decision and gate "
+     "reasons), worker start / re-role / release, membership change, and the role table "
+     "after each change"),
+    ("summary", "summary.json", "the run's totals, written when it ends: counters, targets, "
+     "the refitted profile, aggregate tokens/s, idle shares (`slurm`: requests, grants, "
+     "submit -> RUNNING latencies, worker-seconds held)"),
     ("rpc_key", "rpc.key", "the engine sockets' key (0600), new for each world"),
     ("elastic", "elastic/", "elastic launches: their logs (`job-J.out` on Slurm)"),
-    (
-        "lease",
-        "elastic/master.lease",
-        "`<host> <pid> <unix time>`, touched every second by "
-        "the master: elastic ranks and batch steps end when it goes stale",
-    ),
+    ("lease", "elastic/master.lease", "`<host> <pid> <unix time>`, touched every second by "
+     "the master: elastic ranks and batch steps end when it goes stale"),
     ("hostfile", "hostfile", "a world over several nodes: Hydra's `node:ranks` lines"),
     ("mpi_port", "mpi-port", "the master's MPI port name (0600): elastic ranks `Connect` to it"),
-    (
-        "joins",
-        "joins/",
-        "`GROUP.json`: an elastic component's announcement; `GROUP.go`: the "
-        "master's go to `Connect` (one at a time)",
-    ),
+    ("joins", "joins/", "`GROUP.json`: an elastic component's announcement; `GROUP.go`: the "
+     "master's go to `Connect` (one at a time)"),
     ("submitit", "submitit/", "the submitit job's folder (`pearl-hpc run --submit`)"),
     ("world_log", "world.log", "the world's output when a benchmark or test runs it"),
-    (
-        "failure",
-        "failure.json",
-        "the first base rank of this world that failed: rank, "
-        "kind, its error in one line, whether it had joined (one that failed before is not "
-        "restarted: it would fail the same way); `pearl-hpc status` shows it",
-    ),
+    ("stop_request", "stop", "`pearl-hpc cancel`'s request: the master checkpoints, drains "
+     "its workers, cancels its elastic jobs and ends the run (status stopped)"),
+    ("base_job", "base-job", "the base job's Slurm id (`pearl-hpc run --sbatch`): "
+     "`pearl-hpc cancel` ends a job that has not started"),
+    ("failure", "failure.json", "the first base rank of this world that failed: rank, "
+     "kind, its error in one line, whether it had joined (one that failed before is not "
+     "restarted: it would fail the same way); `pearl-hpc status` shows it"),
     ("tensorboard", "tensorboard/", "TensorBoard event files (`dashboards.tensorboard`)"),
-    (
-        "wandb",
-        "wandb/",
-        "Weights & Biases files (`dashboards.wandb_project`; offline: "
-        "`wandb sync RUN_DIR/wandb/offline-run-*`)",
-    ),
+    ("wandb", "wandb/", "Weights & Biases files (`dashboards.wandb_project`; offline: "
+     "`wandb sync RUN_DIR/wandb/offline-run-*`)"),
     ("report", "report/", "`pearl-hpc report`'s plots and step table"),
-    (
-        "",
-        "rankR-KIND.log",
-        "each member's output, KIND trainer or engine (the terminal is rank 0's)",
-    ),
-    (
-        "",
-        "WORKER.ready.json",
-        "an engine rank's socket (host, port, pid) once it listens "
-        "(an elastic rank's: in `elastic/`)",
-    ),
+    ("", "rankR-KIND.log", "each member's output, KIND trainer or engine (the terminal is "
+     "rank 0's)"),
+    ("", "WORKER.ready.json", "an engine rank's socket (host, port, pid) once it listens "
+     "(an elastic rank's: in `elastic/`)"),
 )
 
 
@@ -150,6 +99,7 @@ class RunStatus(StrEnum):
     FAILED = "failed"  # the master ended with an error (``--resume`` continues it)
     FINISHED = "finished"
     DEAD = "dead"
+    STOPPED = "stopped"  # `pearl-hpc cancel`: checkpointed and ended (``--resume`` continues)
     WAITING = "waiting"  # no master yet (a queued batch job; never written)
     STARTING = "starting"  # a master, no journal yet: the world starting (never written)
 
@@ -232,6 +182,14 @@ class RunDir:
     @property
     def world_log(self) -> Path:
         return self._named("world_log")
+
+    @property
+    def stop_request(self) -> Path:
+        return self._named("stop_request")
+
+    @property
+    def base_job(self) -> Path:
+        return self._named("base_job")
 
     @property
     def failure(self) -> Path:

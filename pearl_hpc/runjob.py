@@ -61,6 +61,8 @@ class RunJob(submitit.helpers.Checkpointable):
         # USR2 handler runs: the requeue's own step teardown must not kill that command
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         rc = run_world(cfg, path, resume=resume)
+        if rc == 0 and read_journal(run.journal).get("status") == RunStatus.STOPPED:
+            return {"stopped": True}  # pearl-hpc cancel: --resume continues it
         if rc != 0 or not run.summary.exists():
             raise RuntimeError(f"the run's world ended with status {rc}; see the job's output")
         summary: dict[str, Any] = json.loads(run.summary.read_text())

@@ -108,3 +108,24 @@ def test_offline_skips_the_cluster_and_version_prints() -> None:
     assert proc.returncode == 0 and "nothing against the cluster (--offline)" in proc.stdout
     version = _cli("--version")
     assert version.returncode == 0 and version.stdout.startswith("pearl-hpc ")
+
+
+@pytest.mark.slurm
+def test_cancel_ends_a_batch_job_whose_master_has_not_started(
+    slurm_cluster: str, tmp_path: Path
+) -> None:
+    config = _config(tmp_path)
+    queued = _cli("run", str(config), "--sbatch", "--set=slurm.sbatch_extra=[--hold]")
+    assert queued.returncode == 0, queued.stderr
+    run_dir = Path(queued.stdout.split("run directory ")[1].split()[0])
+    job = (run_dir / "base-job").read_text().strip()
+    try:
+        status = _cli("status", str(run_dir))
+        assert "waiting: no master yet" in status.stdout, status.stdout
+        cancel = _cli("cancel", str(run_dir))
+        assert cancel.returncode == 0 and f"cancelled batch job {job}" in cancel.stdout
+        squeue = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True,
+                                text=True, timeout=30).stdout.strip()  # fmt: skip
+        assert squeue in ("", "CANCELLED"), squeue
+    finally:
+        subprocess.run(["scancel", job], check=False)

@@ -168,6 +168,7 @@ def prepare_run(cfg: RunConfig, run_dir: Path, *, resume: bool) -> str:
     run = RunDir(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     run.failure.unlink(missing_ok=True)  # the last world's: this one's is its own
+    run.stop_request.unlink(missing_ok=True)  # a cancel before: this start continues it
     write_key(run.rpc_key, new_key())
     if cfg.model == "tiny":
         from pearl_hpc.engine.tinymodel import build_tiny_model, default_model_dir

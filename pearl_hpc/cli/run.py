@@ -100,6 +100,7 @@ def _sbatch_run(args: argparse.Namespace) -> int:
         if not args.resume:
             shutil.rmtree(run_dir, ignore_errors=True)
         raise ConfigError(f"{source}: the base job was not queued: {exc}") from None
+    RunDir(run_dir).base_job.write_text(f"{job}\n")
     print(f"pearl-hpc run: batch job {job}, run directory {run_dir}", flush=True)
     print(f"its log: {run_dir / f'batch-{job}.out'}; follow it: pearl-hpc status {run_dir}")
     return 0
@@ -124,6 +125,46 @@ def _submit_run(args: argparse.Namespace) -> int:
     print(f"follow it: pearl-hpc status {run_dir}", flush=True)
     if args.wait:
         print(format_summary(job.results()[0]))
+    return 0
+
+
+def _cmd_cancel(args: argparse.Namespace) -> int:
+    """Stop a run cleanly: its master checkpoints, drains its workers, cancels its
+    elastic jobs and ends (status stopped; ``--resume`` continues it). A batch job that
+    has not started is cancelled."""
+    import time
+
+    from pearl_hpc.rundir import RunDir, RunStatus, read_journal
+    from pearl_hpc.slurm.client import SlurmClient, SlurmError
+
+    run = RunDir(Path(args.run_dir))
+    status = read_journal(run.journal).get("status") if run.journal.exists() else None
+    if status in (RunStatus.FINISHED, RunStatus.STOPPED):
+        print(f"pearl-hpc cancel: {run.path} is {status}; nothing runs")
+        return 0
+    if not run.lock_held():
+        job = run.base_job.read_text().strip() if run.base_job.exists() else ""
+        if not job:
+            print(f"pearl-hpc cancel: no master runs {run.path} (status: pearl-hpc status)")
+            return 0
+        try:
+            SlurmClient().cancel(job)
+        except SlurmError as exc:
+            raise ConfigError(f"pearl-hpc cancel: {exc}") from None
+        print(f"pearl-hpc cancel: cancelled batch job {job} before its master started")
+        return 0
+    run.stop_request.write_text(f"{time.time():.0f}\n")
+    print(f"pearl-hpc cancel: asked the master of {run.path} to stop (a checkpoint, its "
+          "workers drained, its elastic jobs cancelled)", flush=True)  # fmt: skip
+    if not args.wait:
+        print(f"follow it: pearl-hpc status {run.path}")
+        return 0
+    deadline = time.monotonic() + args.timeout_s
+    while run.lock_held() and time.monotonic() < deadline:
+        time.sleep(1.0)
+    if run.lock_held():
+        raise ConfigError(f"pearl-hpc cancel: the master still runs after {args.timeout_s:g} s")
+    print(f"pearl-hpc cancel: stopped; continue it: pearl-hpc run --resume {run.path}")
     return 0
 
 
@@ -194,6 +235,16 @@ def add_parsers(sub: Any) -> None:
     )
     run_p.add_argument("--wait", action="store_true", help="with --submit: wait, print summary")
     run_p.set_defaults(func=_cmd_run)
+
+    cancel_p = sub.add_parser(
+        "cancel", help="stop a run cleanly (checkpoint, drain, scancel); --resume continues it"
+    )
+    cancel_p.add_argument(
+        "run_dir", type=existing_run_dir, help="the directory `pearl-hpc run` printed"
+    )
+    cancel_p.add_argument("--wait", action="store_true", help="until the master has ended")
+    cancel_p.add_argument("--timeout-s", type=float, default=600.0, help="with --wait")
+    cancel_p.set_defaults(func=_cmd_cancel)
 
     status_p = sub.add_parser("status", help="state of a running or finished run")
     status_p.add_argument(

@@ -96,7 +96,8 @@ def _status_of(run_dir: Path, state: dict[str, Any]) -> dict[str, Any]:
         "t_s": state["t_s"],
         "left_s": left_s,
         "elastic_workers": state["elastic_workers"],
-        "elastic_jobs": state.get("elastic_jobs", []),
+        # a finished run cancelled its elastic jobs (the journal's list is the last poll's)
+        "elastic_jobs": [] if status == RunStatus.FINISHED else state.get("elastic_jobs", []),
         "borrowed": [
             s["slot_id"] for s in rollout if s["zone"] == "overlap" and s["status"] != "inactive"
         ],
@@ -161,7 +162,7 @@ def format_status(doc: dict[str, Any]) -> str:
         when = f"{_duration(doc['for_s'])} ago" if failure else f"for {_duration(doc['for_s'])}"
         return "\n".join([f"{doc['run_dir']}: {doc['status']}: {what}, {when}", *cause])
     left = "" if doc.get("left_s") is None else f" (~{_duration(doc['left_s'])} left)"
-    if doc["status"] in (RunStatus.DEAD, RunStatus.FAILED):
+    if doc["status"] in (RunStatus.DEAD, RunStatus.FAILED, RunStatus.STOPPED):
         hint = f"  (continue it: pearl-hpc run --resume {doc['run_dir']})"
     lines = [
         f"{doc['run_dir']}: {doc['status']}{hint}",

@@ -35,10 +35,10 @@ import math
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from pearl_hpc.comm.layout import ENGINE, TRAINER, base_layout
 from pearl_hpc.comm.members import Members
@@ -66,6 +66,8 @@ from pearl_hpc.master.steps import StepPipeline, Workload
 from pearl_hpc.master.trainer import RemoteTrainer
 from pearl_hpc.rollout.router import Router, RoutingTable
 from pearl_hpc.rundir import RunDir, RunStatus, write_journal, write_lines
+
+T = TypeVar("T")
 
 
 async def run_master(
@@ -108,9 +110,9 @@ def _finite(x: float) -> float | None:
     return round(x, 1) if math.isfinite(x) else None
 
 
-async def _unless_failed(work: Any, guard: asyncio.Task[None]) -> None:
-    """Run ``work`` to its end, unless ``guard`` (a task that should outlive it) fails
-    first: then ``work`` is cancelled and the guard's error raised."""
+async def _unless_failed(work: Awaitable[T], guard: asyncio.Task[None]) -> T:
+    """Run ``work`` to its end (its result), unless ``guard`` (a task that should
+    outlive it) fails first: then ``work`` is cancelled and the guard's error raised."""
     task = asyncio.ensure_future(work)
     await asyncio.wait({task, guard}, return_when=asyncio.FIRST_COMPLETED)
     if not task.done():
@@ -119,7 +121,7 @@ async def _unless_failed(work: Any, guard: asyncio.Task[None]) -> None:
             await task
         guard.result()  # its error (a guard that ended cleanly: the work was cut short)
         raise RuntimeError("the members' poll ended before the run")
-    task.result()
+    return task.result()
 
 
 class MasterRun:
@@ -239,10 +241,12 @@ class MasterRun:
             self.save_state(self.first_step, RunStatus.RUNNING)
             # what the backend makes available over time (after the base workers are in)
             replay_task = asyncio.create_task(self.backend.follow_trace(self._pump_stop))
-            # 6. the steps (a control plane that fails ends them: nothing could go on)
-            await _unless_failed(pipeline.run(self.first_step), poll_task)
+            # 6. the steps (a control plane that fails ends them: nothing could go on;
+            #    `pearl-hpc cancel` stops them after a checkpoint)
+            stopped = await _unless_failed(self._steps_or_stop(pipeline), poll_task)
             await self.trainer.save()  # the last step's checkpoint complete before the end
-            await self._settle(executor)
+            if not stopped:
+                await self._settle(executor)
         except BaseException:
             with contextlib.suppress(Exception):
                 self.save_state(self._next_step(), RunStatus.FAILED)
@@ -264,9 +268,31 @@ class MasterRun:
             self.members.leave_all()  # elastic ranks leave the world before their jobs end
             await self.backend.close()
         # 8. the summary; the members leave the world
-        summary = self._finish()
+        summary = self._finish() if not stopped else self._stopped()
         self.members.shutdown()
         return summary
+
+    async def _steps_or_stop(self, pipeline: StepPipeline) -> bool:
+        """The steps to the end, or until ``pearl-hpc cancel`` asks (``RUN_DIR/stop``,
+        looked for every second): then the step in flight is cut (its logged turns are
+        kept for a resume) and True returned."""
+        steps = asyncio.ensure_future(pipeline.run(self.first_step))
+        while not steps.done():
+            await asyncio.wait({steps}, timeout=1.0)
+            if not steps.done() and self.paths.stop_request.exists():
+                self.events("stop_requested", step=self._next_step())
+                steps.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await steps
+                return True
+        steps.result()
+        return False
+
+    def _stopped(self) -> dict[str, Any]:
+        """The journal's ``stopped`` (``--resume`` continues from it)."""
+        self._count()
+        self.save_state(self._next_step(), RunStatus.STOPPED)
+        return {"stopped": True, "steps": len(self.metrics), "next_step": self._next_step()}
 
     async def _settle(self, executor: WorkerExecutor, timeout_s: float = 120.0) -> None:
         """Let running starts / stops finish and their reports reach the controller until
