@@ -224,6 +224,7 @@ def _master(
     import asyncio
 
     from pearl_hpc.backends import backend_factory
+    from pearl_hpc.errors import ConfigError
     from pearl_hpc.master.loop import run_master
     from pearl_hpc.master.records import format_step, format_summary
 
@@ -260,6 +261,9 @@ def _master(
             live.stop()
         if isinstance(exc, KeyboardInterrupt):
             print("pearl-hpc run: interrupted", file=sys.stderr, flush=True)
+        elif isinstance(exc, ConfigError):  # the run's input: one line, not restarted
+            print(f"pearl-hpc run: error: {exc}", file=sys.stderr, flush=True)
+            RunDir(run_dir).record_failure(0, "master", str(exc)[:500], joined=False)
         else:
             traceback.print_exc()
             error = (f"{type(exc).__name__}: {exc}".splitlines() or ["?"])[0][:500]

@@ -77,6 +77,8 @@ def _config(tmp_path: Path, **changes: object) -> Path:
          "layout.gpus_per_node: 10 GPUs a node, but the nodes of partition normal have at most 8"),
         (["slurm.gpu_type=a100"], "slurm.gpu_type 'a100': the GPUs of partition normal are sim"),
         (["slurm.constraint=infiniband"], "sbatch --test-only refuses the base job"),
+        (["elastic.pools.0.constraint=infiniband"],
+         "elastic.pools[0] (elastic): sbatch --test-only refuses a worker's job"),
     ],
 )  # fmt: skip
 def test_each_check_before_the_queue_refuses_with_one_line(

@@ -16,9 +16,11 @@ import pytest
 
 from pearl_hpc.backends import slurm as backend_mod
 from pearl_hpc.backends.slurm import SlurmBackend
+from pearl_hpc.cli.view import format_pools
 from pearl_hpc.config.run import ElasticConfig, PoolConfig, RunConfig
 from pearl_hpc.config.slurm import SlurmSettings
 from pearl_hpc.core.types import Role
+from pearl_hpc.errors import ConfigError
 from pearl_hpc.master.capacity import BackendContext
 from pearl_hpc.slurm.client import CommandResult, SlurmClient
 from pearl_hpc.slurm.parse import SQUEUE_FORMAT
@@ -280,6 +282,29 @@ def test_a_bad_partition_is_reported_and_the_run_goes_on(
     assert len(failed) == 1 and not failed[0]["retry"]
     assert "partition" in failed[0]["error"].lower()
     assert backend.summary()["errors"] and backend.jobs == []
+    # shown where the run's workers are (the live line, status) and in the summary
+    (row,) = backend.describe()
+    assert (row["state"], row["pool"]) == ("refused", "no-such-partition")
+    assert format_pools(backend.describe()) == "no-such-partition: 1 refused"
+    assert "partition" in backend.summary()["refused_pools"]["no-such-partition"].lower()
+
+
+@pytest.mark.slurm
+def test_a_refused_pool_ends_a_strict_run_with_one_line(
+    slurm_cluster: str, tmp_path: Path
+) -> None:
+    backend, _ = _backend(tmp_path, PoolConfig(partition="no-such-partition"), strict=True)
+
+    async def go() -> None:
+        backend.want(1)
+        await backend._request()
+        try:
+            with pytest.raises(ConfigError, match=r"elastic.pools\[0\] \(no-such-partition\)"):
+                await backend.before_rollout(0, lambda _: None)
+        finally:
+            await backend.close()
+
+    asyncio.run(go())
 
 
 @pytest.mark.slurm

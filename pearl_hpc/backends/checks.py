@@ -5,6 +5,7 @@
     cluster's type), CPUs and node count it asks      (sinfo)
     each elastic pool's partition, and one worker's GPUs and CPUs there
     sbatch --test-only takes the base job             (account, qos, time, constraint)
+    and one worker's job of each elastic pool
 
 Each problem is one line naming the key and the fix. ``offline`` (a dry run away from
 the cluster) skips what needs the cluster: Slurm and the model directory on its file
@@ -18,6 +19,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pearl_hpc.backends.slurm import elastic_job_spec
 from pearl_hpc.backends.world import base_job_spec
 from pearl_hpc.config.run import RunConfig
 from pearl_hpc.master.preflight import model_problem
@@ -76,4 +78,15 @@ def prequeue_checks(
         checks.problems.append(f"slurm: sbatch --test-only refuses the base job: {refused}")
     else:
         checks.done.append("sbatch --test-only takes the base job")
+    for i, pool in enumerate(cfg.elastic.pools if cfg.backend == "slurm" else []):
+        spec = elastic_job_spec(cfg.elastic, [i], cfg.slurm, "check", Path(tempfile.gettempdir()),
+                                "MODEL", "python3")  # fmt: skip
+        refused = test_only(spec, run)
+        if refused:
+            checks.problems.append(
+                f"elastic.pools[{i}] ({pool.partition}): sbatch --test-only refuses a "
+                f"worker's job: {refused}"
+            )
+        else:
+            checks.done.append(f"sbatch --test-only takes a worker of elastic.pools[{i}]")
     return checks

@@ -52,6 +52,7 @@ from pearl_hpc.config.slurm import SlurmSettings, site_options
 from pearl_hpc.core.controller import CapacityGranted, CapacityReclaimed
 from pearl_hpc.core.table import ElasticSource
 from pearl_hpc.core.types import Role
+from pearl_hpc.errors import ConfigError
 from pearl_hpc.master.capacity import BackendContext
 from pearl_hpc.rundir import RunDir
 from pearl_hpc.slurm.capacity import CapacityManager, Component, ComponentState
@@ -177,7 +178,7 @@ class SlurmBackend:
         self.counts = {"granted": 0, "reclaimed": 0}
         self.target = 0  # the controller's demand
         self.errors: list[str] = []  # submissions that failed, for the summary
-        self.broken_pools: set[int] = set()  # refused for good (e.g. no such partition)
+        self.refused: dict[int, str] = {}  # pools Slurm refused for good, and why
         self._turn = 0  # the pool the next single request goes to
         self._retry_at: float | None = None
         self._expected_start: float | None = None  # Slurm's last start estimate (epoch s)
@@ -220,7 +221,15 @@ class SlurmBackend:
         return jobs
 
     async def before_rollout(self, step: int, spawn: Callable[[Awaitable[None]], None]) -> None:
-        """Slurm decides what starts when: nothing to offer before a rollout."""
+        """Slurm decides what starts when: nothing to offer before a rollout. With
+        ``elastic.strict``, a pool Slurm refused ends the run here (one line naming it)."""
+        if self.elastic.strict and self.refused:
+            i, why = next(iter(self.refused.items()))
+            raise ConfigError(
+                f"elastic.pools[{i}] ({self.elastic.pools[i].partition}): Slurm refuses its "
+                f"requests ({why}); fix the pool, or set elastic.strict: false to run "
+                "without it"
+            )
 
     async def follow_trace(self, stop: asyncio.Event) -> None:
         """No trace on Slurm (slurm/replay-load replays one as other users' load)."""
@@ -262,6 +271,10 @@ class SlurmBackend:
             if c.state is ComponentState.PENDING and c.expected_start is not None:
                 row["starts_in_s"] = round(max(0.0, c.expected_start - time.time()))
             out.append(row)
+        for i, why in self.refused.items():  # shown where the run's workers are
+            pool = self.elastic.pools[i].partition
+            out.append({"component": f"pool {i}", "state": "refused", "pool": pool,
+                        "nodes": [], "error": why})  # fmt: skip
         return out
 
     def _counted(self) -> list[Component]:
@@ -292,6 +305,9 @@ class SlurmBackend:
         return {
             "jobs": self.jobs,
             "errors": self.errors,
+            "refused_pools": {
+                self.elastic.pools[i].partition: why for i, why in self.refused.items()
+            },
             "poll_failures": self.client.poll_failures,  # squeue calls that failed
             "requested": len(self.manager.components),
             "granted": len(ran),
@@ -317,7 +333,7 @@ class SlurmBackend:
             return
         self._retry_at = None
         counted = self._counted()
-        while len(counted) < self.target and len(self.broken_pools) < len(self.elastic.pools):
+        while len(counted) < self.target and len(self.refused) < len(self.elastic.pools):
             if not await self._try_submit():
                 return
             counted = self._counted()
@@ -339,7 +355,7 @@ class SlurmBackend:
         """Submit one request, or report why not: an unreachable slurmctld is retried
         SUBMIT_RETRY_S later; a pool that refuses (e.g. no such partition) is not asked
         again, and the run goes on without it."""
-        while self._turn % len(self.elastic.pools) in self.broken_pools:
+        while self._turn % len(self.elastic.pools) in self.refused:
             self._turn += 1
         pools = request_pools(self.elastic, self._turn)
         self._turn += 1
@@ -356,7 +372,7 @@ class SlurmBackend:
             if retry:
                 self._retry_at = time.monotonic() + SUBMIT_RETRY_S
             else:
-                self.broken_pools.update(pools)
+                self.refused.update({i: str(exc)[:300] for i in pools})
             return False
 
     async def _soonest(self, turn_pool: int) -> tuple[list[int], dict[int, float | None]]:
@@ -365,7 +381,7 @@ class SlurmBackend:
         first pool does not hold the run's capacity back while another has idle GPUs."""
         n = len(self.elastic.pools)
         order = [(turn_pool + k) % n for k in range(n)]
-        order = [i for i in order if i not in self.broken_pools]
+        order = [i for i in order if i not in self.refused]
         starts: dict[int, float | None] = {}
         for i in order:
             spec = self._spec([i])

@@ -122,7 +122,7 @@ def format_pools(components: list[dict[str, Any]]) -> str:
         states[c["state"]] = states.get(c["state"], 0) + 1
         if "starts_in_s" in c:
             soonest[pool] = min(soonest.get(pool, c["starts_in_s"]), c["starts_in_s"])
-    order = ("requested", "pending", "running", "draining", "releasing")
+    order = ("requested", "pending", "running", "draining", "releasing", "refused")
 
     def state(pool: str, k: str, n: int) -> str:
         if k != "pending" or pool not in soonest:

@@ -203,6 +203,12 @@ class ElasticConfig:
         default=600.0,
         gt=0,
     )
+    strict: bool = spec_field(
+        "backend slurm: a pool Slurm refuses for good (no such partition, an account or "
+        "qos it does not take) ends the run, one line naming it; false: the run goes on "
+        "without that pool (shown as refused in the live line, status and summary)",
+        default=False,
+    )
     trace: list[TracePoint] = spec_field(
         "backend local: the machine's elastic availability, by step", default=[]
     )

@@ -215,6 +215,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         + ", ".join(f"{x:.2f} s" for x in ret),
         "targets: " + " -> ".join(_dedup(summary["targets"])),
     ]
+    refused = summary.get("slurm", {}).get("refused_pools", {})
+    lines += [f"elastic pool {pool} refused by Slurm: {why}" for pool, why in refused.items()]
     return "\n".join(lines)
 
 
