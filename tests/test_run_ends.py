@@ -11,6 +11,7 @@ No process of the run is left after either."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -64,6 +65,8 @@ def test_a_trainer_that_raises_at_start_ends_the_world_in_seconds(
 @pytest.mark.vllm
 @pytest.mark.skipif(vllm_skip_reason() is not None, reason=str(vllm_skip_reason()))
 def test_cancel_stops_a_run_cleanly_and_resume_finishes_it(tmp_path: Path) -> None:
+    from pearl_hpc.cli.view import run_status
+    from pearl_hpc.errors import PearlError
     from pearl_hpc.master.records import read_jsonl
 
     runs = tmp_path / "runs"
@@ -74,11 +77,16 @@ def test_cancel_stops_a_run_cleanly_and_resume_finishes_it(tmp_path: Path) -> No
         [sys.executable, "-m", "pearl_hpc.cli", "run", "configs/runs/local.yaml", *sets],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
+    seen = set()  # what status said of the run as it started
     try:
         deadline = time.monotonic() + 300
         while not list(runs.glob("*/metrics.jsonl")) and time.monotonic() < deadline:
+            for path in runs.glob("*/config.yaml"):
+                with contextlib.suppress(PearlError):  # (a journal mid-write)
+                    seen.add(run_status(path.parent)["status"])
             time.sleep(0.2)
         (run_dir,) = runs.iterdir()
+        assert "starting" in seen and "running" in seen, seen
         cancel = subprocess.run(
             [sys.executable, "-m", "pearl_hpc.cli", "cancel", str(run_dir), "--wait"],
             capture_output=True, text=True, timeout=300,
