@@ -139,39 +139,46 @@ def base_problems(cfg: RunConfig, groups: list[NodeGroup], job: JobSpec) -> list
 def pool_problems(cfg: RunConfig, groups: list[NodeGroup]) -> list[tuple[str, str]]:
     """Each elastic pool's partition, and one worker's GPUs and CPUs, against the
     cluster."""
-    out: list[tuple[str, str] | None] = []
+    out: list[tuple[str, str]] = []
     for i, pool in enumerate(cfg.elastic.pools if cfg.backend == "slurm" else []):
         key = f"elastic.pools.{i}"
-        mine = _partition(groups, pool.partition)
-        if not mine:
-            out.append(_missing(f"{key}.partition", pool.partition, groups))
-            continue
-        where = f"partition {pool.partition}"
-        out.append(_fit(f"{key}.gpus_per_worker", "GPUs", pool.gpus_per_worker,
-                        max(g.gpus for g in mine), where))  # fmt: skip
-        out.append(_fit(f"{key}.cpus_per_worker", "CPUs", pool.cpus_per_worker,
-                        max(g.cpus for g in mine), where))  # fmt: skip
-    return [p for p in out if p]
+        asks = [("gpus_per_worker", "GPUs", pool.gpus_per_worker, "gpus"),
+                ("cpus_per_worker", "CPUs", pool.cpus_per_worker, "cpus")]  # fmt: skip
+        out += _node_fits(key, f"{key}.partition", pool.partition, asks, groups)
+    return out
 
 
 def shape_problems(cluster: ClusterFile, groups: list[NodeGroup]) -> list[tuple[str, str]]:
     """A cluster file's node shapes against what ``sinfo`` reports."""
-    out: list[tuple[str, str] | None] = []
+    out: list[tuple[str, str]] = []
     for i, shape in enumerate(cluster.nodes):
+        asks = [("gpus", "GPUs", shape.gpus, "gpus"), ("cpus", "CPUs", shape.cpus, "cpus"),
+                ("memory_mb", "MB", shape.memory_mb, "memory_mb")]  # fmt: skip
         for j, name in enumerate(shape.partitions):
-            mine = _partition(groups, name)
-            if not mine:
-                out.append(_missing(f"nodes.{i}.partitions.{j}", name, groups))
-                continue
-            where = f"partition {name}"
-            out.append(_fit(f"nodes.{i}.gpus", "GPUs", shape.gpus,
-                            max(g.gpus for g in mine), where))  # fmt: skip
-            out.append(_fit(f"nodes.{i}.cpus", "CPUs", shape.cpus,
-                            max(g.cpus for g in mine), where))  # fmt: skip
-            out.append(_fit(f"nodes.{i}.memory_mb", "MB", shape.memory_mb,
-                            max(g.memory_mb for g in mine), where))  # fmt: skip
-            if shape.gpu_type and shape.gpu_type not in {g.gpu_type for g in mine}:
-                types = ", ".join(sorted({g.gpu_type or "untyped" for g in mine}))
-                why = f"nodes.{i}.gpu_type {shape.gpu_type!r}: {where}'s GPUs are {types}"
+            out += _node_fits(f"nodes.{i}", f"nodes.{i}.partitions.{j}", name, asks, groups)
+            types = {g.gpu_type for g in _partition(groups, name)}
+            if types and shape.gpu_type and shape.gpu_type not in types:
+                have = ", ".join(sorted(t or "untyped" for t in types))
+                why = f"nodes.{i}.gpu_type {shape.gpu_type!r}: partition {name}'s GPUs are {have}"
                 out.append((f"nodes.{i}.gpu_type", why))
-    return [p for p in out if p]
+    return out
+
+
+def _node_fits(
+    prefix: str,
+    name_key: str,
+    name: str,
+    asks: list[tuple[str, str, int, str]],
+    groups: list[NodeGroup],
+) -> list[tuple[str, str]]:
+    """Partition ``name`` (set at ``name_key``) exists, and its nodes have what one node
+    is asked: ``(field under prefix, what, asked, NodeGroup attribute)`` each."""
+    mine = _partition(groups, name)
+    if not mine:
+        return [_missing(name_key, name, groups)]
+    found = [
+        _fit(f"{prefix}.{field}", what, asked, max(getattr(g, attr) for g in mine),
+             f"partition {name}")
+        for field, what, asked, attr in asks
+    ]  # fmt: skip
+    return [p for p in found if p]
