@@ -6,7 +6,7 @@
 #   slurm/nccl-tests.sh run     srun each test across the current allocation (one task per
 #                               GPU), each test's stdout to <out>/<test>.txt
 #
-# Then: pearl-hpc calibrate --nccl-dir <out> --out configs/clusters/NAME.yaml
+# Then: pearl-hpc calibrate --nccl-dir <out> --out configs/clusters/NAME-bandwidth.yaml
 #
 # Settings (environment):
 #   NCCL_TESTS_SRC        source folder or git URL (default https://github.com/NVIDIA/nccl-tests)
@@ -179,7 +179,7 @@ cmd_run() {
       die "$test failed; its stderr: $out/$test.err (srun 'More processors requested than permitted': allocate with --ntasks-per-node=<GPUs per node>)"
     fi
   done
-  say "done; next: pearl-hpc calibrate --nccl-dir $out --out configs/clusters/<name>.yaml"
+  say "done; next: pearl-hpc calibrate --nccl-dir $out --out configs/clusters/<name>-bandwidth.yaml"
 }
 
 case "${1:-}" in

@@ -14,6 +14,7 @@ import yaml
 from pearl_hpc.backends.slurm import elastic_job_spec
 from pearl_hpc.backends.world import base_job_spec
 from pearl_hpc.config.cluster import CLUSTER_ENV, key_lines, resolve_run_mapping
+from pearl_hpc.config.files import REPO_CONFIGS
 from pearl_hpc.config.run import RunConfig, read_run_config
 from pearl_hpc.errors import ConfigError
 from pearl_hpc.master.preflight import model_problem
@@ -264,8 +265,10 @@ def test_relative_paths_are_read_from_the_file_that_sets_them(
     (site / "exp" / "my-profile.yaml").write_text(
         (REPO / "configs/profiles/tiny-cpu.yaml").read_text()
     )
-    cluster = {**CLUSTER, "runs_dir": "../scratch"}  # the cluster's: beside its file
-    run = {**RUN, "model": "model", "profile": "my-profile.yaml"}
+    (site / "clusters").mkdir(exist_ok=True)
+    (site / "clusters" / "tasks.jsonl").write_text('{"prompt": "1+1"}\n')
+    cluster = {**CLUSTER, "run": {"tasks": {"path": "tasks.jsonl"}}}  # beside its file
+    run = {**RUN, "model": "model", "profile": "my-profile.yaml", "runs_dir": "out"}
     (site / "clusters").mkdir(exist_ok=True)
     (site / "clusters" / "lab.yaml").write_text(yaml.safe_dump(cluster))
     path = site / "exp" / "run.yaml"
@@ -274,12 +277,14 @@ def test_relative_paths_are_read_from_the_file_that_sets_them(
     cfg = read_run_config(path)
     assert cfg.model == str(site / "exp" / "model")
     assert cfg.profile == str(site / "exp" / "my-profile.yaml")
-    assert cfg.runs_dir == str(site / "scratch")
+    assert cfg.run.tasks.path == str(site / "clusters" / "tasks.jsonl")
+    assert cfg.runs_dir == "out"  # where a run writes: the working directory's
     # a profile not beside the config: the shipped one of that name
     path.write_text(yaml.safe_dump({**run, "profile": "profiles/tiny-cpu.yaml"}))
-    assert read_run_config(path).profile == str(REPO / "configs/profiles/tiny-cpu.yaml")
+    assert read_run_config(path).profile == str(REPO_CONFIGS / "profiles/tiny-cpu.yaml")
     # --set: the working directory's
-    assert read_run_config(path, ["runs_dir=out"]).runs_dir == str(site / "clusters" / "out")
+    tasks = read_run_config(path, ["run.tasks.path=t.jsonl"]).run.tasks.path
+    assert tasks == str(site / "clusters" / "t.jsonl")
     # a model that is not there stays as written (its check says so, a hub id's how)
     path.write_text(yaml.safe_dump({**run, "model": "lab/agent-7b"}))
     assert read_run_config(path).model == "lab/agent-7b"

@@ -99,7 +99,8 @@ def test_each_check_before_the_queue_refuses_with_one_line(
 def test_the_dry_run_shows_where_site_values_came_from(slurm_cluster: str, tmp_path: Path) -> None:
     proc = _cli("run", str(_config(tmp_path)), "--dry-run", "--set", "slurm.qos=normal")
     assert proc.returncode == 0, proc.stderr
-    assert "slurm.partition: 'normal'  (cluster configs/clusters/local.yaml)" in proc.stdout
+    origin = "(cluster pearl_hpc/configs/clusters/local.yaml)"  # (configs/: a link to it)
+    assert f"slurm.partition: 'normal'  {origin}" in proc.stdout
     assert "slurm.qos: 'normal'  (--set)" in proc.stdout and "#SBATCH --qos=normal" in proc.stdout
     assert "ok: sbatch --test-only takes the base job" in proc.stdout
 

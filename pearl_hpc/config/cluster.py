@@ -126,7 +126,7 @@ def find_cluster(name: str, config_path: Path) -> Path | None:
         return Path(site)
     if (CLUSTERS / f"{name}.yaml").is_file():
         return CLUSTERS / f"{name}.yaml"
-    known = sorted(p.stem for p in CLUSTERS.glob("*.yaml"))
+    known = sorted(p.stem for p in CLUSTERS.glob("*.yaml") if not p.stem.endswith("-bandwidth"))
     raise ConfigError(
         f"{config_path}: cluster {name!r}: no such cluster file (${CLUSTER_ENV} "
         f"{site or 'unset'}; configs/clusters has {', '.join(known) or 'none'}); write "
@@ -175,9 +175,10 @@ def run_config_text(path: str | Path, sets: Sequence[str] = ()) -> str:
     return resolve_run_mapping(path, sets).text(Path(path))
 
 
-# the keys that name files or directories: a relative one is read from the directory of
-# the file that sets it (a cluster's, a run config's; --set: the working directory)
-PATH_KEYS = ("model", "runs_dir", "profile", "run.tasks.path", "run.tasks.eval_path",
+# the keys that name files a run reads: a relative one is read from the directory of the
+# file that sets it (a cluster's, a run config's; --set: the working directory). Where a
+# run writes (runs_dir) is the working directory's, as sbatch's --output is.
+PATH_KEYS = ("model", "profile", "run.tasks.path", "run.tasks.eval_path",
              "elastic.replay.file")  # fmt: skip
 
 
@@ -200,7 +201,7 @@ def _absolute(key: str, value: Any, base: Path) -> Any:
     ``profiles/qwen3-8b-h800-tp2.yaml``)."""
     if not isinstance(value, str) or not value or Path(value).is_absolute():
         return value
-    here = (base / value).resolve()
+    here = Path(os.path.normpath(base.absolute() / value))  # (symlinks as they are named)
     if key == "model" and (value == "tiny" or not here.exists()):
         return value
     if key == "profile" and not here.exists() and (REPO_CONFIGS / value).is_file():

@@ -31,7 +31,9 @@ from pearl_hpc.core.policies import PolicyConfig
 from pearl_hpc.core.profile import WorkloadProfile
 from pearl_hpc.errors import ConfigError
 
-REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+# the shipped configs (runs, profiles, clusters, workloads): package data (configs/ in a
+# checkout is a link to it)
+REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 _DIGITS = r"[0-9](?:_?[0-9])*"

@@ -462,8 +462,9 @@ class DashboardSettings:
 class RunConfig:
     name: str = spec_field("run name (labels the run directory)")
     runs_dir: str = spec_field(
-        "where run directories go (relative paths, here and below: to the file that sets "
-        "them -- this config, its cluster's file; --set: the working directory)",
+        "where run directories go (relative: to the working directory; the paths a run "
+        "reads -- model, profile, task and trace files -- are relative to the file that "
+        "sets them: this config, its cluster's file; --set: the working directory)",
         default="runs",
     )
     model: str = spec_field(
