@@ -5,6 +5,7 @@ checks: tests/test_site_cluster.py)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
@@ -288,3 +289,38 @@ def test_relative_paths_are_read_from_the_file_that_sets_them(
     # a model that is not there stays as written (its check says so, a hub id's how)
     path.write_text(yaml.safe_dump({**run, "model": "lab/agent-7b"}))
     assert read_run_config(path).model == "lab/agent-7b"
+
+
+def test_a_sites_template_wraps_the_base_jobs_script(site: Path) -> None:
+    template = site / "clusters" / "batch.tmpl"
+    (site / "clusters").mkdir(exist_ok=True)
+    template.write_text(
+        "#!/bin/bash -l\n$options\n#SBATCH --mail-type=FAIL\nset -eu\n"
+        "echo \"job $$SLURM_JOB_ID\"\n$setup\n$command\n"
+    )
+    cluster = {**CLUSTER, "slurm": {**CLUSTER["slurm"], "template": "batch.tmpl"}}
+    cfg = read_run_config(_write(site, RUN, cluster))
+    assert cfg.slurm.template == str(template)  # beside the cluster's file
+    text = render_sbatch(base_job_spec(cfg, Path("/runs/r-1"), python="py"))
+    lines = text.splitlines()
+    assert lines[0] == "#!/bin/bash -l" and lines[1] == "#SBATCH --job-name=r"
+    assert "#SBATCH --account=lab" in lines and "#SBATCH --mail-type=FAIL" in lines
+    assert 'echo "job $SLURM_JOB_ID"' in lines  # $$: a dollar sign
+    assert lines[-3:] == ["export HF_HUB_OFFLINE=1", "module load cuda",
+                          "exec py -m pearl_hpc.cli run --resume /runs/r-1"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("$options\n$setup\n", "$command is missing"),
+        ("$options\n$cmd\n$command\n", "$cmd is not a placeholder"),
+        ("$options\necho 5$\n$command\n", "a lone $"),
+    ],
+)
+def test_a_bad_template_is_one_line(site: Path, text: str, message: str) -> None:
+    (site / "clusters").mkdir(exist_ok=True)
+    (site / "clusters" / "batch.tmpl").write_text(text)
+    cluster = {**CLUSTER, "slurm": {**CLUSTER["slurm"], "template": "batch.tmpl"}}
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        read_run_config(_write(site, RUN, cluster))

@@ -102,7 +102,8 @@ def base_job_spec(cfg: RunConfig, run_dir: Path, python: str = "") -> JobSpec:
     several: enough tasks on each for the busiest node's ranks, all their GPUs; one: one
     task with every rank's CPUs and the GPUs the ranks use; the warning signal. Its step
     runs the world in ``run_dir`` (``pearl-hpc run --resume``: started there, or resumed
-    from its journal; ``python``: in place of ``slurm.python``, for a description)."""
+    from its journal; ``python``: in place of ``slurm.python``, for a description). Pure
+    but for reading a site's template (``slurm.template``)."""
     layout = base_layout(cfg.workers, cfg.layout)
     s = cfg.slurm
     python = python or s.python or sys.executable
@@ -131,6 +132,7 @@ def base_job_spec(cfg: RunConfig, run_dir: Path, python: str = "") -> JobSpec:
         output=str(run_dir / "batch-%j.out"),
         env=tuple(s.env.items()),
         setup=tuple(s.setup),
+        template=Path(s.template).read_text() if s.template else "",
     )
 
 

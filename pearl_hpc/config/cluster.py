@@ -179,7 +179,7 @@ def run_config_text(path: str | Path, sets: Sequence[str] = ()) -> str:
 # file that sets it (a cluster's, a run config's; --set: the working directory). Where a
 # run writes (runs_dir) is the working directory's, as sbatch's --output is.
 PATH_KEYS = ("model", "profile", "run.tasks.path", "run.tasks.eval_path",
-             "elastic.replay.file")  # fmt: skip
+             "elastic.replay.file", "slurm.template")  # fmt: skip
 
 
 def absolute_paths(mapping: dict[str, Any], base: Path) -> None:

@@ -29,7 +29,15 @@ from pathlib import Path
 from typing import Any
 
 from pearl_hpc.config.cluster import ClusterFile, resolve_run_mapping
-from pearl_hpc.config.slurm import SLURM_MEM, SLURM_NAME, SLURM_TIME, SlurmSettings, slurm_problem
+from pearl_hpc.config.files import read_user_text
+from pearl_hpc.config.slurm import (
+    SLURM_MEM,
+    SLURM_NAME,
+    SLURM_TIME,
+    SlurmSettings,
+    slurm_problem,
+    template_problem,
+)
 from pearl_hpc.config.traces import AvailabilityTrace, load_segment, load_trace
 from pearl_hpc.core.policies import PolicyConfig
 from pearl_hpc.core.schema import from_mapping, spec_field
@@ -528,6 +536,10 @@ def read_run_config(path: str | Path, sets: Sequence[str] = ()) -> RunConfig:
         )
     if cfg.elastic.replay.enabled:
         cfg.elastic.replay.load()  # a bad segment or file fails here, naming the fix
+    if cfg.slurm.template:
+        problem = template_problem(read_user_text(cfg.slurm.template, "slurm.template"))
+        if problem:
+            raise ConfigError(f"{path}: slurm.template {cfg.slurm.template}: {problem}")
     problem = elastic_problem(cfg.backend, cfg.elastic)
     if problem:
         raise ConfigError(f"{path}: {problem}")

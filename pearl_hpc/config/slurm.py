@@ -74,6 +74,12 @@ class SlurmSettings:
         "pearl-hpc now; python3: whichever setup puts first on PATH)",
         default="",
     )
+    template: str = spec_field(
+        "the base job's script from a site's template file instead of pearl_hpc's: "
+        "$options (the #SBATCH lines), $setup (env and setup lines), $command (its exec "
+        "line) are filled in ('': none)",
+        default="",
+    )
     sbatch_extra: list[str] = spec_field(
         "further sbatch options of every job (e.g. --reservation=r1)", default=[]
     )
@@ -128,6 +134,26 @@ def slurm_problem(s: SlurmSettings) -> str:
         for i, option in enumerate(getattr(s, key)):
             if not option.startswith("-") or "\n" in option:
                 return f"slurm.{key}[{i}] {option!r}: an option, e.g. --reservation=r1"
+    return ""
+
+
+TEMPLATE_KEYS = ("options", "setup", "command")
+
+
+def template_problem(text: str) -> str:
+    """What is wrong with a batch script template ('' if nothing; pure): ``$command``
+    must be in it, and no placeholder but :data:`TEMPLATE_KEYS`."""
+    import string
+
+    template = string.Template(text)
+    if not template.is_valid():
+        return "a lone $ (write $$ for a dollar sign)"
+    names = set(template.get_identifiers())
+    unknown = sorted(names - set(TEMPLATE_KEYS))
+    if unknown:
+        return f"${unknown[0]} is not a placeholder: use $options, $setup, $command ($$ for $)"
+    if "command" not in names:
+        return "$command is missing: the job would not run the world"
     return ""
 
 

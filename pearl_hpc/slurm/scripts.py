@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import string
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -70,6 +71,7 @@ class JobSpec:
     workdir: str | None = None
     env: tuple[tuple[str, str], ...] = field(default_factory=tuple)
     setup: tuple[str, ...] = ()  # shell lines run before the command (after env)
+    template: str = ""  # a site's script around $options, $setup, $command ('': ours)
 
     def __post_init__(self) -> None:
         if not self.components:
@@ -88,8 +90,9 @@ class JobSpec:
 
 def render_sbatch(spec: JobSpec) -> str:
     """The sbatch script text: options of component 0, then ``#SBATCH hetjob`` and the
-    options of each further component; job-wide options go with component 0."""
-    lines = ["#!/bin/bash", f"#SBATCH --job-name={spec.name}"]
+    options of each further component; job-wide options go with component 0; the env
+    and setup lines; the command. A site's template places the three itself."""
+    lines = [f"#SBATCH --job-name={spec.name}"]
     if spec.run_tag:
         lines.append(f"#SBATCH --comment={spec.comment}")
     if spec.signal:
@@ -103,13 +106,15 @@ def render_sbatch(spec: JobSpec) -> str:
         if i:
             lines.append("#SBATCH hetjob")
         lines.extend(f"#SBATCH {opt}" for opt in component.options())
-    lines.append("set -euo pipefail")
-    for key, value in spec.env:
-        lines.append(f"export {key}={shlex.quote(value)}")
-    lines.extend(spec.setup)
+    setup = [f"export {key}={shlex.quote(value)}" for key, value in spec.env] + list(spec.setup)
     # exec: the command replaces the batch shell, so a B: --signal reaches it
-    lines.append("exec " + " ".join(shlex.quote(part) for part in spec.command))
-    return "\n".join(lines) + "\n"
+    command = "exec " + " ".join(shlex.quote(part) for part in spec.command)
+    if spec.template:
+        filled = string.Template(spec.template).substitute(
+            options="\n".join(lines), setup="\n".join(setup), command=command
+        )
+        return filled if filled.endswith("\n") else filled + "\n"
+    return "\n".join(["#!/bin/bash", *lines, "set -euo pipefail", *setup, command]) + "\n"
 
 
 def scancel_args(
