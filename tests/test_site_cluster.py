@@ -131,5 +131,11 @@ def test_cancel_ends_a_batch_job_whose_master_has_not_started(
         squeue = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True,
                                 text=True, timeout=30).stdout.strip()  # fmt: skip
         assert squeue in ("", "CANCELLED"), squeue
+        # queued again for the same directory (its config kept the --set: held again)
+        again = _cli("run", "--resume", str(run_dir), "--sbatch")
+        assert again.returncode == 0 and f"run directory {run_dir}" in again.stdout, again.stderr
+        job = (run_dir / "base-job").read_text().strip()
+        assert f"batch job {job}," in again.stdout
+        assert _cli("cancel", str(run_dir)).returncode == 0
     finally:
         subprocess.run(["scancel", job], check=False)
