@@ -24,6 +24,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from pearl_hpc.master.preflight import load_run_config
     from pearl_hpc.rundir import RunDir, RunStatus, read_journal
 
+    if args.resume and args.set:
+        raise ConfigError(
+            "--set with --resume: the run's config is RUN_DIR/config.yaml (what it started "
+            "with, resolved); a resume continues that run unchanged"
+        )
+    if args.resume and (args.dry_run or args.submit):
+        raise ConfigError(
+            "--resume goes alone (this process runs the resumed world) or with --sbatch "
+            "(a batch job runs it)"
+        )
+    if args.offline and not (args.dry_run or args.sbatch or args.submit):
+        raise ConfigError("--offline goes with --dry-run, --sbatch or --submit")
+    if args.wait and not args.submit:
+        raise ConfigError("--wait goes with --submit")
     if args.dry_run:
         return _dry_run(args)
     if args.submit:
