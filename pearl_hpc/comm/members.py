@@ -71,6 +71,9 @@ LEAVE_TIMEOUT_S = 15.0  # members that do not ack LEAVE by then are cancelled an
 HEARTBEAT_TIMEOUT_S = 10.0
 
 
+SAY_EVERY_S = 5.0  # start-up lines: at most one this often
+
+
 class Members:
     """Commands to members as awaitables; joins, leaving, failures; the role partition
     after each plan."""
@@ -109,13 +112,19 @@ class Members:
         are loaded, an engine once it serves)."""
         deadline = time.monotonic() + timeout_s
         seen: tuple[int, int] | None = None
+        said_s = 0.0
         while not self._base_joined:
             self.poll()
             count = self.plane.base_hellos() if say is not None else None
-            if say is not None and count is not None and count != seen:
-                seen = count
-                up, size = count
-                say(f"starting: {up}/{size} ranks up ({time.monotonic() - since_s:.0f} s)")
+            # a line when more are up, at most every SAY_EVERY_S (512 ranks: not 512 lines)
+            if (
+                say is not None
+                and count is not None
+                and count != seen
+                and (count[0] == count[1] or time.monotonic() - said_s >= SAY_EVERY_S)
+            ):
+                seen, said_s = count, time.monotonic()
+                say(f"starting: {count[0]}/{count[1]} ranks up ({said_s - since_s:.0f} s)")
             if time.monotonic() > deadline:
                 raise PlaneError(f"the base ranks did not all say hello in {timeout_s:g} s")
             time.sleep(POLL_S)
