@@ -92,11 +92,15 @@ def _rank(args: argparse.Namespace) -> int:
         if isinstance(exc, KeyboardInterrupt):  # (a terminal's Ctrl-C reaches every rank)
             return 130
         traceback.print_exc()
-        error = (f"{type(exc).__name__}: {exc}".splitlines() or ["?"])[0][:500]
-        run.record_failure(me.rank, me.kind, error, joined=plane_w.joined)
+        run.record_failure(me.rank, me.kind, _error_line(exc), joined=plane_w.joined)
         sys.stderr.flush()
         world.Abort(1)
         return 1
+
+
+def _error_line(exc: BaseException) -> str:
+    """An exception as the one line a failure record keeps."""
+    return (f"{type(exc).__name__}: {exc}".splitlines() or ["?"])[0][:500]
 
 
 def _member(
@@ -266,8 +270,7 @@ def _master(
             RunDir(run_dir).record_failure(0, "master", str(exc)[:500], joined=False)
         else:
             traceback.print_exc()
-            error = (f"{type(exc).__name__}: {exc}".splitlines() or ["?"])[0][:500]
-            RunDir(run_dir).record_failure(0, "master", error, joined=True)
+            RunDir(run_dir).record_failure(0, "master", _error_line(exc), joined=True)
         print(
             f"pearl-hpc run: failed; resume with: pearl-hpc run --resume {run_dir}",
             file=sys.stderr,

@@ -207,6 +207,11 @@ class RunDir:
         with os.fdopen(fd, "w") as f:
             json.dump(note, f)
 
+    def failure_line(self, note: dict[str, Any]) -> str:
+        """A recorded failure in one line (the launcher's output, ``status``)."""
+        log = self.path / str(note["log"])
+        return f"rank {note['rank']} ({note['kind']}) failed: {note['error']} (its log: {log})"
+
     def read_failure(self) -> dict[str, Any] | None:
         try:
             note: dict[str, Any] = json.loads(self.failure.read_text())

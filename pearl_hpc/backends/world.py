@@ -222,8 +222,7 @@ def _report_failure(run_dir: Path) -> bool:
     note = run.read_failure()
     if note is None:
         return True
-    print(f"pearl-hpc run: rank {note['rank']} ({note['kind']}) failed: {note['error']} "
-          f"(its log: {run.path / note['log']})", file=sys.stderr, flush=True)  # fmt: skip
+    print(f"pearl-hpc run: {run.failure_line(note)}", file=sys.stderr, flush=True)
     if not note.get("joined", True):
         print(
             f"pearl-hpc run: it failed before it joined the run, so a restart would fail "

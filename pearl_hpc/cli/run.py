@@ -79,9 +79,14 @@ def _dry_run(args: argparse.Namespace) -> int:
         cfg, slurm=cfg.backend == "slurm", offline=args.offline, queue=False
     )
     print(dry_run(cfg, args.config, origins, checks.lines()), end="", flush=True)
-    for problem in checks.problems:
-        print(f"pearl-hpc: error: {args.config}: {problem}", file=sys.stderr)
-    return EXIT_USAGE if checks.problems else 0
+    return _refused(args.config, checks.problems)
+
+
+def _refused(source: str, problems: list[str]) -> int:
+    """The pre-queue checks' problems, one line each: exit 2 if any, else 0."""
+    for problem in problems:
+        print(f"pearl-hpc: error: {source}: {problem}", file=sys.stderr)
+    return EXIT_USAGE if problems else 0
 
 
 def _sbatch_run(args: argparse.Namespace) -> int:
@@ -100,9 +105,7 @@ def _sbatch_run(args: argparse.Namespace) -> int:
     cfg = load_run_config(source, sets=[] if args.resume else args.set)
     checks = prequeue_checks(cfg, slurm=True, offline=args.offline)
     if checks.problems:
-        for problem in checks.problems:
-            print(f"pearl-hpc: error: {source}: {problem}", file=sys.stderr)
-        return EXIT_USAGE
+        return _refused(source, checks.problems)
     if args.resume:
         run_dir = Path(args.resume).resolve()
     else:
@@ -130,10 +133,8 @@ def _submit_run(args: argparse.Namespace) -> int:
 
     cfg = load_run_config(args.config, sets=args.set)
     checks = prequeue_checks(cfg, slurm=True, offline=args.offline)
-    for problem in checks.problems:
-        print(f"pearl-hpc: error: {args.config}: {problem}", file=sys.stderr)
     if checks.problems:
-        return EXIT_USAGE
+        return _refused(args.config, checks.problems)
     job, run_dir = submit_run(args.config, args.set)
     print(f"pearl-hpc run: job {job.job_id}, run directory {run_dir}", flush=True)
     print(f"follow it: pearl-hpc status {run_dir}", flush=True)

@@ -149,10 +149,7 @@ def format_status(doc: dict[str, Any]) -> str:
 
     hint = ""
     failure = doc.get("failure")
-    cause = [] if not failure else [
-        f"rank {failure['rank']} ({failure['kind']}) failed: {failure['error']} (its log: "
-        f"{Path(doc['run_dir']) / failure['log']})"
-    ]  # fmt: skip
+    cause = [RunDir(Path(doc["run_dir"])).failure_line(failure)] if failure else []
     if "for_s" in doc:  # before the master's first journal
         what = {
             RunStatus.WAITING: "no master yet (its batch job waiting, or not started)",

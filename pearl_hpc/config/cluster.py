@@ -249,7 +249,10 @@ def _set(mapping: dict[str, Any], key: str, value: Any, item: str) -> None:
     *parents, last = key.split(".")
     node: Any = mapping
     for part in parents:
-        node = _index(node, part, item) if isinstance(node, list) else node.setdefault(part, {})
+        if isinstance(node, list):
+            node = node[_position(node, part, item)]
+        else:
+            node = node.setdefault(part, {})
         if not isinstance(node, dict | list):
             raise ConfigError(f"--set {item}: {part} is a value, not a section")
     if isinstance(node, list):
@@ -263,9 +266,6 @@ def _position(items: list[Any], part: str, item: str) -> int:
         raise ConfigError(f"--set {item}: {part}: the list has items 0-{len(items) - 1}")
     return int(part)
 
-
-def _index(items: list[Any], part: str, item: str) -> Any:
-    return items[_position(items, part, item)]
 
 
 def key_lines(path: Path) -> dict[str, int]:

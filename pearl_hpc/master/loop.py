@@ -241,12 +241,8 @@ class MasterRun:
             self.save_state(self.first_step, RunStatus.RUNNING)
             # what the backend makes available over time (after the base workers are in)
             replay_task = asyncio.create_task(self.backend.follow_trace(self._pump_stop))
-            # 6. the steps (a control plane that fails ends them: nothing could go on;
-            #    `pearl-hpc cancel` stops them after a checkpoint)
-            stopped = await _unless_failed(self._steps_or_stop(pipeline), poll_task)
-            await self.trainer.save()  # the last step's checkpoint complete before the end
-            if not stopped:
-                await self._settle(executor)
+            # 6. the steps, the last checkpoint, the workers settled
+            stopped = await self._run_steps(pipeline, poll_task, executor)
         except BaseException:
             with contextlib.suppress(Exception):
                 self.save_state(self._next_step(), RunStatus.FAILED)
@@ -271,6 +267,18 @@ class MasterRun:
         summary = self._finish() if not stopped else self._stopped()
         self.members.shutdown()
         return summary
+
+    async def _run_steps(
+        self, pipeline: StepPipeline, guard: asyncio.Task[None], executor: WorkerExecutor
+    ) -> bool:
+        """The steps (a control plane that fails, ``guard``, ends them: nothing could go
+        on; ``pearl-hpc cancel`` stops them), then the last step's checkpoint complete
+        before the end and, unless stopped, the workers settled; True when stopped."""
+        stopped = await _unless_failed(self._steps_or_stop(pipeline), guard)
+        await self.trainer.save()
+        if not stopped:
+            await self._settle(executor)
+        return stopped
 
     async def _steps_or_stop(self, pipeline: StepPipeline) -> bool:
         """The steps to the end, or until ``pearl-hpc cancel`` asks (``RUN_DIR/stop``,
