@@ -37,11 +37,13 @@ pytestmark = pytest.mark.gpu
 def _nccl_member(rank: int, port: int, queue: mp.Queue) -> None:
     import torch
 
-    from pearl_hpc.weights.group import WeightGroup, WeightStore, WeightStream, send_weights
+    from pearl_hpc.engine.store import KeyStore, StoreClient
+    from pearl_hpc.weights.group import WeightGroup, WeightStream, send_weights
 
     torch.cuda.set_device(rank)
-    store = WeightStore(port=port).store if rank == 0 else None
-    group = WeightGroup("127.0.0.1", port, "nccl-test/", rank, 2, "nccl", store=store)
+    key = "ab" * 32  # the run's key (both ranks read the same file in a run)
+    _server = KeyStore(key, port=port) if rank == 0 else None  # lives as long as the test
+    group = WeightGroup(StoreClient("127.0.0.1", port, key), "nccl-test/", rank, 2, "nccl")
     state = {
         "model.layers.0.w": torch.arange(12, dtype=torch.bfloat16).reshape(3, 4),
         "model.layers.1.w": torch.arange(12, 24, dtype=torch.bfloat16).reshape(3, 4),

@@ -42,7 +42,8 @@ def test_a_tp2_engine_loads_every_version_from_a_file(tiny_model_dir: str, tmp_p
         spec = EngineSpec(model_dir=tiny_model_dir, tensor_parallel_size=2)
         # one NUMA node here: vLLM's CPU TP needs its two workers' cores named
         env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-        worker = await spawn_worker(spec, "tp2", run_dir=tmp_path, key=new_key(), env=env)
+        key = new_key()
+        worker = await spawn_worker(spec, "tp2", run_dir=tmp_path, key=key, env=env)
         out: dict = {}
         try:
             c = worker.client
@@ -64,7 +65,7 @@ def test_a_tp2_engine_loads_every_version_from_a_file(tiny_model_dir: str, tmp_p
             out["from_bytes"] = await greedy("from_bytes")
             await c.load_weights(4, data=save(state))
             out["back"] = await greedy("back")
-            network = WeightSync(bucket_bytes=1 << 16)  # another node's trainer: gloo
+            network = WeightSync(key, bucket_bytes=1 << 16)  # another node's trainer: gloo
             try:
                 await network.form({"tp2": c})
                 await network.publish(network.stage(changed, 5))  # into a memfd, bucket by bucket

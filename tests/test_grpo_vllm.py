@@ -30,17 +30,17 @@ def setup(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
     fleet = Fleet(tiny_model_dir, tmp_path_factory.mktemp("grpo-engines"), max_model_len=2048)
     try:
         fleet.start({"w0": Role.COLOCATED, "late": None})  # "late" starts released
-        sync = fleet.run(_make_sync())
+        sync = fleet.run(_make_sync(fleet.key))
         fleet.run(sync.form({"w0": fleet.client("w0")}))
         yield fleet, sync
     finally:
         fleet.close()
 
 
-async def _make_sync():
+async def _make_sync(key: str):
     from pearl_hpc.train.sync import WeightSync
 
-    return WeightSync(bucket_bytes=1 << 16)  # the tiny model in several buckets
+    return WeightSync(key, bucket_bytes=1 << 16)  # the tiny model in several buckets
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +106,46 @@ def test_trained_weights_reach_engines_and_match_the_trainer(setup, chat, tiny_m
     fleet.run(sync.publish(sync.stage(trainer.state_dict(), 1)))
     fleet.run(late.release())  # at most one serving engine for the next test
     fleet.run(sync.form({"w0": w0}))
+
+
+def test_weights_tampered_on_the_wire_are_refused_and_the_engine_serves_on(
+    setup, chat, tiny_model_dir, monkeypatch, caplog
+):
+    """gloo carries no MAC: a version whose bytes change in transit does not match the
+    digest the trainer sent over the authenticated RPC. The engine refuses it in one line,
+    serves the version it held, and takes the next version as usual."""
+    from safetensors.torch import load_file
+
+    import pearl_hpc.train.sync as sync_module
+    from pearl_hpc.weights.group import send_weights
+
+    fleet, sync = setup
+    w0 = fleet.client("w0")
+    state = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
+    prompt = tuple(chat.prompt("What is 37 * 4 + 12? use python then answer"))
+    held = fleet.run(w0.stats()).weight_version
+    before = fleet.run(w0.generate(TurnRequest("held", prompt, 16)))
+
+    def on_the_wire(group, state, version, **kw):  # one weight changed after the digest
+        name = next(n for n, t in state.items() if t.is_floating_point())
+        return send_weights(group, {**state, name: state[name] + 1.0}, version, **kw)
+
+    sync.versions = type(sync.versions)(max_staleness=1)
+    monkeypatch.setattr(sync_module, "send_weights", on_the_wire)
+    with caplog.at_level("WARNING", logger="pearl_hpc.train.sync"):
+        fleet.run(sync.publish(sync.stage(state, 41)))
+    (line,) = [r.getMessage() for r in caplog.records if "digest" in r.getMessage()]
+    assert "w0" in line and "v41" in line and f"still serving v{held}" in line
+    assert "\n" not in line
+    assert fleet.run(w0.stats()).weight_version == held
+    assert sync.versions.version_of("w0") != 41
+    served = fleet.run(w0.generate(TurnRequest("served", prompt, 16)))
+    assert served.weight_version == held and served.token_ids == before.token_ids
+
+    monkeypatch.undo()
+    fleet.run(sync.publish(sync.stage(state, 42)))
+    assert fleet.run(w0.stats()).weight_version == 42
+    assert sync.versions.version_of("w0") == 42
 
 
 def test_a_trained_moe_loads_into_an_engine_and_matches_the_trainer(
@@ -307,7 +347,7 @@ def test_an_engine_on_the_trainers_node_maps_the_weights_the_network_would_send(
     state = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
     changed = {k: v * 1.5 if v.is_floating_point() else v for k, v in state.items()}
     prompt = tuple(chat.prompt("What is 37 * 4 + 12? use python then answer"))
-    shared = WeightSync(shared=SharedStore.create("test-engine"))
+    shared = WeightSync(fleet.key, shared=SharedStore.create("test-engine"))
     try:
         fleet.run(shared.form({"w0": w0}))
         assert shared.nearby == {"w0"} and shared._group is None  # nothing over the network

@@ -20,11 +20,12 @@ pytest.importorskip("safetensors")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from pearl_hpc.engine.rpc import new_key  # noqa: E402
+from pearl_hpc.engine.store import KeyStore  # noqa: E402
 from pearl_hpc.errors import ConfigError, PearlError  # noqa: E402
 from pearl_hpc.train.sync import WeightVersions  # noqa: E402
 from pearl_hpc.weights.group import (  # noqa: E402
     WeightGroup,
-    WeightStore,
     WeightStream,
     send_weights,
 )
@@ -248,9 +249,9 @@ def _trained(state: dict[str, Any], version: int) -> dict[str, Any]:
     return {name: tensor * 0.5**version + version for name, tensor in state.items()}
 
 
-def _group(host: str, port: int, epoch: tuple[str, list[str]], member_id: str) -> WeightGroup:
+def _group(store: Any, epoch: tuple[str, list[str]], member_id: str) -> WeightGroup:
     prefix, members = epoch
-    return WeightGroup(host, port, prefix, members.index(member_id), len(members), "gloo")
+    return WeightGroup(store, prefix, members.index(member_id), len(members), "gloo")
 
 
 def _sync(
@@ -297,7 +298,7 @@ def _timed_broadcasts(wg: WeightGroup, state: dict[str, Any], mine: bool) -> dic
     }
 
 
-def _member(host: str, port: int, member_id: str, weights_file: str, out: Any) -> None:
+def _member(port: int, key: str, member_id: str, weights_file: str, out: Any) -> None:
     """A spawned member. Epoch 1 (trainer + early worker): the trainer broadcasts
     versions 0 and 1. Epoch 2 adds the late joiner: it gets version 1 point to point (the
     early worker, already current, takes no part), then all three take version 2 by
@@ -305,11 +306,14 @@ def _member(host: str, port: int, member_id: str, weights_file: str, out: Any) -
     try:
         from safetensors.torch import load_file
 
+        from pearl_hpc.engine.store import StoreClient
+
+        store = StoreClient("127.0.0.1", port, key)
         state = load_file(weights_file)
         report: dict[str, Any] = {}
         mine = member_id == TRAINER
         if member_id != LATE:
-            wg = _group(host, port, EPOCH_1, member_id)
+            wg = _group(store, EPOCH_1, member_id)
             if mine:
                 with pytest.raises(WeightSyncError, match="empty"):
                     send_weights(wg, {}, 0)  # refused before any collective
@@ -317,7 +321,7 @@ def _member(host: str, port: int, member_id: str, weights_file: str, out: Any) -
                 report[f"v{version}"] = _sync(
                     wg, _trained(state, version) if mine else None, version
                 )
-        wg = _group(host, port, EPOCH_2, member_id)
+        wg = _group(store, EPOCH_2, member_id)
         late = EPOCH_2[1].index(LATE)
         if mine:
             _sync(wg, _trained(state, 1), 1, dst=late)
@@ -337,12 +341,11 @@ def test_three_members_broadcast_and_a_late_joiner_catches_up(tiny_model_dir: Pa
     assert "lm_head.weight" in state
     ctx = mp.get_context("spawn")
     members = [TRAINER, EARLY, LATE]
-    store = WeightStore("127.0.0.1")  # the trainer's, here the test's
+    key = new_key()
+    store = KeyStore(key)  # the trainer's, here the test's
     out = ctx.Queue()
     procs = [
-        ctx.Process(
-            target=_member, args=(store.host, store.port, m, weights_file, out), daemon=True
-        )
+        ctx.Process(target=_member, args=(store.port, key, m, weights_file, out), daemon=True)
         for m in members
     ]
     results = run_reporting(procs, out, set(members), timeout_s=2 * TIMEOUT_S)

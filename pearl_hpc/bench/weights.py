@@ -27,7 +27,9 @@ from typing import Any
 
 import torch
 
-from pearl_hpc.weights.group import WeightGroup, WeightStore, send_weights
+from pearl_hpc.engine.rpc import new_key
+from pearl_hpc.engine.store import KeyStore, StoreClient
+from pearl_hpc.weights.group import WeightGroup, send_weights
 from pearl_hpc.weights.shm import SharedStore, stage_private
 
 SIDE = 2048  # every tensor is SIDE x SIDE: 8 MiB in bf16
@@ -56,8 +58,9 @@ def _engine(conn: Any) -> None:
     from pearl_hpc.weights.shm import map_version
 
     params: dict[str, torch.Tensor] = {}
-    host, port, prefix = conn.recv()
-    group = WeightGroup(host, port, prefix, rank=1, size=2)  # formed once, as for an epoch
+    host, port, key, prefix = conn.recv()
+    # formed once, as for an epoch
+    group = WeightGroup(StoreClient(host, port, key), prefix, rank=1, size=2)
     while (cmd := conn.recv()) is not None:
         how, args = cmd
         if how == "gloo":
@@ -73,7 +76,8 @@ def _engine(conn: Any) -> None:
 
 def _measure(gib: float, repeats: int) -> dict[str, Any]:
     state = synthetic_state(gib)
-    store = WeightStore()
+    key = new_key()
+    store = KeyStore(key)
     shared = SharedStore.create("bench")
     if shared is None:
         raise SystemExit("bench --weights: no /dev/shm on this machine")
@@ -84,8 +88,8 @@ def _measure(gib: float, repeats: int) -> dict[str, Any]:
     rows: dict[str, list[dict[str, float]]] = {"gloo": [], "shm": []}
     same = True  # every delivery left the engine with the trainer's bf16 weights
     try:
-        conn.send((store.host, store.port, "bench/"))
-        group = WeightGroup(store.host, store.port, "bench/", 0, 2, store=store.store)
+        conn.send((store.host, store.port, key, "bench/"))  # the pipe is the process's own
+        group = WeightGroup(StoreClient(store.host, store.port, key), "bench/", 0, 2)
         for v in range(1, repeats + 1):
             t0 = time.time()
             staged = stage_private(state, v, torch.bfloat16)

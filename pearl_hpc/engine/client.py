@@ -106,8 +106,10 @@ class EngineClient:
     async def leave_weights_group(self, name: str) -> None:
         await self._rpc.call("leave_weights_group", name=name)
 
-    async def receive_weights(self, group: str, p2p: bool = False) -> Timing:
-        timing: Timing = await self._rpc.call("receive_weights", Timing, group=group, p2p=p2p)
+    async def receive_weights(self, group: str, digest: bytes, p2p: bool = False) -> Timing:
+        timing: Timing = await self._rpc.call(
+            "receive_weights", Timing, group=group, digest=digest, p2p=p2p
+        )
         return timing
 
     async def shares_memory(self, probe_path: str, token: str) -> bool:

@@ -39,7 +39,7 @@ from typing import Any
 import msgspec
 
 from pearl_hpc.comm.mpi import write_private
-from pearl_hpc.engine.types import Draining, EngineError
+from pearl_hpc.engine.types import Draining, EngineError, WeightsRefused
 
 log = logging.getLogger(__name__)
 
@@ -266,8 +266,11 @@ class RpcClient:
                         fut.set_exception(EngineError(f"{self.name}: {exc}"))
                     continue
                 kind, message = _typed(value, tuple[str, str])
-                cls = Draining if kind == "Draining" else EngineError
-                fut.set_exception(cls(f"{self.name}: {message}" if kind != "Draining" else message))
+                if kind == "Draining":
+                    fut.set_exception(Draining(message))
+                else:
+                    cls = WeightsRefused if kind == "WeightsRefused" else EngineError
+                    fut.set_exception(cls(f"{self.name}: {message}"))
         except RpcAuthError as exc:
             error = EngineError(f"{self.name}: {exc}")
         except (asyncio.IncompleteReadError, ConnectionError) as exc:

@@ -54,6 +54,7 @@ from pearl_hpc.engine.types import (
     Timing,
     TurnRequest,
     TurnResult,
+    WeightsRefused,
     WorkerStats,
 )
 from pearl_hpc.engine.vllm_engine import (
@@ -89,7 +90,8 @@ class EngineWorker:
         self.timings: list[Timing] = []
         self._sleeping_role: Role | None = None  # GPU: engine asleep, not shut down
         self._ops = asyncio.Lock()  # one lifecycle operation at a time
-        self._weight_groups: dict[str, Any] = {}  # name -> WeightGroup
+        self._weight_groups: dict[str, tuple[Any, Any]] = {}  # name -> (group, its store)
+        self.key = ""  # the run's key: the trainer's store asks for it
 
     @property
     def _tp(self) -> int:
@@ -251,31 +253,41 @@ class EngineWorker:
         size: int,
         backend: str = "gloo",
     ) -> None:
-        """Join a weight group of the trainer (rank 0) under the name ``name``.
+        """Join a weight group of the trainer (rank 0) under the name ``name``, meeting in
+        the trainer's store at ``host:port`` (which asks for the run's key).
 
         The group lives outside torch.distributed's default world, which the in-process
         engine owns (:mod:`pearl_hpc.weights.group`)."""
+        from pearl_hpc.engine.store import StoreClient
         from pearl_hpc.weights.group import WeightGroup
 
         await self.leave_weights_group(name)  # the previous epoch's group of that name
-        self._weight_groups[name] = await asyncio.to_thread(
-            WeightGroup, host, port, prefix, rank, size, backend
-        )
+        store = await asyncio.to_thread(StoreClient, host, port, self.key)
+        try:
+            group = await asyncio.to_thread(WeightGroup, store, prefix, rank, size, backend)
+        except BaseException:
+            store.close()
+            raise
+        self._weight_groups[name] = (group, store)
 
     async def leave_weights_group(self, name: str) -> None:
-        group = self._weight_groups.pop(name, None)
-        if group is not None:
-            group.close()
+        joined = self._weight_groups.pop(name, None)
+        if joined is not None:
+            joined[0].close()
+            joined[1].close()
 
-    async def receive_weights(self, group: str, p2p: bool = False) -> Timing:
+    async def receive_weights(self, group: str, digest: bytes, p2p: bool = False) -> Timing:
         """Take part in the trainer's broadcast in ``group`` (or receive a point-to-point
         copy, for a worker that missed broadcasts) into host memory, one bucket on the
         device at a time while the engine keeps generating; then load it between two
-        engine steps."""
+        engine steps, if it matches the trainer's ``digest`` (:func:`~pearl_hpc.weights.
+        wire.digest`, sent over this authenticated RPC): else :class:`WeightsRefused`, and
+        the engine serves the version it held."""
         from pearl_hpc.engine.weightfile import receive_into_file
         from pearl_hpc.weights.group import receive_weights
+        from pearl_hpc.weights.wire import digest as digest_of
 
-        wg = self._weight_groups.get(group)
+        wg = self._weight_groups.get(group, (None,))[0]
         if wg is None:
             raise EngineError(
                 f"{self.runner.worker_id}: not in weight group {group!r} "
@@ -291,6 +303,14 @@ class EngineWorker:
         else:
             version, named, recv_s = await asyncio.to_thread(receive_weights, wg, 0, p2p=p2p)
             file = None
+        if await asyncio.to_thread(digest_of, named) != digest:
+            if file is not None:
+                file.close()
+            held = self.runner.weight_version
+            raise WeightsRefused(
+                f"weights v{version} over {group!r} do not match the trainer's digest "
+                f"(tampered in transit): not loaded, still serving v{held}"
+            )
         load = await self._wait(self.runner.load_weights(named, version, recv_s, file))
         return self._load_timing(t0, load, "p2p" if p2p else "broadcast")
 
@@ -390,6 +410,7 @@ class EngineService:
         async def shutdown() -> None:
             self.stopped.set()
 
+        self.worker.key = key
         handlers = self.worker.handlers()
         handlers["shutdown"] = shutdown
         self.server = await serve(handlers, key, host=host, port=port)

@@ -19,6 +19,11 @@ class Draining(EngineError):
     """The worker is not admitting work (drained, released or changing role): route elsewhere."""
 
 
+class WeightsRefused(EngineError):
+    """The weights that arrived do not match the trainer's digest: the engine did not
+    load them and serves the version it held."""
+
+
 @dataclass(frozen=True, slots=True)
 class TurnRequest:
     """Generate one turn from token ids."""

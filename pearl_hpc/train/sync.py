@@ -15,6 +15,8 @@ point-to-point copy. :class:`WeightVersions` keeps who holds what.
 from __future__ import annotations
 
 import asyncio
+import logging
+import secrets
 import time
 import weakref
 from collections.abc import Awaitable, Mapping
@@ -23,10 +25,14 @@ from typing import cast
 import torch
 
 from pearl_hpc.engine.client import EngineClient
+from pearl_hpc.engine.store import KeyStore, StoreClient
+from pearl_hpc.engine.types import WeightsRefused
 from pearl_hpc.errors import ConfigError
-from pearl_hpc.weights.group import WeightGroup, WeightStore, send_weights
+from pearl_hpc.weights.group import WeightGroup, send_weights
 from pearl_hpc.weights.shm import SharedStore, Staged, stage_private
-from pearl_hpc.weights.wire import BUCKET_BYTES, WeightSyncError
+from pearl_hpc.weights.wire import BUCKET_BYTES, WeightSyncError, digest
+
+log = logging.getLogger(__name__)
 
 
 class WeightSync:
@@ -39,17 +45,27 @@ class WeightSync:
     (released, or joined late) is not waited for: :meth:`catch_up` gives it the latest
     version (mapped, or point to point in a two-member group), and the next :meth:`form`
     includes it.
+
+    The groups meet in this trainer's :class:`~pearl_hpc.engine.store.KeyStore` (the
+    run's ``key`` first), under prefixes with a random part; each version's
+    :func:`~pearl_hpc.weights.wire.digest` goes to its receivers over the authenticated
+    RPC, and one whose bytes do not match refuses them (logged; it keeps serving what it
+    held and takes the next version as usual).
     """
 
     def __init__(
         self,
+        key: str,
         host: str = "127.0.0.1",
         backend: str = "gloo",
         max_staleness: int = 1,
         bucket_bytes: int = BUCKET_BYTES,
         shared: SharedStore | None = None,
     ) -> None:
-        self.store = WeightStore(host)
+        self.store = KeyStore(key, host)
+        self.client = StoreClient(host, self.store.port, key)  # the trainer's side of groups
+        self._tag = secrets.token_hex(8)  # in every group's prefix: not guessable
+        self._digests: dict[int, bytes] = {}  # version -> digest (the latest only)
         self.backend = backend
         self.bucket_bytes = bucket_bytes
         self.shared = shared
@@ -78,9 +94,8 @@ class WeightSync:
     ) -> WeightGroup:
         size = 1 + len(members)
         host, port = self.store.host, self.store.port
-        trainer_side = asyncio.to_thread(
-            WeightGroup, host, port, prefix, 0, size, backend, store=self.store.store
-        )
+        prefix = f"{prefix}{self._tag}/"
+        trainer_side = asyncio.to_thread(WeightGroup, self.client, prefix, 0, size, backend)
         joined = await asyncio.gather(
             trainer_side,
             *[
@@ -129,21 +144,41 @@ class WeightSync:
         sends: list[Awaitable[object]] = [
             self._deliver_nearby(n, c, staged) for n, c in self.members.items() if n in self.nearby
         ]
+        refused: set[str] = set()
         if self._group is not None:
+            check = await self._digest(staged)
             sends.append(asyncio.to_thread(self._send, self._group, staged, None))
             sends += [
-                c.receive_weights("broadcast")
+                self._receive(n, c, check, refused)
                 for n, c in self.members.items()
                 if n not in self.nearby
             ]
         await asyncio.gather(*sends)
         for wid in self.members:
-            self.versions.loaded(wid, staged.version)
+            if wid not in refused:
+                self.versions.loaded(wid, staged.version)
         if self.shared is not None:  # every member holds it: older files can go
             self.shared.unlink_before(staged.version)
         wall_s = time.perf_counter() - t0
         self.timings.append(("broadcast", staged.version, wall_s))
         return wall_s
+
+    async def _digest(self, staged: Staged) -> bytes:
+        """The version's digest (computed once per version, in threads)."""
+        if staged.version not in self._digests:
+            self._digests = {staged.version: await asyncio.to_thread(digest, staged.state.items())}
+        return self._digests[staged.version]
+
+    async def _receive(
+        self, name: str, client: EngineClient, check: bytes, refused: set[str]
+    ) -> None:
+        """``name`` takes part in the broadcast; a refusal (its bytes did not match
+        ``check``) is one warning, and it stays on the version it held."""
+        try:
+            await client.receive_weights("broadcast", check)
+        except WeightsRefused as exc:
+            log.warning("weights: %s", exc)
+            refused.add(name)
 
     def _send(self, group: WeightGroup, staged: Staged, dst: int | None) -> None:
         send_weights(group, staged.state, staged.version, dst=dst, bucket_bytes=self.bucket_bytes)
@@ -163,9 +198,10 @@ class WeightSync:
         name = f"p2p-{self._p2p}"
         group = await self._group_of(name, f"p2p/{self._p2p}/", {worker_id: client}, backend)
         try:
+            check = await self._digest(staged)
             await asyncio.gather(
                 asyncio.to_thread(self._send, group, staged, 1),
-                client.receive_weights(name, p2p=True),
+                client.receive_weights(name, check, p2p=True),
             )
             await client.leave_weights_group(name)
         finally:
@@ -193,6 +229,8 @@ class WeightSync:
         if self._group is not None:
             self._group.close()
             self._group = None
+        self.client.close()
+        self.store.close()
         if self.shared is not None:
             self.shared.close()
 

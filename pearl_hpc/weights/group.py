@@ -5,11 +5,12 @@ itself (world size 1), and rebuilds it on every restart (role change, release/re
 A weight group in the same process must therefore not touch the default group: joining
 one there made the next engine start hang inside vLLM's world setup. A
 :class:`WeightGroup` is a bare ``ProcessGroupGloo`` (or ``ProcessGroupNCCL``) over a
-prefixed ``TCPStore`` — the approach vLLM's own stateless groups take — so any number of
+prefix of a store — the approach vLLM's own stateless groups take — so any number of
 them can live beside the engine, one per membership epoch.
 
-The trainer owns the store (:class:`WeightStore`); each group is a fresh key prefix with
-ranks ``0 .. size-1`` where 0 is the trainer. Weights travel as the header (the
+The trainer owns the store (:class:`~pearl_hpc.engine.store.KeyStore`: the run's key
+first, then a key or value); each group is a fresh, unguessable key prefix with ranks
+``0 .. size-1`` where 0 is the trainer. Weights travel as the header (the
 :class:`~pearl_hpc.weights.wire.WeightsHeader` dict of plain values as msgpack, length
 first: a receiver decodes data, never code) and then one flat buffer
 (:func:`~pearl_hpc.weights.wire.pack`).
@@ -38,47 +39,26 @@ from pearl_hpc.weights.wire import (
 BACKENDS = ("gloo", "nccl")
 
 
-class WeightStore:
-    """The trainer's rendezvous store (a TCPStore server) for weight groups."""
-
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 120.0) -> None:
-        self.host = host
-        self.store = dist.TCPStore(
-            host,
-            port,
-            None,
-            is_master=True,
-            timeout=timedelta(seconds=timeout_s),
-            wait_for_workers=False,
-        )
-        self.port = int(self.store.port)
-
-
 class WeightGroup:
-    """One group of ranks ``0..size-1`` under ``prefix`` of the store at ``host:port``."""
+    """One group of ranks ``0..size-1`` under ``prefix`` of ``store`` (a
+    ``torch.distributed.Store`` the caller keeps open while the group lives: NCCL meets
+    in it again for each new communicator)."""
 
     def __init__(
         self,
-        host: str,
-        port: int,
+        store: Any,
         prefix: str,
         rank: int,
         size: int,
         backend: str = "gloo",
         timeout_s: float = 120.0,
-        store: Any = None,
     ) -> None:
         if backend not in BACKENDS:
             raise WeightSyncError(f"weight group backend {backend!r}: use one of {BACKENDS}")
         if not 0 <= rank < size:
             raise WeightSyncError(f"weight group {prefix}: rank {rank} not in 0..{size - 1}")
         timeout = timedelta(seconds=timeout_s)
-        base = (
-            store
-            if store is not None
-            else dist.TCPStore(host, port, None, is_master=False, timeout=timeout)
-        )
-        prefixed = dist.PrefixStore(prefix, base)
+        prefixed = dist.PrefixStore(prefix, store)
         self.rank, self.size, self.prefix, self.backend = rank, size, prefix, backend
         if backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())

@@ -55,7 +55,10 @@ Decisions (and why):
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import hashlib
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -332,3 +335,25 @@ __all__ = [
     "plan_buckets",
     "unpack",
 ]
+
+
+def digest(named: Iterable[tuple[str, torch.Tensor]], threads: int | None = None) -> bytes:
+    """SHA-256 of a version: each tensor's name, dtype, shape and bytes, in name order
+    (the order it travelled in does not count). The trainer sends it over the
+    authenticated RPC and a receiver compares it with what arrived before loading: gloo
+    and NCCL carry no MAC of their own. Tensors hash in parallel threads (hashlib lets go
+    of the GIL): about 1.8 GB/s a core, so an 8B model in bf16 (16.4 GB) takes ~1.2 s on
+    8 cores; one on a GPU is copied to the host first."""
+
+    def one(item: tuple[str, torch.Tensor]) -> bytes:
+        name, tensor = item
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+        h = hashlib.sha256(f"{name}|{_dtype_name(tensor.dtype)}|{tuple(tensor.shape)}".encode())
+        h.update(flat.numpy().data)
+        return h.digest()
+
+    ordered = sorted(named, key=lambda item: item[0])
+    workers = threads or min(8, os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        parts = list(pool.map(one, ordered))
+    return hashlib.sha256(b"".join(parts)).digest()

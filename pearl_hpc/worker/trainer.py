@@ -73,6 +73,7 @@ class TrainerRank:
         resume: bool,
         device: str = "cpu",  # cpu | cuda (this rank's one GPU, cuda:0 once placed)
     ) -> None:
+        from pearl_hpc.engine.store import StoreClient
         from pearl_hpc.train.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
         from pearl_hpc.train.grpo import GRPOTrainer
         from pearl_hpc.train.offload import Residency
@@ -95,17 +96,21 @@ class TrainerRank:
                 SharedStore.create(_file_name(run_dir.name)) if cfg.train.shared_memory else None
             )
             t = cfg.train
-            self.sync = WeightSync(host, t.weight_sync, cfg.run.max_staleness, shared=shared)
+            self.sync = WeightSync(
+                key, host, t.weight_sync, cfg.run.max_staleness, shared=shared
+            )
         addr = comm.bcast(
             (self.sync.store.host, self.sync.store.port) if self.sync is not None else None, 0
         )
         group = None
         backend = "nccl" if device == "cuda" else "gloo"  # one GPU per trainer rank
-        store = self.sync.store.store if self.sync is not None else None
-        if size > 1 and cfg.train.fsdp:  # FSDP2 shards over the default group of trainers
-            _join_fsdp_world(addr, store, self.index, size, backend)
-        elif size > 1:  # replicated weights, gradients summed over a weight group
-            group = WeightGroup(addr[0], addr[1], "dp/", self.index, size, backend, store=store)
+        # the trainer ranks' groups meet in trainer 0's store too (NCCL again for each
+        # new communicator: the client lives as long as the rank)
+        self.store = StoreClient(addr[0], addr[1], key) if size > 1 else None
+        if self.store is not None and cfg.train.fsdp:  # FSDP2 shards over the default group
+            _join_fsdp_world(self.store, self.index, size, backend)
+        elif self.store is not None:  # replicated weights, gradients summed over a group
+            group = WeightGroup(self.store, "dp/", self.index, size, backend)
         grpo = grpo_config(cfg, device)
         # a resumed run continues from its newest checkpoint (the launcher dropped newer
         # and incomplete ones; the master trains the steps after it again from their
@@ -367,9 +372,7 @@ def grpo_config(cfg: RunConfig, device: str = "cpu") -> Any:
     )
 
 
-def _join_fsdp_world(
-    addr: tuple[str, int], store: Any, index: int, size: int, backend: str
-) -> None:
+def _join_fsdp_world(store: Any, index: int, size: int, backend: str) -> None:
     """torch.distributed's default group over the trainer ranks (FSDP2 shards over it):
     no engine lives in a trainer rank's process, so the default group is theirs."""
     from datetime import timedelta
@@ -377,8 +380,6 @@ def _join_fsdp_world(
     import torch.distributed as dist
 
     timeout = timedelta(seconds=120)
-    if store is None:
-        store = dist.TCPStore(addr[0], addr[1], None, is_master=False, timeout=timeout)
     dist.init_process_group(
         backend, store=dist.PrefixStore("fsdp/", store), rank=index, world_size=size,
         timeout=timeout,
