@@ -29,7 +29,7 @@ from typing import Any
 
 import msgspec
 
-from pearl_hpc.rundir import RunDir, RunDirBusy
+from pearl_hpc.rundir import RunDir, RunDirBusy, private_files
 
 STARTED_S = time.monotonic()  # this process's start, for the world's start latency
 
@@ -206,7 +206,7 @@ def _join(args: argparse.Namespace) -> int:
 
 
 def _log_to(path: Path) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(fd, 1)
@@ -312,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     join.add_argument("--gpus", type=int, default=1, help="GPUs of its worker (from Slurm's)")
     join.set_defaults(func=_join)
     args = parser.parse_args(argv)
+    private_files()
     logging.basicConfig(level=os.environ.get("PEARL_LOG_LEVEL", "WARNING"))
     return int(args.func(args))
 

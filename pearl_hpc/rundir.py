@@ -201,7 +201,7 @@ class RunDir:
         note = {"rank": rank, "kind": kind, "error": error, "joined": joined,
                 "time": time.time(), "log": self.rank_log(rank, kind).name}  # fmt: skip
         try:
-            fd = os.open(self.failure, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(self.failure, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError:
             return
         with os.fdopen(fd, "w") as f:
@@ -268,14 +268,14 @@ class RunDir:
         if runs.exists() and not runs.is_dir():
             raise ConfigError(f"runs_dir {runs}: is a file; set runs_dir to a directory")
         try:
-            runs.mkdir(parents=True, exist_ok=True)
+            runs.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"runs_dir {runs}: cannot create it ({exc.strerror})") from None
         stem = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
         for n in range(1, 1000):
             run = cls(runs / (stem if n == 1 else f"{stem}-{n}"))
             try:
-                run.path.mkdir()
+                run.path.mkdir(mode=0o700)
             except FileExistsError:
                 continue
             run.config.write_text(config_text)
@@ -370,6 +370,15 @@ def _version_dirs(root: Path) -> dict[int, Path]:
 def complete_checkpoints(root: Path | str) -> dict[int, Path]:
     """The complete checkpoints under ``root`` by version."""
     return {v: entry for v, entry in _version_dirs(Path(root)).items() if _complete(entry)}
+
+
+def private_files() -> None:
+    """Everything this process creates from here on is its owner's alone (umask 077):
+    a run's files are private from their first byte (a file opened while it was still
+    readable stays readable to whoever opened it, whatever chmod comes later). Every
+    entry point of a run calls it first; sbatch passes it on to the jobs' output files
+    (``SLURM_UMASK``)."""
+    os.umask(0o077)
 
 
 def write_journal(path: str | Path, state: dict[str, Any], *, time_s: float) -> None:

@@ -33,13 +33,14 @@ from pearl_hpc.config.run import RunConfig
 from pearl_hpc.config.slurm import gpu_request, slurm_minutes
 from pearl_hpc.errors import ConfigError
 from pearl_hpc.master.preflight import load_run_config
-from pearl_hpc.rundir import RunDir, RunStatus, read_journal
+from pearl_hpc.rundir import RunDir, RunStatus, private_files, read_journal
 
 
 class RunJob(submitit.helpers.Checkpointable):
     """The submitted callable: one master of the run in ``run_dir``."""
 
     def __call__(self, run_dir: str) -> dict[str, Any]:
+        private_files()
         if submitit.JobEnvironment().global_rank != 0:
             # a layout over several nodes: one task a node holds the allocation; the
             # first's world starts the ranks on every node (Hydra's srun --overlap)

@@ -9,12 +9,14 @@ import dataclasses
 import itertools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +29,7 @@ from pearl_hpc.config.run import TraceReplay
 from pearl_hpc.errors import ConfigError, PearlError
 from pearl_hpc.master.journal import TrajectoryLog
 from pearl_hpc.master.preflight import load_run_config
+from tests import other_user
 from tests.conftest import vllm_skip_reason
 
 CONFIG = {
@@ -59,9 +62,22 @@ CONFIG = {
 MEASURED = "profiles/tiny-cpu.yaml"
 
 
+@pytest.fixture
+def shared_runs() -> Iterator[Path]:
+    """A runs directory whoever may read the project's directory may read (0755, as on
+    a shared file system; the run's own directory is what keeps others out)."""
+    shared = Path(tempfile.mkdtemp(prefix="pearl-shared-", dir="/tmp"))
+    runs = shared / "runs"
+    runs.mkdir()
+    for d in (shared, runs):
+        d.chmod(0o755)
+    yield runs
+    shutil.rmtree(shared, ignore_errors=True)
+
+
 def _write(tmp_path: Path, config: dict) -> Path:
     path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump({**config, "runs_dir": str(tmp_path / "runs")}))
+    path.write_text(yaml.safe_dump({"runs_dir": str(tmp_path / "runs"), **config}))
     return path
 
 
@@ -287,7 +303,7 @@ def _train_from_logs(tmp_path: Path, run_dir: Path, world: int, start: int, tag:
 @pytest.mark.vllm
 @pytest.mark.skipif(vllm_skip_reason() is not None, reason=str(vllm_skip_reason()))
 def test_fsdp2_checkpoints_and_a_killed_trainer_replays_its_steps_from_the_log(
-    tmp_path: Path, monkeypatch
+    tmp_path: Path, monkeypatch, shared_runs: Path
 ):
     """train.fsdp on two trainer ranks (gloo) with checkpoint_every 3: trainer rank 2
     SIGKILLed after step 4 is recorded ends the world (Hydra), and the launcher starts it
@@ -296,7 +312,11 @@ def test_fsdp2_checkpoints_and_a_killed_trainer_replays_its_steps_from_the_log(
     rolled out again), roll out and train step 5. The weights and AdamW state after step
     5 are bitwise those of an uninterrupted pair of ranks trained on the same batches;
     resumed on one rank from the same checkpoint (resharded) they agree to 1e-5. The
-    engines get weights gathered in their dtype."""
+    engines get weights gathered in their dtype.
+
+    The runs directory is shared (0755, as on a project file system): another local
+    user, probing every path of the run each second from start to end (checkpoints,
+    logs, trajectories, the restart's files), reads, lists and writes none of them."""
     cache = tmp_path / "cache"
     monkeypatch.setenv("PEARL_HPC_CACHE", str(cache))
     config = {
@@ -309,33 +329,49 @@ def test_fsdp2_checkpoints_and_a_killed_trainer_replays_its_steps_from_the_log(
             "fsdp": True, "shared_memory": False, "checkpoint_every": 3, "minibatch_size": 4,
         },
     }  # fmt: skip
-    path = _write(tmp_path, config)
+    runs = shared_runs
+    path = _write(tmp_path, {**config, "runs_dir": str(runs)})
     env = {**os.environ, "PEARL_HPC_CACHE": str(cache)}
     cmd = [sys.executable, "-m", "pearl_hpc.cli", "run"]
 
     def step_4_recorded() -> Path | None:
-        found = list((tmp_path / "runs").glob("t-*/journal.json"))
+        found = list(runs.glob("t-*/journal.json"))
         with contextlib.suppress(OSError, ValueError, IndexError):  # (not written yet)
             if json.loads(found[0].read_text())["state"]["next_step"] >= 5:
                 return found[0].parent
         return None
 
-    with (tmp_path / "run.log").open("w") as log:
-        launcher = subprocess.Popen(
-            [*cmd, str(path)], stdout=log, stderr=subprocess.STDOUT, env=env
-        )
-    try:
-        deadline = time.monotonic() + 600
-        while (run_dir := step_4_recorded()) is None and time.monotonic() < deadline:
-            assert launcher.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
-            time.sleep(0.05)
-        assert run_dir is not None
-        first = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        os.kill(_rank_pid(run_dir, 2), signal.SIGKILL)  # the second trainer rank
-        assert launcher.wait(900) == 0, (tmp_path / "run.log").read_text()[-3000:]
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
+    why_not = other_user.can_run()
+    with contextlib.ExitStack() as stack:
+        watch = None
+        if why_not is None:
+            other = stack.enter_context(other_user.OtherUser())
+            watch = stack.enter_context(other.watch(runs.parent, runs))
+        else:
+            print(f"\nno other user probes this run: {why_not}")
+        with (tmp_path / "run.log").open("w") as log:
+            launcher = subprocess.Popen(
+                [*cmd, str(path)], stdout=log, stderr=subprocess.STDOUT, env=env
+            )
+        try:
+            deadline = time.monotonic() + 600
+            while (run_dir := step_4_recorded()) is None and time.monotonic() < deadline:
+                assert launcher.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
+                time.sleep(0.05)
+            assert run_dir is not None
+            first = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            os.kill(_rank_pid(run_dir, 2), signal.SIGKILL)  # the second trainer rank
+            assert launcher.wait(900) == 0, (tmp_path / "run.log").read_text()[-3000:]
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+        if watch is not None:
+            watch.scan()  # the finished run
+            assert watch.breaches == []
+            print(f"\nanother user probed {len(watch.seen)} paths in {watch.scans} scans")
+            assert watch.scans >= 5
+            assert any("/checkpoints/v000003/" in p for p in watch.seen)
+            assert any(p.endswith("trainer.log") for p in watch.seen)
     output = (tmp_path / "run.log").read_text()
     assert output.count("restart 1 of 3 (run.max_restarts)") == 1, output[-3000:]
     assert "restart 2" not in output

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from pearl_hpc.backends.lease import lease_owner, lease_watcher
-from pearl_hpc.rundir import RunDir
+from pearl_hpc.rundir import RunDir, private_files
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -128,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus", default="1", help="GPUs of each component's worker: 1,2,...")
     p.add_argument("--mpi", default="pmi2", help="srun --mpi of each component's step")
     p.add_argument("--srun-option", action="append", default=[], help="a further srun option")
-    return _launch(p.parse_args(argv))
+    args = p.parse_args(argv)
+    private_files()
+    return _launch(args)
 
 
 if __name__ == "__main__":

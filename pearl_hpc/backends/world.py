@@ -43,6 +43,7 @@ from pearl_hpc.config.slurm import site_options
 from pearl_hpc.errors import ConfigError, PearlError
 from pearl_hpc.rundir import RunDir, RunStatus, read_journal
 from pearl_hpc.slurm.scripts import HetComponent, JobSpec
+from pearl_hpc.weights.leftovers import sweep
 
 
 def multi_node(cfg: RunConfig) -> bool:
@@ -304,13 +305,16 @@ def run_world(cfg: RunConfig, run_dir: Path, *, resume: bool = False, **popen: A
     env.update(world_env(cfg, in_step="SLURM_STEP_ID" in env))
 
     def start(resume: bool) -> int:
+        sweep()  # what this user's killed runs left in this node's shared memory
         model_dir = prepare_run(cfg, run_dir, resume=resume)
         argv = world_argv(cfg, run_dir, model_dir, resume=resume, mpiexec=mpiexec_path())
         return subprocess.run(
             argv, check=False, env=env, preexec_fn=_survive_warning, **popen
         ).returncode
 
-    return with_restarts(cfg, run_dir, resume, start)
+    rc = with_restarts(cfg, run_dir, resume, start)
+    sweep()  # this world's own leftovers (a rank that died before MPI's finalize)
+    return rc
 
 
 def _survive_warning() -> None:

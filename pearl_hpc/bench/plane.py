@@ -184,7 +184,6 @@ def measure(ranks: int, joiners: int) -> dict[str, Any]:
     me = [sys.executable, "-m", "pearl_hpc.bench.plane"]
     with tempfile.TemporaryDirectory(prefix="pearl-plane-") as tmp:
         run_dir = Path(tmp)
-        os.chmod(run_dir, 0o700)
         argv = [*head, "-n", str(ranks), *me, "rank", str(run_dir), str(joiners)]
         world = _launch(argv, errors=True)
         burst: list[subprocess.Popen[bytes]] = []

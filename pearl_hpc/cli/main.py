@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pearl_hpc.cli import calibrate, cluster, evaluate, export, plan, run, simulate, tools
 from pearl_hpc.cli.common import EXIT_USAGE, Parser
 from pearl_hpc.errors import PearlError
+from pearl_hpc.rundir import private_files
 
 SUBCOMMANDS = (plan, simulate, calibrate, run, cluster, evaluate, export, tools)
 
@@ -43,6 +44,7 @@ def _version() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    private_files()  # a run's files, exports and reports: the user's alone
     try:
         return int(args.func(args))
     except PearlError as exc:

@@ -264,8 +264,7 @@ class MasterPlane:
         self._outbox: queue.SimpleQueue[tuple[str, str, int, bytes]] = queue.SimpleQueue()
         self.port = MPI.Open_port()
         joins = RunDir(self.run_dir).joins
-        joins.mkdir(parents=True, exist_ok=True)
-        os.chmod(joins, 0o700)
+        joins.mkdir(mode=0o700, parents=True, exist_ok=True)
         write_private(RunDir(self.run_dir).mpi_port, self.port)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._pump, name="mpi-pump", daemon=True)

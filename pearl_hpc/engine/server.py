@@ -64,6 +64,7 @@ from pearl_hpc.engine.vllm_engine import (
     rss_bytes,
 )
 from pearl_hpc.errors import ConfigError
+from pearl_hpc.rundir import private_files
 
 log = logging.getLogger("pearl_hpc.engine.server")
 
@@ -508,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process dies")
     args = p.parse_args(argv)
+    private_files()
     logging.basicConfig(level=os.environ.get("PEARL_LOG_LEVEL", "WARNING"))
     return asyncio.run(_main(args))
 

@@ -219,8 +219,7 @@ def sandbox_problem() -> str | None:
     if bwrap is None:
         return f"the tool sandbox needs bubblewrap (bwrap), not found on PATH: {INSTALL_HINT}"
     with tempfile.TemporaryDirectory(prefix="pearl-sandbox-") as workdir:
-        snippet = os.path.join(workdir, SNIPPET_FILE)
-        Path(snippet).write_text("print(6 * 7)\n")
+        snippet = _write_snippet(workdir, "print(6 * 7)\n")
         try:
             fd = _seccomp_fd(workdir)
         except ValueError as exc:
@@ -262,9 +261,7 @@ async def run_python(code: str, limits: SandboxLimits = DEFAULT_LIMITS) -> Sandb
     workdir = tempfile.mkdtemp(prefix="pearl-sandbox-")
     started_s = time.perf_counter()
     try:
-        snippet = os.path.join(workdir, SNIPPET_FILE)
-        with open(snippet, "w", encoding="utf-8") as f:
-            f.write(code)
+        snippet = _write_snippet(workdir, code)
         fd = _seccomp_fd(workdir)
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -290,6 +287,17 @@ async def run_python(code: str, limits: SandboxLimits = DEFAULT_LIMITS) -> Sandb
                     proc.kill()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _write_snippet(workdir: str, code: str) -> str:
+    """``code`` in ``workdir`` (0700: no other user reaches it), readable by the
+    sandbox's uid nobody, whatever the process's umask (a run's is 077)."""
+    path = os.path.join(workdir, SNIPPET_FILE)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.fchmod(fd, 0o644)  # before a byte is in it
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(code)
+    return path
 
 
 class _Capture:

@@ -188,8 +188,6 @@ class Checkpointer:
         written.result()
         if self.lead:
             files = [p for p in path.iterdir() if p.is_file()]  # DCP fsynced them
-            for file in files:  # private, as the weights are
-                file.chmod(0o600)
             meta = {
                 "format": CHECKPOINT_FORMAT,
                 "version": version,
@@ -201,7 +199,6 @@ class Checkpointer:
             }
             tmp = path / f".{CHECKPOINT_META}.tmp"
             tmp.write_text(json.dumps(meta, indent=1) + "\n")
-            tmp.chmod(0o600)
             with tmp.open("rb") as handle:
                 os.fsync(handle.fileno())
             tmp.replace(path / CHECKPOINT_META)

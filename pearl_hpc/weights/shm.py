@@ -43,11 +43,11 @@ from typing import Any
 
 import torch
 
+from pearl_hpc.weights.leftovers import SHM_ROOT, sweep
 from pearl_hpc.weights.wire import WeightsHeader, WeightSyncError, describe, unpack
 
 log = logging.getLogger(__name__)
 
-SHM_ROOT = Path("/dev/shm")  # Linux's tmpfs of shared memory (one per node)
 ONE_BUCKET = 1 << 62  # a version's file is one bucket: every tensor at its aligned offset
 
 
@@ -81,11 +81,10 @@ class SharedStore:
         if not root.is_dir():
             log.info("weights: no %s here; engines get every version over the network", root)
             return None
-        for old in root.glob(f"pearl-{name}-*"):
-            pid = old.name.rpartition("-")[2]  # a dead trainer's, or a reused pid's (ours)
-            if pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
-                shutil.rmtree(old, ignore_errors=True)
-        return cls(root / f"pearl-{name}-{os.getpid()}")
+        sweep(root)
+        mine = root / f"pearl-{name}-{os.getpid()}"
+        shutil.rmtree(mine, ignore_errors=True)  # a reused pid's: that trainer is gone
+        return cls(mine)
 
     @property
     def probe(self) -> tuple[str, str]:
@@ -187,13 +186,3 @@ def _reserve(path: Path, size: int) -> bool:
         return False
     finally:
         os.close(fd)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True

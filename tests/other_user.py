@@ -1,0 +1,132 @@
+"""Another user of a shared node, for the tests that a run's files are private: a real,
+unprivileged local account (created as root, removed afterwards) that tries to read,
+list and write every path of a run while it runs.
+
+    with OtherUser() as other, other.watch(runs_dir) as watch:
+        ...  # the run
+    assert watch.scans >= 3 and watch.breaches == []
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pwd
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+# stdlib only, run by the system interpreter (another user cannot reach a python under
+# /root); paths on stdin, what it could do on stdout
+_PROBE = r"""
+import json, os, sys
+done = []
+for path in json.load(sys.stdin):
+    try:
+        if os.path.isdir(path):
+            os.listdir(path)
+            done.append("list " + path)
+            fd = os.open(os.path.join(path, ".other-user"), os.O_WRONLY | os.O_CREAT, 0o600)
+            os.close(fd)
+            done.append("create in " + path)
+        else:
+            with open(path, "rb") as f:
+                f.read(1)
+            done.append("read " + path)
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND))
+            done.append("write " + path)
+    except OSError:
+        pass
+print(json.dumps(done))
+"""
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+def can_run() -> str | None:
+    """Why these tests cannot run here (None: they can)."""
+    if os.geteuid() != 0:
+        return "creating another local user needs root (CI runs as root)"
+    if not Path(SYSTEM_PYTHON).exists():
+        return f"no {SYSTEM_PYTHON} for the other user to run"
+    if subprocess.run(["which", "useradd"], capture_output=True).returncode:
+        return "no useradd on this machine"
+    return None
+
+
+class OtherUser:
+    """A throwaway account with no groups and no home."""
+
+    def __init__(self) -> None:
+        self.name = f"pearl-other-{os.getpid()}"
+
+    def __enter__(self) -> OtherUser:
+        subprocess.run(
+            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
+             self.name],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        entry = pwd.getpwnam(self.name)
+        self.uid, self.gid = entry.pw_uid, entry.pw_gid
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        subprocess.run(["userdel", self.name], check=False, capture_output=True)
+
+    def probe(self, paths: list[str]) -> list[str]:
+        """What this user could do to ``paths`` (list, create in, read, write)."""
+        out = subprocess.run(
+            [SYSTEM_PYTHON, "-I", "-c", _PROBE],
+            input=json.dumps(paths), capture_output=True, text=True, check=True, timeout=60,
+            user=self.uid, group=self.gid, extra_groups=[], cwd="/",
+        )  # fmt: skip
+        return list(json.loads(out.stdout))
+
+    @contextlib.contextmanager
+    def watch(self, *roots: Path, every_s: float = 1.0) -> Iterator[Watch]:
+        """Probe every path under ``roots`` (and this user's view of ``/dev/shm``'s
+        pearl entries) every ``every_s`` until the block ends, and once more then."""
+        watch = Watch(self, roots)
+        thread = threading.Thread(target=watch.loop, args=(every_s,), daemon=True)
+        thread.start()
+        try:
+            yield watch
+        finally:
+            watch.stop.set()
+            thread.join(120)
+            watch.scan()
+
+
+class Watch:
+    def __init__(self, other: OtherUser, roots: tuple[Path, ...]) -> None:
+        self.other, self.roots = other, roots
+        self.stop = threading.Event()
+        self.scans = 0
+        self.seen: set[str] = set()
+        self.breaches: list[str] = []
+
+    def paths(self) -> list[str]:
+        found = []
+        for root in self.roots:
+            for top, _dirs, files in os.walk(root):
+                found += [top] + [os.path.join(top, name) for name in files]
+        shm = Path("/dev/shm")
+        for entry in shm.glob("pearl-*") if shm.is_dir() else []:
+            found.append(str(entry))
+            if entry.is_dir():
+                found += [str(p) for p in entry.iterdir()]
+        return found
+
+    def scan(self) -> None:
+        paths = self.paths()
+        mine = set(paths) - {str(r) for r in self.roots}  # the roots are the shared dirs
+        done = self.other.probe(sorted(mine))
+        self.scans += 1
+        self.seen |= mine
+        self.breaches += [d for d in done if d not in self.breaches]
+
+    def loop(self, every_s: float) -> None:
+        while not self.stop.wait(every_s):
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                self.scan()
