@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import pwd
+import re
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -130,3 +131,52 @@ class Watch:
         while not self.stop.wait(every_s):
             with contextlib.suppress(OSError, subprocess.SubprocessError):
                 self.scan()
+
+
+class Listeners:
+    """Every TCP port a process under ``root_pid`` listens on, sampled every ``every_s``
+    (``ss -ltnp``) while the block runs: ``seen`` maps ``address:port`` to the programs."""
+
+    def __init__(self, root_pid: int, every_s: float = 1.0) -> None:
+        self.root_pid, self.every_s = root_pid, every_s
+        self.seen: dict[str, set[str]] = {}
+        self.samples = 0
+        self._stop = threading.Event()
+
+    def _ours(self, pid: int) -> bool:
+        while pid > 1:
+            if pid == self.root_pid:
+                return True
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                return False
+            pid = int(stat.rpartition(")")[2].split()[1])  # the parent's pid
+        return False
+
+    def sample(self) -> None:
+        out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            fields = line.split()
+            users = " ".join(fields[5:])
+            for name, pid in re.findall(r'\("([^"]+)",pid=(\d+)', users):
+                if self._ours(int(pid)):
+                    self.seen.setdefault(fields[3], set()).add(name)
+        self.samples += 1
+
+    def __enter__(self) -> Listeners:
+        def loop() -> None:
+            while not self._stop.wait(self.every_s):
+                with contextlib.suppress(subprocess.SubprocessError, OSError):
+                    self.sample()
+
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def off_loopback(self) -> dict[str, set[str]]:
+        return {a: p for a, p in self.seen.items() if not a.startswith(("127.0.0.1:", "[::1]:"))}

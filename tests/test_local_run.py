@@ -62,6 +62,13 @@ CONFIG = {
 MEASURED = "profiles/tiny-cpu.yaml"
 
 
+def _dead_pid() -> int:
+    """The pid of a process that has ended."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
 @pytest.fixture
 def shared_runs() -> Iterator[Path]:
     """A runs directory whoever may read the project's directory may read (0755, as on
@@ -136,8 +143,19 @@ def test_local_run_grows_reclaims_borrows_and_loses_nothing(tmp_path: Path, monk
     }
     cfg = load_run_config(_write(tmp_path, config))
     run_dir = tmp_path / "runs" / "t"
-    summary = run_to_summary(cfg, run_dir)
+    # what a killed run of this user left in shared memory (its trainer is gone)
+    killed = Path("/dev/shm") / f"pearl-killed-{_dead_pid()}"
+    killed.mkdir(mode=0o700)
+    (killed / "v000003").write_bytes(b"weights")
+    with other_user.Listeners(os.getpid()) as listening:
+        summary = run_to_summary(cfg, run_dir)
     print("\n" + json.dumps(summary, indent=1))
+    assert not killed.exists()  # swept as this run started
+    # nothing of a one-node run listens where another host could reach it: the
+    # engines, their KV side channels, the trainer's store, MPI's UCX, the launcher
+    print(f"listening: {sorted(listening.seen)}")
+    assert listening.samples >= 10 and len(listening.seen) >= 3
+    assert listening.off_loopback() == {}
 
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert summary["steps"] == len(metrics) == 3

@@ -22,6 +22,7 @@ from pearl_hpc.weights.shm import (  # noqa: E402
     SharedStore,
     map_version,
     shares_memory,
+    sweep,
 )
 from pearl_hpc.weights.wire import WeightSyncError  # noqa: E402
 from tests.factories import run_reporting  # noqa: E402
@@ -148,8 +149,31 @@ def test_a_dead_trainers_leftovers_are_swept_and_a_live_ones_kept(tmp_path: Path
         (d / "v000001").write_bytes(b"x")
     made = SharedStore.create("run", root=tmp_path)
     assert made is not None
-    assert not left.exists() and live.exists() and other.exists()
+    assert not left.exists() and live.exists() and not other.exists()  # any run's
     assert made.directory == reused and not (reused / "v000001").exists()
     made.close()
     assert not made.directory.exists()
     assert SharedStore.create("run", root=tmp_path / "absent") is None
+
+
+def test_mpich_segments_nobody_maps_are_swept(tmp_path: Path) -> None:
+    """A segment of this user that no live process maps and older than the settling
+    time goes; one mapped, one just made and another user's stay."""
+    import mmap
+
+    def segment(name: str, age_s: float) -> Path:
+        path = tmp_path / f"mpich_shm_{name}"
+        path.write_bytes(b"\0" * 4096)
+        os.utime(path, (path.stat().st_atime - age_s,) * 2)
+        return path
+
+    leaked, fresh, theirs = segment("leaked", 600), segment("fresh", 0), segment("theirs", 600)
+    if os.geteuid() == 0:
+        os.chown(theirs, 65534, 65534)  # nobody's
+    else:
+        theirs.unlink()
+    in_use = segment("in_use", 600)
+    with open(in_use, "r+b") as f, mmap.mmap(f.fileno(), 4096) as _mapping:
+        removed = sweep(tmp_path, settle_s=30)
+    assert removed == [leaked.name]
+    assert not leaked.exists() and fresh.exists() and in_use.exists()

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from pearl_hpc.comm.layout import RankSpec, base_layout
-from pearl_hpc.comm.mpiexec import mpiexec_path
+from pearl_hpc.comm.mpiexec import forker_path, mpiexec_path, one_node_argv
 from pearl_hpc.config.run import RunConfig
 from pearl_hpc.config.slurm import site_options
 from pearl_hpc.errors import ConfigError, PearlError
@@ -59,16 +59,19 @@ def world_argv(
     resume: bool = False,
     live: bool = False,
     mpiexec: str = "mpiexec",
+    forker: str | None = "mpiexec.gforker",
     python: str = sys.executable,
 ) -> list[str]:
-    """The command that starts the run's world (pure)."""
+    """The command that starts the run's world (pure): on one node under ``forker``
+    (:func:`~pearl_hpc.comm.mpiexec.one_node_argv`), over several with Hydra's proxies."""
     ranks = len(base_layout(cfg.workers, cfg.layout))
     if multi_node(cfg):  # Hydra's proxies started by srun, one a node; PMI is Hydra's
-        placement = ["-launcher", "slurm", "-f", str(RunDir(run_dir).hostfile)]
+        hostfile = str(RunDir(run_dir).hostfile)
+        start = [mpiexec, "-launcher", "slurm", "-f", hostfile, "-n", str(ranks)]
     else:
-        placement = ["-launcher", "fork", "-hosts", "localhost"]
+        start = one_node_argv(ranks, forker, mpiexec)
     return [
-        mpiexec, *placement, "-n", str(ranks), python, "-m", "pearl_hpc.rank", "rank",
+        *start, python, "-m", "pearl_hpc.rank", "rank",
         "--run-dir", str(run_dir), "--model-dir", model_dir,
         *(["--resume"] if resume else []), *(["--live"] if live else []),
     ]  # fmt: skip
@@ -79,7 +82,10 @@ def world_env(cfg: RunConfig, *, in_step: bool = False) -> dict[str, str]:
     node's Hydra proxy (the srun step its ranks run in) -- the busiest node's ranks'
     worth, not the one CPU a task gets by default -- and the site's ``slurm.srun_extra``;
     ``in_step``: the launcher is itself a task of a job step (a submitit job), whose
-    resources the proxies' step shares (``--overlap``)."""
+    resources the proxies' step shares (``--overlap``). A local run's UCX (MPI's
+    transport, the engines' NIXL) stays on loopback: it opens no port others reach."""
+    if cfg.backend == "local":
+        return {"UCX_NET_DEVICES": "lo"}
     if not multi_node(cfg):
         return {}
     busiest = max(ranks_per_node(base_layout(cfg.workers, cfg.layout)))
@@ -269,7 +275,10 @@ def launch_world(cfg: RunConfig, run_dir: Path, *, resume: bool, live: bool) -> 
 
     def start(resume: bool) -> int:
         model_dir = prepare_run(cfg, run_dir, resume=resume)
-        argv = world_argv(cfg, run_dir, model_dir, resume=resume, live=live, mpiexec=mpiexec_path())
+        argv = world_argv(
+            cfg, run_dir, model_dir, resume=resume, live=live, mpiexec=mpiexec_path(),
+            forker=forker_path(),
+        )  # fmt: skip
         env = {**os.environ, **world_env(cfg)}
         world.append(subprocess.Popen(argv, env=env, preexec_fn=_world_child))
         rc = world[-1].wait()
@@ -307,7 +316,9 @@ def run_world(cfg: RunConfig, run_dir: Path, *, resume: bool = False, **popen: A
     def start(resume: bool) -> int:
         sweep()  # what this user's killed runs left in this node's shared memory
         model_dir = prepare_run(cfg, run_dir, resume=resume)
-        argv = world_argv(cfg, run_dir, model_dir, resume=resume, mpiexec=mpiexec_path())
+        argv = world_argv(
+            cfg, run_dir, model_dir, resume=resume, mpiexec=mpiexec_path(), forker=forker_path()
+        )
         return subprocess.run(
             argv, check=False, env=env, preexec_fn=_survive_warning, **popen
         ).returncode
