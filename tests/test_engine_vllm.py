@@ -146,6 +146,45 @@ def test_disaggregated_tokens_equal_colocated_with_real_kv_transfer(fleet: Fleet
     )
 
 
+def test_a_malformed_message_to_the_kv_side_channel_leaves_the_engine_pairing(
+    fleet: Fleet, chat: ChatFormat
+):
+    """Anyone who reaches a prefill engine's NIXL side channel can send it bytes (vLLM
+    has no authentication there: docs/security.md). Messages that are not the handshake
+    (malformed msgpack, a wrong shape, ranks it does not have) each cost one warning
+    line; a decoder's handshake afterwards is answered with the engine's KV layout, and
+    a decode reads the KV of a new prefill."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG
+
+    prompt = tuple(chat.prompt("what is 6 times 7"))
+    pre = fleet.run(fleet.client("pre").generate(TurnRequest("side", prompt, 8, prefill_only=True)))
+    params = pre.kv_transfer_params
+    assert params is not None
+    address = f"tcp://{params['remote_host']}:{params['remote_port']}"
+    context = zmq.Context()
+    try:
+        attacker = context.socket(zmq.DEALER)
+        attacker.connect(address)
+        encode = msgspec.msgpack.encode
+        for junk in (b"\xc1 not msgpack", encode([1]), encode([GET_META_MSG, 7, 7])):
+            attacker.send_multipart([b"", junk])
+        attacker.send_multipart([b"one frame only"])
+        decoder = context.socket(zmq.REQ)  # a decoder that never paired: the handshake
+        decoder.setsockopt(zmq.RCVTIMEO, 10_000)
+        decoder.connect(address)
+        decoder.send(encode((GET_META_MSG, 0, 0)))
+        layout, _clock = decoder.recv_multipart()
+        assert len(layout) > 100
+    finally:
+        context.destroy(linger=0)
+    log = (fleet.run_dir / "pre.log").read_text()
+    assert log.count("dropped a malformed message") == 4, log[-2000:]
+    request = TurnRequest("side-d", prompt, 8, kv_transfer_params=params)
+    assert fleet.run(fleet.client("dec").generate(request)).token_ids  # the KV, read
+
+
 def test_local_prefill_runs_later_turns_whole_on_their_decode_worker(
     fleet: Fleet, chat: ChatFormat
 ):

@@ -199,8 +199,11 @@ def _cfg(**changes: Any) -> RunConfig:
         "name": "r", "backend": "slurm", "slurm": {"gpu_type": "a100"}, "elastic": {"pools": pools}
     }  # fmt: skip
     for key, value in changes.items():
-        section, field = key.split("__")
-        doc.setdefault(section, {})[field] = value
+        section, _, field = key.partition("__")
+        if field:
+            doc.setdefault(section, {})[field] = value
+        else:
+            doc[section] = value
     return from_mapping(RunConfig, doc)
 
 
@@ -229,6 +232,26 @@ def test_a_pool_the_cluster_cannot_hold_is_named() -> None:
     assert [k for k, _ in pool_problems(bad, groups)] == [
         "elastic.pools.0.partition", "elastic.pools.1.gpus_per_worker"
     ]  # fmt: skip
+
+
+def test_channels_without_authentication_on_shared_nodes_are_warned_of() -> None:
+    from pearl_hpc.backends.checks import shared_node_warnings
+
+    def said(**changes: Any) -> list[str]:
+        return [w.split(":")[0] for w in shared_node_warnings(_cfg(**changes))]
+
+    pd = "PD disaggregation on nodes other users' jobs may share"
+    assert said() == [pd]  # one node, not exclusive, PD allowed
+    assert said(policy__pd_policy="colocated", elastic__pools=[]) == []
+    several = {"workers__reserved_rollout": 8, "layout__rollout_nodes": 1,
+               "layout__training_nodes": 6}  # fmt: skip
+    assert said(**several, policy__pd_policy="colocated") == ["slurm.exclusive is false"]
+    fabric = {"gpu_type": "a100", "engine_interface": "ib0", "env": {"UCX_NET_DEVICES": "mlx5_0:1"}}
+    assert said(**several, slurm__exclusive=True) == [  # the pools' nodes are shared
+        "PD disaggregation on elastic pools' nodes other users' jobs may share"
+    ]
+    assert said(**several, slurm=fabric) == ["slurm.exclusive is false"]
+    assert shared_node_warnings(_cfg(backend="local", elastic={})) == []
 
 
 def test_a_cluster_files_shapes_are_checked_and_named_by_line(tmp_path: Path) -> None:

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pearl_hpc.backends.slurm import elastic_job_spec
-from pearl_hpc.backends.world import base_job_spec
+from pearl_hpc.backends.world import base_job_spec, multi_node
 from pearl_hpc.config.run import RunConfig
+from pearl_hpc.core.policies import PDPolicyName
 from pearl_hpc.master.preflight import model_problem
 from pearl_hpc.slurm.client import Runner, run_command
 from pearl_hpc.slurm.cluster import base_problems, pool_problems, read_sinfo, test_only
@@ -29,13 +30,46 @@ from pearl_hpc.slurm.cluster import base_problems, pool_problems, read_sinfo, te
 
 @dataclass
 class Checks:
-    """What was checked (lines for the dry run) and what failed (one line each)."""
+    """What was checked (lines for the dry run), what failed (one line each) and what
+    the run would expose (warnings: it is queued all the same)."""
 
     done: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
-        return [*(f"ok: {d}" for d in self.done), *(f"PROBLEM: {p}" for p in self.problems)]
+        return [
+            *(f"ok: {d}" for d in self.done),
+            *(f"WARNING: {w}" for w in self.warnings),
+            *(f"PROBLEM: {p}" for p in self.problems),
+        ]
+
+
+def shared_node_warnings(cfg: RunConfig) -> list[str]:
+    """The channels without authentication that a Slurm run would open on nodes other
+    users' jobs may share (pure; docs/security.md): Hydra's control port (a world over
+    several nodes) and vLLM's NIXL KV path (PD disaggregation; a site that named the
+    fabric for it, ``slurm.engine_interface`` and ``UCX_NET_DEVICES``, chose it)."""
+    if cfg.backend != "slurm":
+        return []
+    out = []
+    if multi_node(cfg) and not cfg.slurm.exclusive:
+        out.append(
+            "slurm.exclusive is false: other users' jobs may share the base job's nodes, "
+            "and the world's launcher over several nodes (Hydra) takes commands from "
+            "anyone who reaches it; set slurm.exclusive: true (docs/security.md)"
+        )
+    shared = not cfg.slurm.exclusive or bool(cfg.elastic.pools)
+    fabric = cfg.slurm.engine_interface != "hostname" and "UCX_NET_DEVICES" in cfg.slurm.env
+    if shared and not fabric and cfg.policy.pd_policy != PDPolicyName.COLOCATED:
+        where = "elastic pools' nodes" if cfg.slurm.exclusive else "nodes"
+        out.append(
+            f"PD disaggregation on {where} other users' jobs may share: vLLM's NIXL KV "
+            "path has no authentication; give slurm.engine_interface and UCX "
+            "(UCX_NET_DEVICES in slurm.env) a network only the run's nodes reach, or "
+            "set policy.pd_policy: colocated (docs/security.md)"
+        )
+    return out
 
 
 def prequeue_checks(
@@ -49,7 +83,7 @@ def prequeue_checks(
     """The checks of a run about to be queued (``slurm``: as a Slurm job, or with
     elastic Slurm jobs; ``queue``: it is, so a cluster that does not answer is a
     problem -- for a description, a note)."""
-    checks = Checks()
+    checks = Checks(warnings=shared_node_warnings(cfg))
     if offline:
         checks.done.append("nothing against the cluster (--offline)")
         return checks

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -82,8 +83,11 @@ def _dry_run(args: argparse.Namespace) -> int:
     return _refused(args.config, checks.problems)
 
 
-def _refused(source: str, problems: list[str]) -> int:
-    """The pre-queue checks' problems, one line each: exit 2 if any, else 0."""
+def _refused(source: str, problems: Sequence[str], warnings: Sequence[str] = ()) -> int:
+    """The pre-queue checks' warnings and problems, one line each: exit 2 if any
+    problem, else 0."""
+    for warning in warnings:
+        print(f"pearl-hpc: warning: {source}: {warning}", file=sys.stderr)
     for problem in problems:
         print(f"pearl-hpc: error: {source}: {problem}", file=sys.stderr)
     return EXIT_USAGE if problems else 0
@@ -104,8 +108,8 @@ def _sbatch_run(args: argparse.Namespace) -> int:
     source = str(RunDir(Path(args.resume)).config) if args.resume else args.config
     cfg = load_run_config(source, sets=[] if args.resume else args.set)
     checks = prequeue_checks(cfg, slurm=True, offline=args.offline)
-    if checks.problems:
-        return _refused(source, checks.problems)
+    if _refused(source, checks.problems, checks.warnings):
+        return EXIT_USAGE
     if args.resume:
         run_dir = Path(args.resume).resolve()
     else:
@@ -133,8 +137,8 @@ def _submit_run(args: argparse.Namespace) -> int:
 
     cfg = load_run_config(args.config, sets=args.set)
     checks = prequeue_checks(cfg, slurm=True, offline=args.offline)
-    if checks.problems:
-        return _refused(args.config, checks.problems)
+    if _refused(args.config, checks.problems, checks.warnings):
+        return EXIT_USAGE
     job, run_dir = submit_run(args.config, args.set)
     print(f"pearl-hpc run: job {job.job_id}, run directory {run_dir}", flush=True)
     print(f"follow it: pearl-hpc status {run_dir}", flush=True)

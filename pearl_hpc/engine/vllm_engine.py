@@ -126,6 +126,7 @@ def _cpu_setup_once() -> None:
     _read_cpu_list_once()
     _bind_memory_once()
     _nixl_without_progress_thread()
+    _nixl_listener_that_survives()
 
 
 def _read_cpu_list_once() -> None:
@@ -180,6 +181,33 @@ def _nixl_without_progress_thread() -> None:
         nixl.nixl_agent_config, functools.partial
     ):
         nixl.nixl_agent_config = functools.partial(nixl.nixl_agent_config, enable_prog_thread=False)
+
+
+def _nixl_listener_that_survives() -> None:
+    """vLLM's NIXL handshake listener (a thread on the side channel, where a decoder
+    asks a prefill engine for its KV layout) decodes each message unguarded: one
+    malformed message from anyone who reaches the port ends the thread, and no decoder
+    that has not paired yet can pair with that engine again. Guarded: a listener that
+    raises is started again on the same port, with one warning line."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_scheduler as nixl
+
+    cls = nixl.NixlBaseConnectorScheduler
+    listen = cls._nixl_handshake_listener
+    if getattr(listen, "pearl_guarded", False):
+        return
+
+    def guarded(data: Any, ready: Any, stop: threading.Event, host: str, port: int) -> None:
+        while not stop.is_set():
+            try:
+                return listen(data, ready, stop, host, port)
+            except Exception as exc:  # a peer's bytes; the engine's own work is elsewhere
+                log.warning(
+                    "NIXL side channel %s:%d: dropped a malformed message (%s: %s); "
+                    "listening again", host, port, type(exc).__name__, str(exc)[:120],
+                )  # fmt: skip
+
+    guarded.pearl_guarded = True  # type: ignore[attr-defined]
+    cls._nixl_handshake_listener = staticmethod(guarded)  # type: ignore[method-assign,assignment]
 
 
 def _sum_transferred_bytes(stats: Any) -> int:
