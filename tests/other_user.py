@@ -14,6 +14,7 @@ import json
 import os
 import pwd
 import re
+import stat
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -54,6 +55,17 @@ def can_run() -> str | None:
     if subprocess.run(["which", "useradd"], capture_output=True).returncode:
         return "no useradd on this machine"
     return None
+
+
+def open_to_others(root: Path) -> list[str]:
+    """Each path under ``root`` (itself included) whose mode lets a group or others in."""
+    found = []
+    for top, _dirs, files in os.walk(root):
+        for path in [top, *(os.path.join(top, name) for name in files)]:
+            mode = os.lstat(path).st_mode
+            if not stat.S_ISLNK(mode) and mode & 0o077:
+                found.append(f"{stat.filemode(mode)} {path}")
+    return found
 
 
 class OtherUser:

@@ -240,17 +240,16 @@ def test_channels_without_authentication_on_shared_nodes_are_warned_of() -> None
     def said(**changes: Any) -> list[str]:
         return [w.split(":")[0] for w in shared_node_warnings(_cfg(**changes))]
 
-    pd = "PD disaggregation on nodes other users' jobs may share"
-    assert said() == [pd]  # one node, not exclusive, PD allowed
-    assert said(policy__pd_policy="colocated", elastic__pools=[]) == []
-    several = {"workers__reserved_rollout": 8, "layout__rollout_nodes": 1,
-               "layout__training_nodes": 6}  # fmt: skip
-    assert said(**several, policy__pd_policy="colocated") == ["slurm.exclusive is false"]
-    fabric = {"gpu_type": "a100", "engine_interface": "ib0", "env": {"UCX_NET_DEVICES": "mlx5_0:1"}}
-    assert said(**several, slurm__exclusive=True) == [  # the pools' nodes are shared
+    hydra, pd = "slurm.exclusive is false", "PD disaggregation on nodes other users' jobs may share"
+    assert said() == [hydra, pd]  # not exclusive, PD allowed
+    assert said(policy__pd_policy="colocated") == [hydra]
+    assert said(slurm__exclusive=True, elastic__pools=[]) == []
+    assert said(slurm__exclusive=True) == [  # the pools' nodes are shared
         "PD disaggregation on elastic pools' nodes other users' jobs may share"
     ]
-    assert said(**several, slurm=fabric) == ["slurm.exclusive is false"]
+    fabric = {"gpu_type": "a100", "engine_interface": "ib0", "env": {"UCX_NET_DEVICES": "mlx5_0:1"}}
+    assert said(slurm=fabric) == [hydra]
+    assert said(slurm={**fabric, "exclusive": True}) == []
     assert shared_node_warnings(_cfg(backend="local", elastic={})) == []
 
 

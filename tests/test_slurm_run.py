@@ -25,6 +25,7 @@ import yaml
 from pearl_hpc.backends.slurm import run_tag_of
 from pearl_hpc.master.records import read_jsonl
 from pearl_hpc.rundir import RunDir
+from tests import other_user
 from tests.conftest import resume_drained_nodes, vllm_skip_reason
 from tests.test_local_run import CONFIG as LOCAL_CONFIG
 from tests.test_local_run import MEASURED
@@ -318,6 +319,8 @@ def test_slurm_run_harvests_a_standing_request_master_killed_and_resumed(
     _wait("the run's jobs to leave squeue", lambda: not _tagged(f"pearl:{tag}"), 60)
     stray = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
     assert stray.stdout.strip() == "", f"processes of the run left: {stray.stdout}"
+    # private from the first byte, the Slurm jobs' logs too (sbatch passes the umask on)
+    assert other_user.open_to_others(run_dir) == []
 
 
 STEPS_FAULTS = 12

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pearl_hpc.backends.slurm import elastic_job_spec
-from pearl_hpc.backends.world import base_job_spec, multi_node
+from pearl_hpc.backends.world import base_job_spec
 from pearl_hpc.config.run import RunConfig
 from pearl_hpc.core.policies import PDPolicyName
 from pearl_hpc.master.preflight import model_problem
@@ -47,17 +47,17 @@ class Checks:
 
 def shared_node_warnings(cfg: RunConfig) -> list[str]:
     """The channels without authentication that a Slurm run would open on nodes other
-    users' jobs may share (pure; docs/security.md): Hydra's control port (a world over
-    several nodes) and vLLM's NIXL KV path (PD disaggregation; a site that named the
+    users' jobs may share (pure; docs/security.md): Hydra's control port (the world's
+    launcher) and vLLM's NIXL KV path (PD disaggregation; a site that named the
     fabric for it, ``slurm.engine_interface`` and ``UCX_NET_DEVICES``, chose it)."""
     if cfg.backend != "slurm":
         return []
     out = []
-    if multi_node(cfg) and not cfg.slurm.exclusive:
+    if not cfg.slurm.exclusive:
         out.append(
             "slurm.exclusive is false: other users' jobs may share the base job's nodes, "
-            "and the world's launcher over several nodes (Hydra) takes commands from "
-            "anyone who reaches it; set slurm.exclusive: true (docs/security.md)"
+            "and the world's launcher (Hydra's mpiexec) takes commands from anyone who "
+            "reaches it; set slurm.exclusive: true (docs/security.md)"
         )
     shared = not cfg.slurm.exclusive or bool(cfg.elastic.pools)
     fabric = cfg.slurm.engine_interface != "hostname" and "UCX_NET_DEVICES" in cfg.slurm.env

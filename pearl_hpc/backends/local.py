@@ -37,7 +37,7 @@ from pearl_hpc.backends.ranks import RankWorker, attach_rank
 from pearl_hpc.backends.trace import TraceDriver
 from pearl_hpc.comm.members import LEAVE_TIMEOUT_S
 from pearl_hpc.comm.membership import MemberState
-from pearl_hpc.comm.mpiexec import local_launch
+from pearl_hpc.comm.mpiexec import mpiexec_path
 from pearl_hpc.core.controller import CapacityGranted, CapacityReclaimed
 from pearl_hpc.core.table import ElasticSource
 from pearl_hpc.master.capacity import BackendContext
@@ -64,14 +64,15 @@ def join_argv(
     model_dir: str,
     group: str,
     gpu_ids: tuple[str, ...],
-    launch: list[str],
+    mpiexec: str,
     setpriv: str | None = None,
 ) -> list[str]:
     """The launch of one local elastic rank (pure); with util-linux's ``setpriv`` it is
     SIGTERMed when the master dies (else its rank ends on the stale lease)."""
     return [
         *([setpriv, "--pdeathsig", "SIGTERM"] if setpriv else []),
-        *launch, sys.executable, "-m", "pearl_hpc.rank", "join", "--run-dir", str(run_dir),
+        mpiexec, "-launcher", "fork", "-hosts", "localhost", "-n", "1",
+        sys.executable, "-m", "pearl_hpc.rank", "join", "--run-dir", str(run_dir),
         "--model-dir", model_dir, "--group", group, "--gpu-ids", ",".join(gpu_ids),
     ]  # fmt: skip
 
@@ -101,7 +102,7 @@ class LocalBackend:
         )
         self.dir = RunDir(run_dir).elastic
         self._lease = MasterLease(RunDir(run_dir).lease)
-        self.launch = local_launch(1)
+        self.mpiexec = mpiexec_path()
         self.setpriv = shutil.which("setpriv")
         self.launches: dict[str, _Launch] = {}  # by component tag, in grant order
         self.offered = 0  # elastic workers the trace makes available
@@ -178,7 +179,7 @@ class LocalBackend:
     def _launch(self, source: ElasticSource, gpu_ids: tuple[str, ...]) -> _Launch:
         log_path = self.dir / f"{source.tag}.out"
         argv = join_argv(
-            self.run_dir, self.model_dir, source.tag, gpu_ids, self.launch, self.setpriv
+            self.run_dir, self.model_dir, source.tag, gpu_ids, self.mpiexec, self.setpriv
         )
         with log_path.open("ab") as out, FORK_LOCK:  # no fork while MPI accepts a join
             proc = subprocess.Popen(

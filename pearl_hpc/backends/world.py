@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from pearl_hpc.comm.layout import RankSpec, base_layout
-from pearl_hpc.comm.mpiexec import forker_path, mpiexec_path, one_node_argv
+from pearl_hpc.comm.mpiexec import mpiexec_path
 from pearl_hpc.config.run import RunConfig
 from pearl_hpc.config.slurm import site_options
 from pearl_hpc.errors import ConfigError, PearlError
@@ -59,19 +59,16 @@ def world_argv(
     resume: bool = False,
     live: bool = False,
     mpiexec: str = "mpiexec",
-    forker: str | None = "mpiexec.gforker",
     python: str = sys.executable,
 ) -> list[str]:
-    """The command that starts the run's world (pure): on one node under ``forker``
-    (:func:`~pearl_hpc.comm.mpiexec.one_node_argv`), over several with Hydra's proxies."""
+    """The command that starts the run's world (pure)."""
     ranks = len(base_layout(cfg.workers, cfg.layout))
     if multi_node(cfg):  # Hydra's proxies started by srun, one a node; PMI is Hydra's
-        hostfile = str(RunDir(run_dir).hostfile)
-        start = [mpiexec, "-launcher", "slurm", "-f", hostfile, "-n", str(ranks)]
+        placement = ["-launcher", "slurm", "-f", str(RunDir(run_dir).hostfile)]
     else:
-        start = one_node_argv(ranks, forker, mpiexec)
+        placement = ["-launcher", "fork", "-hosts", "localhost"]
     return [
-        *start, python, "-m", "pearl_hpc.rank", "rank",
+        mpiexec, *placement, "-n", str(ranks), python, "-m", "pearl_hpc.rank", "rank",
         "--run-dir", str(run_dir), "--model-dir", model_dir,
         *(["--resume"] if resume else []), *(["--live"] if live else []),
     ]  # fmt: skip
@@ -83,7 +80,8 @@ def world_env(cfg: RunConfig, *, in_step: bool = False) -> dict[str, str]:
     worth, not the one CPU a task gets by default -- and the site's ``slurm.srun_extra``;
     ``in_step``: the launcher is itself a task of a job step (a submitit job), whose
     resources the proxies' step shares (``--overlap``). A local run's UCX (MPI's
-    transport, the engines' NIXL) stays on loopback: it opens no port others reach."""
+    transport, the engines' NIXL) stays on loopback: no port of it is reachable from
+    another host."""
     if cfg.backend == "local":
         return {"UCX_NET_DEVICES": "lo"}
     if not multi_node(cfg):
@@ -274,17 +272,17 @@ def launch_world(cfg: RunConfig, run_dir: Path, *, resume: bool, live: bool) -> 
     signal.signal(signal.SIGUSR2, lambda *_: _warn_master(RunDir(run_dir)))
 
     def start(resume: bool) -> int:
+        sweep()  # what this user's killed runs left in this node's shared memory
         model_dir = prepare_run(cfg, run_dir, resume=resume)
-        argv = world_argv(
-            cfg, run_dir, model_dir, resume=resume, live=live, mpiexec=mpiexec_path(),
-            forker=forker_path(),
-        )  # fmt: skip
+        argv = world_argv(cfg, run_dir, model_dir, resume=resume, live=live, mpiexec=mpiexec_path())
         env = {**os.environ, **world_env(cfg)}
         world.append(subprocess.Popen(argv, env=env, preexec_fn=_world_child))
         rc = world[-1].wait()
         return rc if rc >= 0 else 128 - rc  # killed by a signal: the shell's convention
 
-    return with_restarts(cfg, run_dir, resume, start, stopped=lambda: bool(stops))
+    rc = with_restarts(cfg, run_dir, resume, start, stopped=lambda: bool(stops))
+    sweep()  # this world's own leftovers (a rank that died before MPI's finalize)
+    return rc
 
 
 def _world_child() -> None:
@@ -316,9 +314,7 @@ def run_world(cfg: RunConfig, run_dir: Path, *, resume: bool = False, **popen: A
     def start(resume: bool) -> int:
         sweep()  # what this user's killed runs left in this node's shared memory
         model_dir = prepare_run(cfg, run_dir, resume=resume)
-        argv = world_argv(
-            cfg, run_dir, model_dir, resume=resume, mpiexec=mpiexec_path(), forker=forker_path()
-        )
+        argv = world_argv(cfg, run_dir, model_dir, resume=resume, mpiexec=mpiexec_path())
         return subprocess.run(
             argv, check=False, env=env, preexec_fn=_survive_warning, **popen
         ).returncode

@@ -26,8 +26,6 @@ import time
 from pathlib import Path
 from typing import IO
 
-from pearl_hpc.comm.mpiexec import forker_path, one_node_argv
-
 KNOCK_TIMEOUT_S = 60.0  # a knock that found no Accept by then is killed
 
 
@@ -78,7 +76,7 @@ def _serve(port_file: str, mpiexec: str) -> int:
             continue  # disarmed in time
         if orders.closed:
             break
-        argv = one_node_argv(1, forker_path(), mpiexec)
+        argv = [mpiexec, "-launcher", "fork", "-hosts", "localhost", "-n", "1"]
         argv += [sys.executable, "-m", "pearl_hpc.comm.doorman", "knock", port_file]
         quiet = subprocess.DEVNULL  # stdin too: mpiexec forwards its stdin (the orders)
         proc = subprocess.Popen(argv, stdin=quiet, stdout=quiet, stderr=quiet)
