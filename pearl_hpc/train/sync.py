@@ -65,7 +65,9 @@ class WeightSync:
         self.store = KeyStore(key, host)
         self.client = StoreClient(host, self.store.port, key)  # the trainer's side of groups
         self._tag = secrets.token_hex(8)  # in every group's prefix: not guessable
-        self._digests: dict[int, bytes] = {}  # version -> digest (the latest only)
+        # the digest of the last staged copy sent over a group (held weakly: a copy in
+        # shared memory is a whole version, freed once nothing maps it)
+        self._digested: tuple[weakref.ref[Staged], bytes] | None = None
         self.backend = backend
         self.bucket_bytes = bucket_bytes
         self.shared = shared
@@ -164,10 +166,11 @@ class WeightSync:
         return wall_s
 
     async def _digest(self, staged: Staged) -> bytes:
-        """The version's digest (computed once per version, in threads)."""
-        if staged.version not in self._digests:
-            self._digests = {staged.version: await asyncio.to_thread(digest, staged.state.items())}
-        return self._digests[staged.version]
+        """``staged``'s digest (computed once for each staged copy, in threads)."""
+        if self._digested is None or self._digested[0]() is not staged:
+            check = await asyncio.to_thread(digest, staged.state.items())
+            self._digested = (weakref.ref(staged), check)
+        return self._digested[1]
 
     async def _receive(
         self, name: str, client: EngineClient, check: bytes, refused: set[str]
