@@ -24,6 +24,7 @@ Telemetry: a stat logger receives vLLM's per-iteration scheduler details
 from __future__ import annotations
 
 import faulthandler
+import functools
 import gc
 import logging
 import os
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from pearl_hpc.core.tracker import IterationRecord
 from pearl_hpc.core.types import Role
+from pearl_hpc.engine.nixl import nixl_listener_that_survives, nixl_without_progress_thread
 from pearl_hpc.engine.spec import EngineSpec, engine_args
 from pearl_hpc.engine.types import EngineError, TurnRequest, TurnResult
 
@@ -125,16 +127,14 @@ def _cpu_setup_once() -> None:
     current_platform.import_kernels()
     _read_cpu_list_once()
     _bind_memory_once()
-    _nixl_without_progress_thread()
-    _nixl_listener_that_survives()
+    nixl_without_progress_thread()
+    nixl_listener_that_survives()
 
 
 def _read_cpu_list_once() -> None:
     """vLLM reads the CPU list with ``lscpu`` in a forked shell at every engine start
     (``cpu_resource_utils._get_cpu_list``); the list does not change while the process
     lives (the affinity filter is applied per call): read it once."""
-    import functools
-
     from vllm.utils import cpu_resource_utils as cpu
 
     if not hasattr(cpu._get_cpu_list, "cache_info"):
@@ -164,50 +164,6 @@ def _bind_memory_once() -> None:
 
     bind_once.pearl_once = True  # type: ignore[attr-defined]
     setattr(ops, "init_cpu_memory_env", bind_once)  # noqa: B010 (a torch op namespace)
-
-
-def _nixl_without_progress_thread() -> None:
-    """NIXL's UCX progress thread polls without pause: one core per engine with a KV
-    connector, idle or not -- half of a 2-core machine (disaggregated serving measured
-    0.64x of colocated with it, 1.6-2.4x without: ``bench --engines``). On CPU it is off
-    and transfers progress in the engine's own calls (every step; every
-    :data:`IDLE_POLL_S` while idle). On cuda vLLM's default stays (one core of many, and
-    RDMA reads need no progress from the producer)."""
-    import functools
-
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as nixl
-
-    if nixl.nixl_agent_config is not None and not isinstance(
-        nixl.nixl_agent_config, functools.partial
-    ):
-        nixl.nixl_agent_config = functools.partial(nixl.nixl_agent_config, enable_prog_thread=False)
-
-
-def _nixl_listener_that_survives() -> None:
-    """vLLM's NIXL handshake listener (a thread on the side channel, where a decoder
-    asks a prefill engine for its KV layout) decodes each message unguarded: one
-    malformed message from anyone who reaches the port ends the thread, and no decoder
-    that has not paired yet can pair with that engine again. Guarded: a listener that
-    raises is started again on the same port, with one warning line."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_scheduler as nixl
-
-    cls = nixl.NixlBaseConnectorScheduler
-    listen = cls._nixl_handshake_listener
-    if getattr(listen, "pearl_guarded", False):
-        return
-
-    def guarded(data: Any, ready: Any, stop: threading.Event, host: str, port: int) -> None:
-        while not stop.is_set():
-            try:
-                return listen(data, ready, stop, host, port)
-            except Exception as exc:  # a peer's bytes; the engine's own work is elsewhere
-                log.warning(
-                    "NIXL side channel %s:%d: dropped a malformed message (%s: %s); "
-                    "listening again", host, port, type(exc).__name__, str(exc)[:120],
-                )  # fmt: skip
-
-    guarded.pearl_guarded = True  # type: ignore[attr-defined]
-    cls._nixl_handshake_listener = staticmethod(guarded)  # type: ignore[method-assign,assignment]
 
 
 def _sum_transferred_bytes(stats: Any) -> int:
