@@ -199,6 +199,7 @@ def test_bench_weights_times_both_paths_and_the_engine_gets_the_weights() -> Non
     for path in ("gloo", "shm"):
         assert len(out["runs"][path]) == out["repeats"] == 3
         assert all(r["total_s"] > 0 and r["deliver_s"] >= 0 for r in out["runs"][path])
+    assert out["digest_s"] > 0
 
 
 @pytest.mark.parametrize(
