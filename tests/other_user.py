@@ -17,6 +17,7 @@ import re
 import stat
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -146,16 +147,25 @@ class Watch:
 
 
 class Listeners:
-    """Every TCP port a process under ``root_pid`` listens on, sampled every ``every_s``
-    (``ss -ltnp``) while the block runs: ``seen`` maps ``address:port`` to the programs."""
+    """Every TCP port a process under ``root_pid`` started during the block listens on,
+    sampled every ``every_s`` (``ss -ltnp``) while the block runs: ``seen`` maps
+    ``address:port`` to the programs. (Started during the block: what an earlier test
+    left running under the same root is not the run's.)"""
 
     def __init__(self, root_pid: int, every_s: float = 1.0) -> None:
         self.root_pid, self.every_s = root_pid, every_s
         self.seen: dict[str, set[str]] = {}
+        self.commands: dict[str, str] = {}  # address -> a listener's command line
         self.samples = 0
         self._stop = threading.Event()
 
     def _ours(self, pid: int) -> bool:
+        try:
+            stat_fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            return False
+        if int(stat_fields[19]) < self._since_ticks:  # started before the block
+            return False
         while pid > 1:
             if pid == self.root_pid:
                 return True
@@ -174,9 +184,15 @@ class Listeners:
             for name, pid in re.findall(r'\("([^"]+)",pid=(\d+)', users):
                 if self._ours(int(pid)):
                     self.seen.setdefault(fields[3], set()).add(name)
+                    with contextlib.suppress(OSError):
+                        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                        self.commands.setdefault(fields[3], cmd.decode(errors="replace")[:200])
         self.samples += 1
 
     def __enter__(self) -> Listeners:
+        ticks = os.sysconf("SC_CLK_TCK")
+        self._since_ticks = int(time.clock_gettime(time.CLOCK_BOOTTIME) * ticks) - 1
+
         def loop() -> None:
             while not self._stop.wait(self.every_s):
                 with contextlib.suppress(subprocess.SubprocessError, OSError):
@@ -191,4 +207,5 @@ class Listeners:
         self._thread.join(30)
 
     def off_loopback(self) -> dict[str, set[str]]:
+        """Listeners on anything but loopback: address -> the programs holding it."""
         return {a: p for a, p in self.seen.items() if not a.startswith(("127.0.0.1:", "[::1]:"))}

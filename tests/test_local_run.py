@@ -157,7 +157,9 @@ def test_local_run_grows_reclaims_borrows_and_loses_nothing(tmp_path: Path, monk
     print(f"listening: {sorted(listening.seen)}")
     assert listening.samples >= 10 and len(listening.seen) >= 3
     off = listening.off_loopback()
-    assert off and all(a.startswith("0.0.0.0:") and "mpiexec" in p for a, p in off.items()), off
+    assert off and all(a.startswith("0.0.0.0:") and "mpiexec" in p for a, p in off.items()), {
+        a: listening.commands.get(a) for a in off
+    }
 
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert summary["steps"] == len(metrics) == 3
