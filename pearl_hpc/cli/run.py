@@ -84,12 +84,12 @@ def _dry_run(args: argparse.Namespace) -> int:
 
 
 def _refused(source: str, problems: Sequence[str], warnings: Sequence[str] = ()) -> int:
-    """The pre-queue checks' warnings and problems, one line each: exit 2 if any
-    problem, else 0."""
-    for warning in warnings:
-        print(f"pearl-hpc: warning: {source}: {warning}", file=sys.stderr)
+    """The pre-queue checks' problems, one line each, and exit 2; without any, their
+    warnings (the run is queued all the same) and 0."""
     for problem in problems:
         print(f"pearl-hpc: error: {source}: {problem}", file=sys.stderr)
+    for warning in [] if problems else warnings:
+        print(f"pearl-hpc: warning: {source}: {warning}", file=sys.stderr)
     return EXIT_USAGE if problems else 0
 
 
