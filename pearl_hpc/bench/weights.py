@@ -62,7 +62,8 @@ def _engine(conn: Any) -> None:
     params: dict[str, torch.Tensor] = {}
     host, port, key, prefix = conn.recv()
     # formed once, as for an epoch
-    group = WeightGroup(StoreClient(host, port, key), prefix, rank=1, size=2)
+    store = StoreClient(host, port, key)
+    group = WeightGroup(store, prefix, rank=1, size=2)
     while (cmd := conn.recv()) is not None:
         how, args = cmd
         if how == "gloo":
@@ -74,12 +75,14 @@ def _engine(conn: Any) -> None:
             params.setdefault(name, torch.empty_like(tensor)).copy_(tensor)
         conn.send((delivered, time.time(), digest(params)))
         del named
+    store.close()
 
 
 def _measure(gib: float, repeats: int) -> dict[str, Any]:
     state = synthetic_state(gib)
     key = new_key()
     store = KeyStore(key)
+    client = StoreClient(store.host, store.port, key)  # the trainer's side
     shared = SharedStore.create("bench")
     if shared is None:
         raise SystemExit("bench --weights: no /dev/shm on this machine")
@@ -92,7 +95,7 @@ def _measure(gib: float, repeats: int) -> dict[str, Any]:
     same = True  # every delivery left the engine with the trainer's bf16 weights
     try:
         conn.send((store.host, store.port, key, "bench/"))  # the pipe is the process's own
-        group = WeightGroup(StoreClient(store.host, store.port, key), "bench/", 0, 2)
+        group = WeightGroup(client, "bench/", 0, 2)
         for v in range(1, repeats + 1):
             t0 = time.time()
             staged = stage_private(state, v, torch.bfloat16)
@@ -119,6 +122,8 @@ def _measure(gib: float, repeats: int) -> dict[str, Any]:
         conn.send(None)
         engine.join(timeout=30)
         shared.close()
+        client.close()
+        store.close()
     nbytes = sum(t.numel() * 2 for t in state.values())
     return {"bytes": nbytes, "tensors": len(state), "repeats": repeats, "runs": rows,
             "same_weights": same, "digest_s": statistics.median(digests_s)}  # fmt: skip
