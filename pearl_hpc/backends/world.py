@@ -201,7 +201,10 @@ def with_restarts(
     up to ``run.max_restarts`` times -- unless it was stopped (``stopped()``: a signal
     to the launcher), refused its input (exit 2), left nothing to resume, or a rank of
     it failed before it joined (a start that would fail the same way: a bad model, an
-    import or CUDA error). The failed rank's error is printed as one line."""
+    import or CUDA error). The failed rank's error is printed as one line. Before each
+    start and at the end, this user's leftovers in the node's shared memory are swept
+    (a killed world's weight directory, segments of ranks that died before finalize)."""
+    sweep()
     rc = start(resume)
     attempt = 0
     while rc not in (0, 2):
@@ -217,7 +220,9 @@ def with_restarts(
             file=sys.stderr,
             flush=True,
         )
+        sweep()
         rc = start(True)
+    sweep()
     return rc
 
 
@@ -272,7 +277,6 @@ def launch_world(cfg: RunConfig, run_dir: Path, *, resume: bool, live: bool) -> 
     signal.signal(signal.SIGUSR2, lambda *_: _warn_master(RunDir(run_dir)))
 
     def start(resume: bool) -> int:
-        sweep()  # what this user's killed runs left in this node's shared memory
         model_dir = prepare_run(cfg, run_dir, resume=resume)
         argv = world_argv(cfg, run_dir, model_dir, resume=resume, live=live, mpiexec=mpiexec_path())
         env = {**os.environ, **world_env(cfg)}
@@ -280,9 +284,7 @@ def launch_world(cfg: RunConfig, run_dir: Path, *, resume: bool, live: bool) -> 
         rc = world[-1].wait()
         return rc if rc >= 0 else 128 - rc  # killed by a signal: the shell's convention
 
-    rc = with_restarts(cfg, run_dir, resume, start, stopped=lambda: bool(stops))
-    sweep()  # this world's own leftovers (a rank that died before MPI's finalize)
-    return rc
+    return with_restarts(cfg, run_dir, resume, start, stopped=lambda: bool(stops))
 
 
 def _world_child() -> None:
@@ -312,16 +314,13 @@ def run_world(cfg: RunConfig, run_dir: Path, *, resume: bool = False, **popen: A
     env.update(world_env(cfg, in_step="SLURM_STEP_ID" in env))
 
     def start(resume: bool) -> int:
-        sweep()  # what this user's killed runs left in this node's shared memory
         model_dir = prepare_run(cfg, run_dir, resume=resume)
         argv = world_argv(cfg, run_dir, model_dir, resume=resume, mpiexec=mpiexec_path())
         return subprocess.run(
             argv, check=False, env=env, preexec_fn=_survive_warning, **popen
         ).returncode
 
-    rc = with_restarts(cfg, run_dir, resume, start)
-    sweep()  # this world's own leftovers (a rank that died before MPI's finalize)
-    return rc
+    return with_restarts(cfg, run_dir, resume, start)
 
 
 def _survive_warning() -> None:
