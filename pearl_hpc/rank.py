@@ -29,6 +29,7 @@ from typing import Any
 
 import msgspec
 
+from pearl_hpc.comm.mpiexec import die_with_parent
 from pearl_hpc.rundir import RunDir, RunDirBusy, private_files
 
 STARTED_S = time.monotonic()  # this process's start, for the world's start latency
@@ -135,9 +136,9 @@ def _doorman(run_dir: Path) -> Any:
     if os.environ.get("PMI_RANK", os.environ.get("SLURM_PROCID", "0")) != "0":
         return None
     from pearl_hpc.comm.doorman import Doorman
-    from pearl_hpc.comm.mpiexec import mpiexec_path
+    from pearl_hpc.comm.mpiexec import gforker_path
 
-    return Doorman(RunDir(run_dir).mpi_port, mpiexec_path())
+    return Doorman(RunDir(run_dir).mpi_port, gforker_path())
 
 
 def _join(args: argparse.Namespace) -> int:
@@ -313,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     join.set_defaults(func=_join)
     args = parser.parse_args(argv)
     private_files()
+    die_with_parent()  # a rank whose launcher was killed outright does not live on
     logging.basicConfig(level=os.environ.get("PEARL_LOG_LEVEL", "WARNING"))
     return int(args.func(args))
 

@@ -1,13 +1,13 @@
 """The ranks of tests/test_mpi_plane.py: a real MPI world of a master (rank 0, the
 product's MasterPlane + Members on an asyncio loop, with its doorman) and two base
-members, plus elastic members and strangers, each launched as its own ``mpiexec -n 1``.
+members, plus elastic members and strangers, each launched as its own ``mpiexec.gforker -n 1``.
 
-    mpiexec -n 3 python -m tests.mpi_plane_ranks RUN_DIR world        (the world)
-    mpiexec -n 1 python -m tests.mpi_plane_ranks RUN_DIR join GROUP   (a joiner)
-    mpiexec -n 1 python -m tests.mpi_plane_ranks RUN_DIR pickle GROUP (a joiner whose
-        first message is a pickle that would write RUN_DIR/owned)
-    mpiexec -n 1 python -m tests.mpi_plane_ranks RUN_DIR forged GROUP (a hello signed
-        with another key)
+    mpiexec.gforker -n 3 python -m tests.mpi_plane_ranks RUN_DIR world   (the world)
+    mpiexec.gforker -n 1 python -m tests.mpi_plane_ranks RUN_DIR join GROUP   (a joiner)
+    mpiexec.gforker -n 1 python -m tests.mpi_plane_ranks RUN_DIR pickle GROUP (a joiner
+        whose first message is a pickle that would write RUN_DIR/owned)
+    mpiexec.gforker -n 1 python -m tests.mpi_plane_ranks RUN_DIR forged GROUP (a hello
+        signed with another key)
 
 The master writes RUN_DIR/result.json: the longest its loop went without a turn, what
 each fault cost, and its events.
@@ -28,7 +28,7 @@ from typing import Any
 
 from pearl_hpc.bench.plane import loop_gaps, protocol_member
 from pearl_hpc.comm.doorman import Doorman
-from pearl_hpc.comm.mpiexec import mpiexec_path
+from pearl_hpc.comm.mpiexec import gforker_path, one_node
 from pearl_hpc.rundir import RunDir
 
 KEY = "ab" * 32
@@ -69,8 +69,7 @@ def launch(run_dir: Path, *args: str) -> subprocess.Popen[bytes]:
 
     with FORK_LOCK:  # as the local backend launches its elastic ranks
         return subprocess.Popen(
-            [mpiexec_path(), "-launcher", "fork", "-hosts", "localhost", "-n", "1",
-             sys.executable, "-m", "tests.mpi_plane_ranks", str(run_dir), *args]
+            [*one_node(1), sys.executable, "-m", "tests.mpi_plane_ranks", str(run_dir), *args]
         )  # fmt: skip
 
 
@@ -120,7 +119,7 @@ async def master(run_dir: Path, doorman: Doorman) -> None:
     members.leave("el1+0")
     await until("el1+0 gone", lambda: members.left("el1+0"))
     members.partition()
-    joiner.wait(30)
+    await asyncio.to_thread(joiner.wait, 30)  # off the loop (gforker takes ~1 s to end)
     # 2. an announcer that never connects (it died before Connect): the doorman frees
     #    each Accept, the join is abandoned; the loop never stops turning
     RunDir(run_dir).join_note("el9+0").write_text(json.dumps({"group": "el9+0"}))
@@ -144,7 +143,7 @@ async def master(run_dir: Path, doorman: Doorman) -> None:
     except PlaneError as exc:
         result["call_error"] = str(exc)
     result["killed_call_s"] = time.monotonic() - t0
-    killed.wait(30)
+    await asyncio.to_thread(killed.wait, 30)
     # 5. an elastic member SIGSTOPped (a silent node): the heartbeat timeout fails it
     stopped = await spawn(run_dir, "join", "el3+0")
     await until("el3+0 joined", lambda: "el3+0:0" in members.of_kind("engine"), 120)
@@ -154,12 +153,12 @@ async def master(run_dir: Path, doorman: Doorman) -> None:
     await until("el3+0 failed", lambda: "el3+0:0" not in members.of_kind("engine"), 60)
     result["stopped_detect_s"] = time.monotonic() - t0
     os.kill(pid, signal.SIGKILL)
-    stopped.wait(30)
+    await asyncio.to_thread(stopped.wait, 30)
     # 6. a component given back before its rank joins: sent away once it does
     members.leave("el4+0")
     late = await spawn(run_dir, "join", "el4+0")
     await until("el4+0 sent away", lambda: members.left("el4+0"), 120)
-    late.wait(30)
+    await asyncio.to_thread(late.wait, 30)
     members.partition()
     stop.set()
     await poll
@@ -183,7 +182,7 @@ def main() -> int:
         return protocol_member(plane)
     doorman = None
     if os.environ.get("PMI_RANK") == "0":
-        doorman = Doorman(RunDir(run_dir).mpi_port, mpiexec_path())  # before MPI_Init
+        doorman = Doorman(RunDir(run_dir).mpi_port, gforker_path())  # before MPI_Init
     from mpi4py import MPI
 
     if MPI.COMM_WORLD.Get_rank() == 0:

@@ -12,15 +12,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pearl_hpc.comm.mpiexec import mpiexec_path
+from pearl_hpc.comm.mpiexec import one_node
 from tests.mpi_plane_ranks import HEARTBEAT_TIMEOUT_S, SEND_TIMEOUT_S
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_joins_strangers_and_faults_never_stop_the_masters_loop(tmp_path: Path) -> None:
-    argv = [mpiexec_path(), "-launcher", "fork", "-hosts", "localhost", "-n", "3"]
-    argv += [sys.executable, "-m", "tests.mpi_plane_ranks", str(tmp_path), "world"]
+    argv = [*one_node(3), sys.executable, "-m", "tests.mpi_plane_ranks", str(tmp_path), "world"]
     run = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())

@@ -40,7 +40,7 @@ def test_the_default_world_is_master_two_trainers_and_two_engines() -> None:
     assert [r.gpu_ids for r in layout[3:]] == [("rsv:0",), ("train:0",)]
     assert not layout[3].overlap and layout[4].overlap
     argv = world_argv(cfg, Path("R"), "M")
-    assert "mpiexec" in argv[0] and argv[1:3] == ["-launcher", "fork"]  # one node
+    assert argv[:3] == ["mpiexec.gforker", "-n", "5"]  # one node: gforker, no port
     assert world_env(cfg) == {"UCX_NET_DEVICES": "lo"}  # a local run: UCX on loopback
 
 
@@ -162,7 +162,7 @@ def _journal(run_dir: Path, status: str) -> None:
         ([2], "running", False, [False]),  # refused its input: not again
         ([9], "finished", False, [False]),  # nothing left to resume
         ([9], "running", True, [False]),  # stopped by a signal to the launcher
-        ([0], "running", False, [False]),
+        ([0], "running", False, [False]),  # finished (the world's exit 0 finishes it here)
     ],
 )
 def test_a_failed_world_is_resumed_up_to_max_restarts(
@@ -177,8 +177,41 @@ def test_a_failed_world_is_resumed_up_to_max_restarts(
 
     def start(resume: bool) -> int:
         resumed.append(resume)
+        if codes[len(resumed) - 1] == 0:
+            _journal(tmp_path, "finished")
         return codes[len(resumed) - 1]
 
     rc = with_restarts(cfg, tmp_path, False, start, stopped=lambda: stopped)
     assert resumed == starts
     assert rc == codes[len(starts) - 1]
+
+
+@pytest.mark.parametrize(
+    ("status", "starts", "rc"),
+    [
+        ("running", [False, True], 0),  # a rank died of a signal: restarted, then finished
+        ("stopped", [False], 0),  # `pearl-hpc cancel`: checkpointed and ended
+        (None, [False], 1),  # no journal: nothing to resume
+    ],
+)
+def test_an_exit_0_that_left_the_run_unfinished_lost_a_rank(
+    tmp_path: Path, status: str | None, starts: list[bool], rc: int, capsys
+) -> None:
+    """gforker exits 0 when a rank died of a signal: the run's journal tells."""
+    from pearl_hpc.backends.world import with_restarts
+
+    cfg = load_run_config(REPO / "configs" / "runs" / "local.yaml")
+    if status is not None:
+        _journal(tmp_path, status)
+    resumed: list[bool] = []
+
+    def start(resume: bool) -> int:
+        resumed.append(resume)
+        if resume:
+            _journal(tmp_path, "finished")
+        return 0
+
+    assert with_restarts(cfg, tmp_path, False, start) == rc
+    assert resumed == starts
+    said = capsys.readouterr().err
+    assert ("died of a signal" in said) == (status != "stopped"), said

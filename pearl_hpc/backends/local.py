@@ -3,7 +3,7 @@
     offer(N)  the trace's availability (the machine has no scheduler to ask)
     want(M)   the controller's demand (the expansion gate at request time)
       more than held, up to min(N, M): a "job" elJ of one component per new worker, each
-        a launch `mpiexec -n 1 python -m pearl_hpc.rank join --group elJ+K --gpu-ids
+        a launch `mpiexec.gforker -n 1 python -m pearl_hpc.rank join --group elJ+K --gpu-ids
         elJ+K:gpu0` (its rank Connects + Merges like a hetjob component's)
         ──> CapacityGranted
       fewer than held offered: the last granted ──> CapacityReclaimed (grace_s)
@@ -37,7 +37,7 @@ from pearl_hpc.backends.ranks import RankWorker, attach_rank
 from pearl_hpc.backends.trace import TraceDriver
 from pearl_hpc.comm.members import LEAVE_TIMEOUT_S
 from pearl_hpc.comm.membership import MemberState
-from pearl_hpc.comm.mpiexec import mpiexec_path
+from pearl_hpc.comm.mpiexec import gforker_path, one_node
 from pearl_hpc.core.controller import CapacityGranted, CapacityReclaimed
 from pearl_hpc.core.table import ElasticSource
 from pearl_hpc.master.capacity import BackendContext
@@ -49,7 +49,7 @@ END_TIMEOUT_S = 10.0  # a launch not gone this long after SIGTERM is killed
 
 @dataclass
 class _Launch:
-    """One elastic component: its rank's ``mpiexec`` and GPUs."""
+    """One elastic component: its rank's launch (gforker) and GPUs."""
 
     source: ElasticSource
     gpu_ids: tuple[str, ...]
@@ -64,14 +64,14 @@ def join_argv(
     model_dir: str,
     group: str,
     gpu_ids: tuple[str, ...],
-    mpiexec: str,
+    gforker: str,
     setpriv: str | None = None,
 ) -> list[str]:
     """The launch of one local elastic rank (pure); with util-linux's ``setpriv`` it is
     SIGTERMed when the master dies (else its rank ends on the stale lease)."""
     return [
         *([setpriv, "--pdeathsig", "SIGTERM"] if setpriv else []),
-        mpiexec, "-launcher", "fork", "-hosts", "localhost", "-n", "1",
+        *one_node(1, gforker),
         sys.executable, "-m", "pearl_hpc.rank", "join", "--run-dir", str(run_dir),
         "--model-dir", model_dir, "--group", group, "--gpu-ids", ",".join(gpu_ids),
     ]  # fmt: skip
@@ -102,7 +102,7 @@ class LocalBackend:
         )
         self.dir = RunDir(run_dir).elastic
         self._lease = MasterLease(RunDir(run_dir).lease)
-        self.mpiexec = mpiexec_path()
+        self.gforker = gforker_path()
         self.setpriv = shutil.which("setpriv")
         self.launches: dict[str, _Launch] = {}  # by component tag, in grant order
         self.offered = 0  # elastic workers the trace makes available
@@ -179,7 +179,7 @@ class LocalBackend:
     def _launch(self, source: ElasticSource, gpu_ids: tuple[str, ...]) -> _Launch:
         log_path = self.dir / f"{source.tag}.out"
         argv = join_argv(
-            self.run_dir, self.model_dir, source.tag, gpu_ids, self.mpiexec, self.setpriv
+            self.run_dir, self.model_dir, source.tag, gpu_ids, self.gforker, self.setpriv
         )
         with log_path.open("ab") as out, FORK_LOCK:  # no fork while MPI accepts a join
             proc = subprocess.Popen(
@@ -267,7 +267,7 @@ class LocalBackend:
 
 
 def _end_process(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the launch's process group (mpiexec and its rank), SIGKILL if it lingers."""
+    """SIGTERM the launch's process group (gforker and its rank), SIGKILL if it lingers."""
     if proc.poll() is not None:
         return
     with contextlib.suppress(ProcessLookupError):

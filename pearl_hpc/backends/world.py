@@ -6,10 +6,10 @@
 
 Where the world runs:
 - a layout of one node (the local backend always): this node, started by MPICH's
-  ``mpiexec`` (the wheel beside this Python) with its fork launcher -- also inside a
-  Slurm batch job;
-- a layout over several nodes (backend slurm, inside the base job's allocation): the
-  same ``mpiexec`` with Hydra's slurm launcher (``srun`` starts one proxy a node, the
+  ``mpiexec.gforker`` (the wheel beside this Python; it listens on no port) -- also
+  inside a Slurm batch job;
+- a layout over several nodes (backend slurm, inside the base job's allocation): MPICH's
+  Hydra ``mpiexec`` with its slurm launcher (``srun`` starts one proxy a node, the
   proxies fork the ranks) and ``RUN_DIR/hostfile`` giving each node its block of ranks
   (trainer ranks on the training nodes, reserved engine ranks on the rollout nodes);
   :func:`base_job_spec` is the batch job that asks for it (``pearl-hpc run CONFIG
@@ -19,8 +19,9 @@ Where the world runs:
   PMI carries it.)
 Elastic capacity of the Slurm backend comes as heterogeneous jobs (:mod:`.slurm`).
 
-A base rank that fails ends the world (rank 0 calls ``Abort``; Hydra ends every rank
-when one dies), so nothing of a run outlives its master. The launcher then starts a new
+A base rank that fails ends the world (rank 0 calls ``Abort``; gforker and Hydra end
+every rank when one dies, and a rank dies with its launcher), so nothing of a run
+outlives its master. The launcher then starts a new
 world with ``--resume`` by itself, up to ``run.max_restarts`` times
 (:func:`with_restarts`): the journal, the newest checkpoint and the trajectory log carry
 the run on; elastic jobs are adopted.
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from pearl_hpc.comm.layout import RankSpec, base_layout
-from pearl_hpc.comm.mpiexec import mpiexec_path
+from pearl_hpc.comm.mpiexec import die_with_parent, gforker_path, mpiexec_path, one_node
 from pearl_hpc.config.run import RunConfig
 from pearl_hpc.config.slurm import site_options
 from pearl_hpc.errors import ConfigError, PearlError
@@ -58,20 +59,27 @@ def world_argv(
     *,
     resume: bool = False,
     live: bool = False,
-    mpiexec: str = "mpiexec",
+    mpiexec: str = "",
     python: str = sys.executable,
 ) -> list[str]:
-    """The command that starts the run's world (pure)."""
+    """The command that starts the run's world (``mpiexec``: MPICH's launcher, Hydra's
+    over several nodes, gforker's on one; the bare name for a description)."""
     ranks = len(base_layout(cfg.workers, cfg.layout))
     if multi_node(cfg):  # Hydra's proxies started by srun, one a node; PMI is Hydra's
-        placement = ["-launcher", "slurm", "-f", str(RunDir(run_dir).hostfile)]
+        hostfile = str(RunDir(run_dir).hostfile)
+        head = [mpiexec or "mpiexec", "-launcher", "slurm", "-f", hostfile, "-n", str(ranks)]
     else:
-        placement = ["-launcher", "fork", "-hosts", "localhost"]
+        head = one_node(ranks, mpiexec or "mpiexec.gforker")
     return [
-        mpiexec, *placement, "-n", str(ranks), python, "-m", "pearl_hpc.rank", "rank",
+        *head, python, "-m", "pearl_hpc.rank", "rank",
         "--run-dir", str(run_dir), "--model-dir", model_dir,
         *(["--resume"] if resume else []), *(["--live"] if live else []),
     ]  # fmt: skip
+
+
+def launcher_path(cfg: RunConfig) -> str:
+    """MPICH's launcher of the run's world: Hydra's over several nodes, gforker's on one."""
+    return mpiexec_path() if multi_node(cfg) else gforker_path()
 
 
 def world_env(cfg: RunConfig, *, in_step: bool = False) -> dict[str, str]:
@@ -203,9 +211,11 @@ def with_restarts(
     it failed before it joined (a start that would fail the same way: a bad model, an
     import or CUDA error). The failed rank's error is printed as one line. Before each
     start and at the end, this user's leftovers in the node's shared memory are swept
-    (a killed world's weight directory, segments of ranks that died before finalize)."""
+    (a killed world's weight directory, segments of ranks that died before finalize).
+    A world that exits 0 before its run finished or stopped lost a rank to a signal
+    (gforker ends the others but counts a signal as 0): it failed (exit 1)."""
     sweep()
-    rc = start(resume)
+    rc = _lost_rank(start(resume), run_dir)
     attempt = 0
     while rc not in (0, 2):
         restartable = _report_failure(run_dir)
@@ -221,9 +231,30 @@ def with_restarts(
             flush=True,
         )
         sweep()
-        rc = start(True)
+        rc = _lost_rank(start(True), run_dir)
     sweep()
     return rc
+
+
+def _lost_rank(rc: int, run_dir: Path) -> int:
+    """A world's exit status, 1 for an exit 0 that left the run neither finished nor
+    stopped (with one line saying so)."""
+    if rc != 0:
+        return rc
+    run = RunDir(run_dir)
+    try:
+        status = read_journal(run.journal).get("status") if run.journal.exists() else None
+    except PearlError:
+        status = None
+    if status in (RunStatus.FINISHED, RunStatus.STOPPED):
+        return 0
+    print(
+        "pearl-hpc run: a rank of the world died of a signal (the launcher's "
+        "'signaled with' line names it) before the run finished",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 1
 
 
 def _report_failure(run_dir: Path) -> bool:
@@ -278,7 +309,9 @@ def launch_world(cfg: RunConfig, run_dir: Path, *, resume: bool, live: bool) -> 
 
     def start(resume: bool) -> int:
         model_dir = prepare_run(cfg, run_dir, resume=resume)
-        argv = world_argv(cfg, run_dir, model_dir, resume=resume, live=live, mpiexec=mpiexec_path())
+        argv = world_argv(
+            cfg, run_dir, model_dir, resume=resume, live=live, mpiexec=launcher_path(cfg)
+        )
         env = {**os.environ, **world_env(cfg)}
         world.append(subprocess.Popen(argv, env=env, preexec_fn=_world_child))
         rc = world[-1].wait()
@@ -289,10 +322,7 @@ def launch_world(cfg: RunConfig, run_dir: Path, *, resume: bool, live: bool) -> 
 
 def _world_child() -> None:
     """(In the forked child, before exec.) Die with the launcher; survive USR2."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    die_with_parent()
     _survive_warning()
 
 
@@ -315,7 +345,7 @@ def run_world(cfg: RunConfig, run_dir: Path, *, resume: bool = False, **popen: A
 
     def start(resume: bool) -> int:
         model_dir = prepare_run(cfg, run_dir, resume=resume)
-        argv = world_argv(cfg, run_dir, model_dir, resume=resume, mpiexec=mpiexec_path())
+        argv = world_argv(cfg, run_dir, model_dir, resume=resume, mpiexec=launcher_path(cfg))
         return subprocess.run(
             argv, check=False, env=env, preexec_fn=_survive_warning, **popen
         ).returncode

@@ -1,7 +1,7 @@
 """The control plane at scale: what the master's loop pays per plan and per join, and a
 burst of joiners.
 
-For each world of ``--ranks`` protocol-only ranks (``mpiexec -n N``; rank 0 the master,
+For each world of ``--ranks`` protocol-only ranks (``mpiexec.gforker -n N``; rank 0 the master,
 the product's ``MasterPlane`` + ``Members`` with its doorman, the others answering
 commands, no engines):
 
@@ -9,7 +9,7 @@ commands, no engines):
 - per plan: the loop's time in ``Members.partition()`` after a role change of every
   member, and a command fanned out to every member -> every ack (the loop serves
   meanwhile);
-- a burst of ``--joiners`` elastic components (one ``mpiexec -n 1`` each, all launched
+- a burst of ``--joiners`` elastic components (one ``mpiexec.gforker -n 1`` each, all launched
   at once): go -> proven hellos per join, the pump's time in ``Accept`` per join, the
   whole burst, and the longest the master's loop went without a turn.
 
@@ -144,12 +144,12 @@ async def _master(run_dir: Path, doorman: Any, joiners: int) -> dict[str, Any]:
 
 def _rank(run_dir: Path, joiners: int) -> int:
     from pearl_hpc.comm.doorman import Doorman
-    from pearl_hpc.comm.mpiexec import mpiexec_path
+    from pearl_hpc.comm.mpiexec import gforker_path
     from pearl_hpc.rundir import RunDir
 
     doorman = None
     if os.environ.get("PMI_RANK") == "0":
-        doorman = Doorman(RunDir(run_dir).mpi_port, mpiexec_path())  # before MPI_Init
+        doorman = Doorman(RunDir(run_dir).mpi_port, gforker_path())  # before MPI_Init
     from mpi4py import MPI
 
     from pearl_hpc.comm.mpi import WorkerPlane
@@ -177,20 +177,19 @@ def _launch(argv: list[str], *, errors: bool = False) -> subprocess.Popen[bytes]
 
 def measure(ranks: int, joiners: int) -> dict[str, Any]:
     """One world of ``ranks`` ranks and a burst of ``joiners`` joiners."""
-    from pearl_hpc.comm.mpiexec import mpiexec_path
+    from pearl_hpc.comm.mpiexec import gforker_path, one_node
 
-    mpiexec = mpiexec_path()
-    head = [mpiexec, "-launcher", "fork", "-hosts", "localhost"]
+    gforker = gforker_path()
     me = [sys.executable, "-m", "pearl_hpc.bench.plane"]
     with tempfile.TemporaryDirectory(prefix="pearl-plane-") as tmp:
         run_dir = Path(tmp)
-        argv = [*head, "-n", str(ranks), *me, "rank", str(run_dir), str(joiners)]
+        argv = [*one_node(ranks, gforker), *me, "rank", str(run_dir), str(joiners)]
         world = _launch(argv, errors=True)
         burst: list[subprocess.Popen[bytes]] = []
         while world.poll() is None:
             if joiners and not burst and (run_dir / "burst").exists():
                 burst = [
-                    _launch([*head, "-n", "1", *me, "join", str(run_dir), f"b{k}+0"])
+                    _launch([*one_node(1, gforker), *me, "join", str(run_dir), f"b{k}+0"])
                     for k in range(joiners)
                 ]
             time.sleep(0.05)

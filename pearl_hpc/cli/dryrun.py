@@ -85,7 +85,7 @@ def dry_run(
     python = cfg.slurm.python or "python3"
     out.append(render_sbatch(base_job_spec(cfg, RUN_DIR, python=python)).rstrip())
     out += ["", "## the world"]
-    argv = world_argv(cfg, RUN_DIR, "MODEL_DIR", mpiexec="mpiexec", python="python3")
+    argv = world_argv(cfg, RUN_DIR, "MODEL_DIR", python="python3")
     env = [f"{k}='{v}'" for k, v in world_env(cfg).items()]
     out.append(" ".join([*env, *argv]))
     if multi_node(cfg):

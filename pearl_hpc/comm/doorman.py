@@ -4,11 +4,11 @@ MPI's ``Accept`` has no timeout, and a joiner can die between announcing itself 
 connecting. The doorman is a small process the master starts **before** ``MPI_Init`` (a
 child forked after it crashed MPICH's ``Accept``). Before each ``Accept`` the master's
 pump arms it with a deadline, after it disarms it; a deadline that passes armed makes the
-doorman launch a one-rank MPI process (``mpiexec -n 1 ... knock``) that connects to the
+doorman launch a one-rank MPI process (``mpiexec.gforker -n 1 ... knock``) that connects to the
 master's port and sends one :data:`~pearl_hpc.comm.mpi.TAG_KNOCK` message, so that
 ``Accept`` returns and the pump drops that connection.
 
-    master pump ──"arm 3.0"──> doorman ──(3 s, not disarmed)──> mpiexec -n 1 ... knock
+    master pump ──"arm 3.0"──> doorman ──(3 s, not disarmed)──> gforker -n 1 ... knock
                 ──"disarm"───>                                   Connect, knock, exit
 
 Protocol on the doorman's stdin: one line per order, ``arm SECONDS`` or ``disarm``; it
@@ -20,11 +20,14 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import IO
+
+from pearl_hpc.comm.mpiexec import one_node
 
 KNOCK_TIMEOUT_S = 60.0  # a knock that found no Accept by then is killed
 
@@ -32,9 +35,9 @@ KNOCK_TIMEOUT_S = 60.0  # a knock that found no Accept by then is killed
 class Doorman:
     """The master's handle on its doorman process (start it before ``MPI_Init``)."""
 
-    def __init__(self, port_file: Path, mpiexec: str) -> None:
+    def __init__(self, port_file: Path, gforker: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pearl_hpc.comm.doorman", "serve", str(port_file), mpiexec],
+            [sys.executable, "-m", "pearl_hpc.comm.doorman", "serve", str(port_file), gforker],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -65,7 +68,7 @@ class Doorman:
             self.proc.kill()
 
 
-def _serve(port_file: str, mpiexec: str) -> int:
+def _serve(port_file: str, gforker: str) -> int:
     """The doorman's loop: wait for an order; an armed deadline that passes knocks."""
     knocks: list[tuple[subprocess.Popen[bytes], float]] = []
     orders = _Orders(sys.stdin.fileno())
@@ -76,14 +79,19 @@ def _serve(port_file: str, mpiexec: str) -> int:
             continue  # disarmed in time
         if orders.closed:
             break
-        argv = [mpiexec, "-launcher", "fork", "-hosts", "localhost", "-n", "1"]
-        argv += [sys.executable, "-m", "pearl_hpc.comm.doorman", "knock", port_file]
-        quiet = subprocess.DEVNULL  # stdin too: mpiexec forwards its stdin (the orders)
-        proc = subprocess.Popen(argv, stdin=quiet, stdout=quiet, stderr=quiet)
+        argv = [*one_node(1, gforker), sys.executable, "-m", "pearl_hpc.comm.doorman"]
+        quiet = subprocess.DEVNULL  # stdin too: a launcher forwards its stdin (the orders)
+        proc = subprocess.Popen(
+            [*argv, "knock", port_file],
+            stdin=quiet,
+            stdout=quiet,
+            stderr=quiet,
+            start_new_session=True,  # the launcher and its rank, killed as one
+        )
         knocks.append((proc, time.monotonic()))
         knocks = _reap(knocks)
     for proc, _ in knocks:
-        proc.kill()
+        _kill(proc)
     return 0
 
 
@@ -119,11 +127,17 @@ def _reap(
     alive = []
     for proc, since in knocks:
         if proc.poll() is None and time.monotonic() - since > KNOCK_TIMEOUT_S:
-            proc.kill()
+            _kill(proc)
             proc.wait()
         elif proc.poll() is None:
             alive.append((proc, since))
     return alive
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    """A knock's launcher and its rank (its process group) killed."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _knock(port_file: str) -> int:

@@ -277,7 +277,7 @@ class RunSettings:
         ge=0,
     )
     max_restarts: int = spec_field(
-        "a world that fails (a rank died: Hydra ends them all) is started again with "
+        "a world that fails (a rank died: its launcher ends them all) is started again with "
         "--resume by its launcher this many times",
         default=3,
         ge=0,
