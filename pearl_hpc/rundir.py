@@ -64,7 +64,8 @@ FILES: tuple[tuple[str, str, str], ...] = (
     ("elastic", "elastic/", "elastic launches: their logs (`job-J.out` on Slurm)"),
     ("lease", "elastic/master.lease", "`<host> <pid> <unix time>`, touched every second by "
      "the master: elastic ranks and batch steps end when it goes stale"),
-    ("hostfile", "hostfile", "a world over several nodes: Hydra's `node:ranks` lines"),
+    ("hostfile", "hostfile", "a world over several nodes: each rank's node, a line a rank "
+     "(Slurm's `SLURM_HOSTFILE`)"),
     ("mpi_port", "mpi-port", "the master's MPI port name (0600): elastic ranks `Connect` to it"),
     ("joins", "joins/", "`GROUP.json`: an elastic component's announcement; `GROUP.go`: the "
      "master's go to `Connect` (one at a time)"),

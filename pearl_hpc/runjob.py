@@ -43,7 +43,7 @@ class RunJob(submitit.helpers.Checkpointable):
         private_files()
         if submitit.JobEnvironment().global_rank != 0:
             # a layout over several nodes: one task a node holds the allocation; the
-            # first's world starts the ranks on every node (Hydra's srun --overlap)
+            # first's world starts the ranks on every node (one srun step, --overlap)
             return {}
         run = RunDir(Path(run_dir))
         path = run.path

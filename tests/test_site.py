@@ -240,17 +240,15 @@ def test_channels_without_authentication_on_shared_nodes_are_warned_of() -> None
     def said(**changes: Any) -> list[str]:
         return [w.split(":")[0] for w in shared_node_warnings(_cfg(**changes))]
 
-    hydra, pd = "slurm.exclusive is false", "PD disaggregation on nodes other users' jobs may share"
-    assert said() == [pd]  # one node (gforker: no port), not exclusive, PD allowed
-    two = {"training_nodes": 1, "rollout_nodes": 1}  # Hydra's world
-    assert said(layout=two) == [hydra, pd]
-    assert said(layout=two, policy__pd_policy="colocated") == [hydra]
+    pd = "PD disaggregation on nodes other users' jobs may share"
+    assert said() == [pd]  # not exclusive, PD allowed
+    assert said(policy__pd_policy="colocated") == []
     assert said(slurm__exclusive=True, elastic__pools=[]) == []
     assert said(slurm__exclusive=True) == [  # the pools' nodes are shared
         "PD disaggregation on elastic pools' nodes other users' jobs may share"
     ]
     fabric = {"gpu_type": "a100", "engine_interface": "ib0", "env": {"UCX_NET_DEVICES": "mlx5_0:1"}}
-    assert said(slurm=fabric) == [] and said(slurm=fabric, layout=two) == [hydra]
+    assert said(slurm=fabric) == []
     assert said(slurm={**fabric, "exclusive": True}) == []
     assert shared_node_warnings(_cfg(backend="local", elastic={})) == []
 

@@ -103,9 +103,7 @@ def test_the_dry_run_shows_where_site_values_came_from(slurm_cluster: str, tmp_p
     assert f"slurm.partition: 'normal'  {origin}" in proc.stdout
     assert "slurm.qos: 'normal'  (--set)" in proc.stdout and "#SBATCH --qos=normal" in proc.stdout
     assert "ok: sbatch --test-only takes the base job" in proc.stdout
-    # the local cluster's nodes are not exclusive: the channels others could reach (a
-    # one-node world's launcher, gforker, listens on nothing)
-    assert "WARNING: slurm.exclusive is false" not in proc.stdout
+    # the local cluster's nodes are not exclusive: the KV path others could reach
     assert "WARNING: PD disaggregation on nodes other users' jobs may share" in proc.stdout
 
 

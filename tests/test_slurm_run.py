@@ -253,7 +253,7 @@ def test_slurm_run_harvests_a_standing_request_master_killed_and_resumed(
         assert SETUP_RAN in elastic_out, elastic_out[-2000:]
         assert len(_rank_processes(run_dir)) >= 6 and _without_site_env(run_dir) == []
         master_pid = RunDir(run_dir).read_state()["pid"]
-        os.kill(master_pid, signal.SIGKILL)  # Hydra ends the world; the launcher resumes it
+        os.kill(master_pid, signal.SIGKILL)  # gforker ends the world; the launcher resumes it
 
         def rejoined() -> bool:
             events = read_jsonl(run_dir / "events.jsonl")
@@ -455,7 +455,7 @@ def test_submitit_runs_a_two_node_layout_requeued_when_preempted_and_resumed(
 ) -> None:
     """`pearl-hpc run --submit` of a layout over two nodes: the master as a submitit job
     of a task a node, with the site settings of the local cluster's file; the first
-    task's world starts the ranks on both nodes (Hydra's srun --overlap inside the
+    task's world starts the ranks on both nodes (one srun step, overlapping the
     job's step). A preemption after step 0 (submitit's own test hook: SIGTERM, then
     USR2) checkpoints and requeues it; the next start resumes from the journal and the
     run ends with every step trained once."""
@@ -506,10 +506,11 @@ def test_a_base_job_over_two_nodes_trains_on_one_and_serves_on_the_other(
 ) -> None:
     """`pearl-hpc run CONFIG --sbatch` with a full site section: Slurm holds the job
     with the site's account, qos, time, constraint and typed GPUs; its setup lines and
-    env reach every rank; the world is one mpiexec over two nodes of the base job
-    (Hydra's proxies started by srun), the master and the trainer and overlap ranks on
-    the training node, the reserved engine rank on the rollout node; elastic workers are
-    asked for as a 2-component hetjob; every step trains its whole batch."""
+    env reach every rank; the world is one srun step over two nodes of the base job
+    (Slurm's pmi2 for the ranks' PMI, placed by RUN_DIR/hostfile), the master and the
+    trainer and overlap ranks on the training node, the reserved engine rank on the
+    rollout node; elastic workers are asked for as a 2-component hetjob; every step
+    trains its whole batch."""
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({**MULTI_NODE, "runs_dir": str(tmp_path / "runs")}))
     env = {**os.environ, "PEARL_HPC_CACHE": str(tmp_path / "cache")}
@@ -526,7 +527,7 @@ def test_a_base_job_over_two_nodes_trains_on_one_and_serves_on_the_other(
         assert "#SBATCH --qos=normal" in script  # (no accounting here: Slurm keeps no QOS)
 
         def world_up() -> bool:
-            if len(_rank_processes(run_dir)) >= 6:  # mpiexec and its 5 ranks
+            if len(_rank_processes(run_dir)) >= 6:  # srun and its 5 ranks
                 seen.append(_without_site_env(run_dir))
             return bool(seen) or not _in_squeue(job)
 
@@ -547,7 +548,7 @@ def test_a_base_job_over_two_nodes_trains_on_one_and_serves_on_the_other(
     assert nodes["2"] == nodes["3"] == training_node  # trainer 2, overlap engine 3
     assert nodes["4"] != training_node  # the reserved engine rank: the rollout node
     hostfile = (run_dir / "hostfile").read_text().split()
-    assert hostfile == [f"{training_node}:4", f"{nodes['4']}:1"]
+    assert hostfile == [training_node] * 4 + [nodes["4"]]  # a line a rank
     partitions = [e for e in events if e["kind"] == "partition"]
     assert partitions and all(p["groups"]["training"] == ["base:1", "base:2"] for p in partitions)
     submitted = [e for e in events if e["kind"] == "submitted"]

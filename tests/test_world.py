@@ -41,7 +41,7 @@ def test_the_default_world_is_master_two_trainers_and_two_engines() -> None:
     assert not layout[3].overlap and layout[4].overlap
     argv = world_argv(cfg, Path("R"), "M")
     assert argv[:3] == ["mpiexec.gforker", "-n", "5"]  # one node: gforker, no port
-    assert world_env(cfg) == {"UCX_NET_DEVICES": "lo"}  # a local run: UCX on loopback
+    assert world_env(cfg, Path("R")) == {"UCX_NET_DEVICES": "lo"}  # a local run: UCX on loopback
 
 
 def test_pearl_32_gpu_layout_places_every_rank() -> None:
@@ -63,13 +63,18 @@ def test_pearl_32_gpu_layout_places_every_rank() -> None:
     assert ranks_per_node(layout) == [13, 12, 2]
     job = base_job_spec(cfg, Path("R")).components[0]
     assert (job.nodes, job.ntasks_per_node, job.gpus_per_node) == (3, 13, 8)
-    # ranks numbered node by node: Hydra's hostfile gives each node its block
+    # ranks numbered node by node: the hostfile gives each rank its node
     assert [r.node for r in layout] == sorted(r.node for r in layout)
-    argv = world_argv(cfg, Path("R"), "M")
-    assert argv[1:5] == ["-launcher", "slurm", "-f", str(Path("R") / "hostfile")]
-    assert argv[argv.index("-n") + 1] == "27"
-    assert hostfile_text(layout, ["a", "b", "c", "d"]).split() == ["a:13", "b:12", "c:2"]
-    assert world_env(cfg) == {"HYDRA_LAUNCHER_EXTRA_ARGS": "--ntasks-per-node=1 --cpus-per-task=52"}
+    argv = world_argv(cfg, Path("R"), "M")  # one srun step; Slurm's pmi2 for the ranks
+    assert argv[:9] == [
+        "srun", "--mpi=pmi2", "--kill-on-bad-exit=1", "--quit-on-interrupt", "--nodes=3",
+        "--ntasks=27", "--cpus-per-task=4", "--distribution=arbitrary", sys.executable,
+    ]  # fmt: skip
+    hosts = hostfile_text(layout, ["a", "b", "c", "d"]).split()
+    assert hosts == ["a"] * 13 + ["b"] * 12 + ["c"] * 2  # a line a rank
+    env = {"SLURM_HOSTFILE": str(Path("R") / "hostfile")}
+    assert world_env(cfg, Path("R")) == env
+    assert world_env(cfg, Path("R"), in_step=True) == {**env, "SLURM_OVERLAP": "1"}
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pearl_hpc.backends.slurm import elastic_job_spec
-from pearl_hpc.backends.world import base_job_spec, multi_node
+from pearl_hpc.backends.world import base_job_spec
 from pearl_hpc.config.run import RunConfig
 from pearl_hpc.core.policies import PDPolicyName
 from pearl_hpc.master.preflight import model_problem
@@ -47,20 +47,12 @@ class Checks:
 
 def shared_node_warnings(cfg: RunConfig) -> list[str]:
     """The channels without authentication that a Slurm run would open on nodes other
-    users' jobs may share (pure; docs/security.md): Hydra's control port (the launcher of
-    a world over several nodes; one node's, gforker, listens on nothing) and vLLM's NIXL
-    KV path (PD disaggregation; a site that named the
-    fabric for it, ``slurm.engine_interface`` and ``UCX_NET_DEVICES``, chose it)."""
+    users' jobs may share (pure; docs/security.md): vLLM's NIXL KV path (PD
+    disaggregation; a site that named the fabric for it, ``slurm.engine_interface`` and
+    ``UCX_NET_DEVICES``, chose it)."""
     if cfg.backend != "slurm":
         return []
     out = []
-    if not cfg.slurm.exclusive and multi_node(cfg):
-        out.append(
-            "slurm.exclusive is false: other users' jobs may share the base job's nodes, "
-            "and the launcher of a world over several nodes (Hydra's mpiexec) takes "
-            "commands from anyone who reaches it; set slurm.exclusive: true "
-            "(docs/security.md)"
-        )
     shared = not cfg.slurm.exclusive or bool(cfg.elastic.pools)
     fabric = cfg.slurm.engine_interface != "hostname" and "UCX_NET_DEVICES" in cfg.slurm.env
     if shared and not fabric and cfg.policy.pd_policy != PDPolicyName.COLOCATED:

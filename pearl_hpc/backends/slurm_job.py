@@ -57,7 +57,7 @@ def _launch(args: argparse.Namespace) -> int:
 
     def start(k: int) -> _Step:
         # PMI from srun: the rank is an MPI process of its own, Connecting to the
-        # master's port (a Hydra-launched base world accepts it: verified here)
+        # master's port (a base world of gforker or srun accepts it: verified here)
         argv = ["srun", "-n1", f"--mpi={args.mpi}", *args.srun_option]
         argv += [f"--het-group={k}"] if het else []
         argv += [

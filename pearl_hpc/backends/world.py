@@ -1,35 +1,32 @@
-"""Starting a run's MPI world: the run directory made ready, then ``mpiexec``.
+"""Starting a run's MPI world: the run directory made ready, then its launcher.
 
     pearl-hpc run CONFIG ──prepare_run──> RUN_DIR (key, model, checkpoints a resume trusts)
-                          ──mpiexec -n N python -m pearl_hpc.rank rank──> the world:
+                          ──mpiexec.gforker | srun  python -m pearl_hpc.rank rank──> the world:
                              rank 0 master, trainer ranks, engine ranks (base_layout)
 
 Where the world runs:
 - a layout of one node (the local backend always): this node, started by MPICH's
   ``mpiexec.gforker`` (the wheel beside this Python; it listens on no port) -- also
   inside a Slurm batch job;
-- a layout over several nodes (backend slurm, inside the base job's allocation): MPICH's
-  Hydra ``mpiexec`` with its slurm launcher (``srun`` starts one proxy a node, the
-  proxies fork the ranks) and ``RUN_DIR/hostfile`` giving each node its block of ranks
-  (trainer ranks on the training nodes, reserved engine ranks on the rollout nodes);
+- a layout over several nodes (backend slurm, inside the base job's allocation): one
+  ``srun --mpi=pmi2`` step (Slurm starts every rank and carries their PMI; any rank's
+  death ends the step) and ``RUN_DIR/hostfile`` giving each rank its node (trainer ranks
+  on the training nodes, reserved engine ranks on the rollout nodes);
   :func:`base_job_spec` is the batch job that asks for it (``pearl-hpc run CONFIG
-  --sbatch`` submits it, ``--dry-run`` prints it). (Not ``srun --mpi=pmi2`` for the
-  ranks: on the CI machine the MPICH wheel's PMI exchange of a 2-node world broke
-  Slurm's pmi2 plugin, "value not properly terminated in client request"; Hydra's own
-  PMI carries it.)
+  --sbatch`` submits it, ``--dry-run`` prints it).
 Elastic capacity of the Slurm backend comes as heterogeneous jobs (:mod:`.slurm`).
 
-A base rank that fails ends the world (rank 0 calls ``Abort``; gforker and Hydra end
+A base rank that fails ends the world (rank 0 calls ``Abort``; gforker and srun end
 every rank when one dies, and a rank dies with its launcher), so nothing of a run
-outlives its master. The launcher then starts a new
-world with ``--resume`` by itself, up to ``run.max_restarts`` times
-(:func:`with_restarts`): the journal, the newest checkpoint and the trajectory log carry
-the run on; elastic jobs are adopted.
+outlives its master. The launcher then starts a new world with ``--resume`` by itself,
+up to ``run.max_restarts`` times (:func:`with_restarts`): the journal, the newest
+checkpoint and the trajectory log carry the run on; elastic jobs are adopted.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from pearl_hpc.comm.layout import RankSpec, base_layout
-from pearl_hpc.comm.mpiexec import die_with_parent, gforker_path, mpiexec_path, one_node
+from pearl_hpc.comm.mpiexec import die_with_parent, gforker_path, one_node
 from pearl_hpc.config.run import RunConfig
 from pearl_hpc.config.slurm import site_options
 from pearl_hpc.errors import ConfigError, PearlError
@@ -62,12 +59,18 @@ def world_argv(
     mpiexec: str = "",
     python: str = sys.executable,
 ) -> list[str]:
-    """The command that starts the run's world (``mpiexec``: MPICH's launcher, Hydra's
-    over several nodes, gforker's on one; the bare name for a description)."""
+    """The command that starts the run's world (``mpiexec``: its launcher, Slurm's
+    ``srun`` over several nodes, MPICH's gforker on one; the bare name for a
+    description)."""
     ranks = len(base_layout(cfg.workers, cfg.layout))
-    if multi_node(cfg):  # Hydra's proxies started by srun, one a node; PMI is Hydra's
-        hostfile = str(RunDir(run_dir).hostfile)
-        head = [mpiexec or "mpiexec", "-launcher", "slurm", "-f", hostfile, "-n", str(ranks)]
+    if multi_node(cfg):  # one job step: Slurm starts each rank where the hostfile says;
+        # its PMI is Slurm's pmi2 plugin (the MPICH wheel speaks PMI-1/2, not PMIx)
+        head = [
+            mpiexec or "srun", "--mpi=pmi2", "--kill-on-bad-exit=1",
+            "--quit-on-interrupt", f"--nodes={cfg.layout.nodes}", f"--ntasks={ranks}",
+            f"--cpus-per-task={cfg.layout.cpus_per_rank}", "--distribution=arbitrary",
+            *cfg.slurm.srun_extra,
+        ]  # fmt: skip
     else:
         head = one_node(ranks, mpiexec or "mpiexec.gforker")
     return [
@@ -78,27 +81,30 @@ def world_argv(
 
 
 def launcher_path(cfg: RunConfig) -> str:
-    """MPICH's launcher of the run's world: Hydra's over several nodes, gforker's on one."""
-    return mpiexec_path() if multi_node(cfg) else gforker_path()
+    """The launcher of the run's world: Slurm's ``srun`` over several nodes, MPICH's
+    gforker on one (a clear error where it is missing)."""
+    if not multi_node(cfg):
+        return gforker_path()
+    srun = shutil.which("srun")
+    if srun is None:
+        raise ConfigError("srun not found: a world over several nodes runs in a Slurm job")
+    return srun
 
 
-def world_env(cfg: RunConfig, *, in_step: bool = False) -> dict[str, str]:
-    """What the launcher's environment adds (pure): on several nodes, the CPUs of each
-    node's Hydra proxy (the srun step its ranks run in) -- the busiest node's ranks'
-    worth, not the one CPU a task gets by default -- and the site's ``slurm.srun_extra``;
-    ``in_step``: the launcher is itself a task of a job step (a submitit job), whose
-    resources the proxies' step shares (``--overlap``). A local run's UCX (MPI's
+def world_env(cfg: RunConfig, run_dir: Path, *, in_step: bool = False) -> dict[str, str]:
+    """What the launcher's environment adds (pure): on several nodes, where each rank
+    runs (``SLURM_HOSTFILE``, one node a rank, for ``--distribution=arbitrary``) and,
+    ``in_step`` (the launcher is itself a task of a job step: a submitit job), a step
+    that shares that step's resources (``SLURM_OVERLAP``). A local run's UCX (MPI's
     transport, the engines' NIXL) stays on loopback: no port of it is reachable from
     another host."""
     if cfg.backend == "local":
         return {"UCX_NET_DEVICES": "lo"}
     if not multi_node(cfg):
         return {}
-    busiest = max(ranks_per_node(base_layout(cfg.workers, cfg.layout)))
-    cpus = busiest * cfg.layout.cpus_per_rank
-    extra = " ".join([*(["--overlap"] if in_step else []), *cfg.slurm.srun_extra])
     return {
-        "HYDRA_LAUNCHER_EXTRA_ARGS": f"--ntasks-per-node=1 --cpus-per-task={cpus} {extra}".rstrip()
+        "SLURM_HOSTFILE": str(RunDir(run_dir).hostfile),
+        **({"SLURM_OVERLAP": "1"} if in_step else {}),
     }
 
 
@@ -150,10 +156,8 @@ def base_job_spec(cfg: RunConfig, run_dir: Path, python: str = "") -> JobSpec:
 
 
 def hostfile_text(layout: list[RankSpec], nodes: list[str]) -> str:
-    """Hydra's hostfile (pure): each node of the layout with its number of ranks, in
-    rank order (:func:`base_layout` numbers ranks node by node)."""
-    counts = ranks_per_node(layout)
-    return "".join(f"{nodes[n]}:{count}\n" for n, count in enumerate(counts) if count)
+    """Slurm's hostfile (pure): each rank's node, a line a rank, in rank order."""
+    return "".join(f"{nodes[r.node]}\n" for r in layout)
 
 
 def _write_hostfile(cfg: RunConfig, run_dir: Path) -> Path:
@@ -312,7 +316,7 @@ def launch_world(cfg: RunConfig, run_dir: Path, *, resume: bool, live: bool) -> 
         argv = world_argv(
             cfg, run_dir, model_dir, resume=resume, live=live, mpiexec=launcher_path(cfg)
         )
-        env = {**os.environ, **world_env(cfg)}
+        env = {**os.environ, **world_env(cfg, run_dir)}
         world.append(subprocess.Popen(argv, env=env, preexec_fn=_world_child))
         rc = world[-1].wait()
         return rc if rc >= 0 else 128 - rc  # killed by a signal: the shell's convention
@@ -341,7 +345,7 @@ def run_world(cfg: RunConfig, run_dir: Path, *, resume: bool = False, **popen: A
     """Run the world to its end (a child ``mpiexec``; started again with resume if it
     failed: :func:`with_restarts`); returns its exit status."""
     env = dict(popen.pop("env", os.environ))
-    env.update(world_env(cfg, in_step="SLURM_STEP_ID" in env))
+    env.update(world_env(cfg, run_dir, in_step="SLURM_STEP_ID" in env))
 
     def start(resume: bool) -> int:
         model_dir = prepare_run(cfg, run_dir, resume=resume)

@@ -86,12 +86,13 @@ def dry_run(
     out.append(render_sbatch(base_job_spec(cfg, RUN_DIR, python=python)).rstrip())
     out += ["", "## the world"]
     argv = world_argv(cfg, RUN_DIR, "MODEL_DIR", python="python3")
-    env = [f"{k}='{v}'" for k, v in world_env(cfg).items()]
+    env = [f"{k}='{v}'" for k, v in world_env(cfg, RUN_DIR).items()]
     out.append(" ".join([*env, *argv]))
     if multi_node(cfg):
         nodes = [f"NODE{n}" for n in range(cfg.layout.nodes)]
-        hosts = hostfile_text(layout, nodes).split()
-        out.append(f"{RunDir(RUN_DIR).hostfile} (the job's nodes in order): {' '.join(hosts)}")
+        lines = hostfile_text(layout, nodes).split()
+        hosts = ", ".join(f"{lines.count(n)} x {n}" for n in nodes if n in lines)
+        out.append(f"{RunDir(RUN_DIR).hostfile} (a line a rank, the job's nodes in order): {hosts}")
     out.append(
         "each rank sets CUDA_VISIBLE_DEVICES to its devices of its node's GPUs (as Slurm "
         "gives them to the job); device auto: cuda where it is given GPUs, else cpu; tpN: "

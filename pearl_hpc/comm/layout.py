@@ -33,7 +33,7 @@ def base_layout(workers: WorkersConfig, layout: LayoutConfig = _ONE_NODE) -> lis
     trainer rank per training GPU (filling the training nodes in order), then the
     reserved engines (on the rollout nodes, or the training nodes' spare GPUs), then the
     overlap engines (on the training GPUs, ``gpus_per_worker`` each); ranks are then
-    numbered node by node, so each node runs a contiguous block of ranks (what Hydra's
+    numbered node by node, so each node runs a contiguous block of ranks (what the
     hostfile places)."""
     gpn, gpw = layout.gpus_per_node, layout.gpus_per_worker
 

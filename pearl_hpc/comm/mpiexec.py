@@ -1,15 +1,14 @@
-"""MPICH's launchers, from this Python environment (``pip install mpich``).
+"""MPICH's launcher of one node's MPI processes (``pip install mpich``): ``mpiexec.gforker``.
 
-- ``mpiexec.gforker`` starts every MPI process of one node: a run's world on the local
-  backend or in a one-node Slurm job, a local elastic rank, the doorman's knock
-  (:func:`one_node`). It forks the ranks and serves PMI over socketpairs: it listens on
-  no port. When a rank dies it ends the others (SIGINT, SIGQUIT a second later), but it
-  exits 0 if the rank died of a signal: a world's launcher tells that from the run's
-  journal (:func:`pearl_hpc.backends.world.with_restarts`). A rank dies with it
-  (:func:`die_with_parent`).
-- ``mpiexec`` (Hydra) starts a world over several nodes (its slurm launcher: ``srun``
-  starts one proxy a node). Its control port listens on every interface and
-  authenticates nobody (docs/security.md).
+It starts a run's world on the local backend or in a one-node Slurm job, each local
+elastic rank, and the doorman's knock (:func:`one_node`). It forks the ranks and serves
+PMI over socketpairs, so it listens on no port (MPICH's other launcher, Hydra, listens
+on every interface and authenticates nobody: docs/security.md). When a rank dies it ends
+the others (SIGINT, SIGQUIT a second later), but it exits 0 if that rank died of a
+signal: a world's launcher tells that from the run's journal
+(:func:`pearl_hpc.backends.world.with_restarts`). A rank dies with its launcher
+(:func:`die_with_parent`). A world over several nodes is a Slurm job step instead
+(:mod:`pearl_hpc.backends.world`).
 """
 
 from __future__ import annotations
@@ -26,26 +25,16 @@ from pearl_hpc.errors import ConfigError
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def _find(name: str) -> str:
-    """MPICH's program ``name``: beside this Python (the wheel's), else on PATH."""
-    beside = Path(sys.executable).parent / name
-    found = str(beside) if beside.exists() else shutil.which(name)
+def gforker_path() -> str:
+    """MPICH's ``mpiexec.gforker``: beside this Python (the wheel's), else on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec.gforker"
+    found = str(beside) if beside.exists() else shutil.which("mpiexec.gforker")
     if not found:
         raise ConfigError(
-            f"{name} not found: the run is an MPI world; install MPICH with "
+            "mpiexec.gforker not found: the run is an MPI world; install MPICH with "
             "`pip install mpich mpi4py` (bash launch/install-local.sh does)"
         )
     return found
-
-
-def mpiexec_path() -> str:
-    """MPICH's Hydra ``mpiexec``: the launcher of a world over several nodes."""
-    return _find("mpiexec")
-
-
-def gforker_path() -> str:
-    """MPICH's ``mpiexec.gforker``: the launcher of MPI processes on this node."""
-    return _find("mpiexec.gforker")
 
 
 def one_node(ranks: int, gforker: str = "") -> list[str]:
