@@ -39,7 +39,7 @@ def _rank(args: argparse.Namespace) -> int:
     doorman = _doorman(args.run_dir)  # before MPI_Init: it forks
     from mpi4py import MPI
 
-    from pearl_hpc.comm.layout import MASTER, TRAINER, base_layout
+    from pearl_hpc.comm.layout import MASTER, TRAINER, base_layout, cpu_threads
     from pearl_hpc.comm.mpi import MasterPlane, WorkerPlane
     from pearl_hpc.comm.net import bind_address
     from pearl_hpc.engine.rpc import read_key
@@ -70,6 +70,8 @@ def _rank(args: argparse.Namespace) -> int:
         print(f"pearl_hpc.rank: rank {me.rank}: {exc}", file=sys.stderr, flush=True)
         world.Abort(2)
         return 2
+    cpus = len(os.sched_getaffinity(0))
+    _compute_threads(cpu_threads(layout, me.rank, cpus) if me.kind == TRAINER else 1)
     if me.kind != MASTER:  # the terminal is the master's: a member logs to the run directory
         _log_to(run.rank_log(me.rank, me.kind))
     # Slurm's --signal without B: (submitit's USR2 before a time-out) reaches every process
@@ -97,6 +99,15 @@ def _rank(args: argparse.Namespace) -> int:
         sys.stderr.flush()
         world.Abort(1)
         return 1
+
+
+def _compute_threads(threads: int) -> None:
+    """This rank's torch (OpenMP) threads: a trainer its share of the node's CPUs, a
+    master or engine rank one (its work is its loop, or its engine server's, whose
+    process picks its own); left alone, OpenMP gives every rank all the node's CPUs."""
+    import torch
+
+    torch.set_num_threads(threads)
 
 
 def _error_line(exc: BaseException) -> str:
@@ -184,6 +195,7 @@ def _join(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"pearl_hpc.rank: {exc}", file=sys.stderr, flush=True)
         return 2
+    _compute_threads(1)
     host = "127.0.0.1" if cfg.backend == "local" else bind_address(cfg.slurm.engine_interface)
 
     def connect() -> WorkerPlane:

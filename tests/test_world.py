@@ -13,14 +13,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pearl_hpc.backends.world import (
-    base_job_spec,
-    hostfile_text,
+from pearl_hpc.backends.world import base_job_spec, hostfile_text, world_argv, world_env
+from pearl_hpc.comm.layout import (
+    ENGINE,
+    MASTER,
+    TRAINER,
+    base_layout,
+    cpu_threads,
     ranks_per_node,
-    world_argv,
-    world_env,
 )
-from pearl_hpc.comm.layout import ENGINE, MASTER, TRAINER, base_layout
 from pearl_hpc.config.run import LayoutConfig, WorkersConfig, layout_problem
 from pearl_hpc.errors import ConfigError
 from pearl_hpc.master.preflight import load_run_config
@@ -61,6 +62,9 @@ def test_pearl_32_gpu_layout_places_every_rank() -> None:
     gpus = [g for r in layout if not r.overlap for g in r.gpu_ids]
     assert len(gpus) == len(set(gpus)) == 20  # no GPU in two places (overlap aside)
     assert ranks_per_node(layout) == [13, 12, 2]
+    # each rank's share of its node's CPUs (104 a node): 8 on the first, 52 on the last
+    assert [cpu_threads(layout, r, 104) for r in (0, 13, 26)] == [8, 8, 52]
+    assert cpu_threads(layout, 0, 2) == 1  # fewer CPUs than ranks: one thread each
     job = base_job_spec(cfg, Path("R")).components[0]
     assert (job.nodes, job.ntasks_per_node, job.gpus_per_node) == (3, 13, 8)
     # ranks numbered node by node: the hostfile gives each rank its node

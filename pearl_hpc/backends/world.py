@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pearl_hpc.comm.layout import RankSpec, base_layout
+from pearl_hpc.comm.layout import RankSpec, base_layout, ranks_per_node
 from pearl_hpc.comm.mpiexec import die_with_parent, gforker_path, one_node
 from pearl_hpc.config.run import RunConfig
 from pearl_hpc.config.slurm import site_options
@@ -106,14 +106,6 @@ def world_env(cfg: RunConfig, run_dir: Path, *, in_step: bool = False) -> dict[s
         "SLURM_HOSTFILE": str(RunDir(run_dir).hostfile),
         **({"SLURM_OVERLAP": "1"} if in_step else {}),
     }
-
-
-def ranks_per_node(layout: list[RankSpec]) -> list[int]:
-    """How many ranks each node of the base job runs (pure)."""
-    counts = [0] * (1 + max(r.node for r in layout))
-    for r in layout:
-        counts[r.node] += 1
-    return counts
 
 
 def base_job_spec(cfg: RunConfig, run_dir: Path, python: str = "") -> JobSpec:

@@ -55,3 +55,17 @@ def base_layout(workers: WorkersConfig, layout: LayoutConfig = _ONE_NODE) -> lis
         ranks.append(RankSpec(len(ranks), ENGINE, gpu_ids, index, node, devices, overlap=True))
     by_node = sorted(ranks, key=lambda r: r.node)  # stable: rank 0 stays first
     return [replace(r, rank=i) for i, r in enumerate(by_node)]
+
+
+def ranks_per_node(layout: list[RankSpec]) -> list[int]:
+    """How many ranks each node of the base job runs (pure)."""
+    counts = [0] * (1 + max(r.node for r in layout))
+    for r in layout:
+        counts[r.node] += 1
+    return counts
+
+
+def cpu_threads(layout: list[RankSpec], rank: int, cpus: int) -> int:
+    """A rank's share of its node's ``cpus`` (its compute threads; pure): the node's CPUs
+    split evenly among the node's ranks, at least one."""
+    return max(1, cpus // ranks_per_node(layout)[layout[rank].node])
