@@ -39,6 +39,7 @@ def _rank(args: argparse.Namespace) -> int:
     doorman = _doorman(args.run_dir)  # before MPI_Init: it forks
     from mpi4py import MPI
 
+    from pearl_hpc.backends.world import multi_node
     from pearl_hpc.comm.layout import MASTER, TRAINER, base_layout, cpu_threads
     from pearl_hpc.comm.mpi import MasterPlane, WorkerPlane
     from pearl_hpc.comm.net import bind_address
@@ -70,8 +71,9 @@ def _rank(args: argparse.Namespace) -> int:
         print(f"pearl_hpc.rank: rank {me.rank}: {exc}", file=sys.stderr, flush=True)
         world.Abort(2)
         return 2
-    cpus = len(os.sched_getaffinity(0))
-    _compute_threads(cpu_threads(layout, me.rank, cpus) if me.kind == TRAINER else 1)
+    cpus = len(os.sched_getaffinity(0))  # (a srun step's task: what Slurm bound it to)
+    share = min(cpus, cfg.layout.cpus_per_rank) if multi_node(cfg) else None
+    _compute_threads((share or cpu_threads(layout, me.rank, cpus)) if me.kind == TRAINER else 1)
     if me.kind != MASTER:  # the terminal is the master's: a member logs to the run directory
         _log_to(run.rank_log(me.rank, me.kind))
     # Slurm's --signal without B: (submitit's USR2 before a time-out) reaches every process
@@ -102,9 +104,10 @@ def _rank(args: argparse.Namespace) -> int:
 
 
 def _compute_threads(threads: int) -> None:
-    """This rank's torch (OpenMP) threads: a trainer its share of the node's CPUs, a
-    master or engine rank one (its work is its loop, or its engine server's, whose
-    process picks its own); left alone, OpenMP gives every rank all the node's CPUs."""
+    """This rank's torch (OpenMP) threads: a trainer its share of the node's CPUs
+    (``layout.cpus_per_rank`` in a world over several nodes), a master or engine rank one
+    (its work is its loop, or its engine server's, whose process picks its own); left
+    alone, OpenMP gives every rank all the node's CPUs."""
     import torch
 
     torch.set_num_threads(threads)
