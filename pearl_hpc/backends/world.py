@@ -56,23 +56,23 @@ def world_argv(
     *,
     resume: bool = False,
     live: bool = False,
-    mpiexec: str = "",
+    launcher: str = "",
     python: str = sys.executable,
 ) -> list[str]:
-    """The command that starts the run's world (``mpiexec``: its launcher, Slurm's
-    ``srun`` over several nodes, MPICH's gforker on one; the bare name for a
+    """The command that starts the run's world (``launcher``: :func:`launcher_path`'s,
+    Slurm's ``srun`` over several nodes, MPICH's gforker on one; the bare name for a
     description)."""
     ranks = len(base_layout(cfg.workers, cfg.layout))
     if multi_node(cfg):  # one job step: Slurm starts each rank where the hostfile says;
         # its PMI is Slurm's pmi2 plugin (the MPICH wheel speaks PMI-1/2, not PMIx)
         head = [
-            mpiexec or "srun", "--mpi=pmi2", "--kill-on-bad-exit=1",
+            launcher or "srun", "--mpi=pmi2", "--kill-on-bad-exit=1",
             "--quit-on-interrupt", f"--nodes={cfg.layout.nodes}", f"--ntasks={ranks}",
             f"--cpus-per-task={cfg.layout.cpus_per_rank}", "--distribution=arbitrary",
             *cfg.slurm.srun_extra,
         ]  # fmt: skip
     else:
-        head = one_node(ranks, mpiexec or "mpiexec.gforker")
+        head = one_node(ranks, launcher or "mpiexec.gforker")
     return [
         *head, python, "-m", "pearl_hpc.rank", "rank",
         "--run-dir", str(run_dir), "--model-dir", model_dir,
@@ -235,15 +235,8 @@ def with_restarts(
 def _lost_rank(rc: int, run_dir: Path) -> int:
     """A world's exit status, 1 for an exit 0 that left the run neither finished nor
     stopped (with one line saying so)."""
-    if rc != 0:
+    if rc != 0 or _journal_status(run_dir) in (RunStatus.FINISHED, RunStatus.STOPPED):
         return rc
-    run = RunDir(run_dir)
-    try:
-        status = read_journal(run.journal).get("status") if run.journal.exists() else None
-    except PearlError:
-        status = None
-    if status in (RunStatus.FINISHED, RunStatus.STOPPED):
-        return 0
     print(
         "pearl-hpc run: a rank of the world died of a signal (the launcher's "
         "'signaled with' line names it) before the run finished",
@@ -273,13 +266,16 @@ def _report_failure(run_dir: Path) -> bool:
 
 def _resumable(run_dir: Path) -> bool:
     """The run has a journal and did not finish."""
+    return _journal_status(run_dir) not in (None, RunStatus.FINISHED)
+
+
+def _journal_status(run_dir: Path) -> str | None:
+    """The run's status in its journal; None without a readable journal."""
     run = RunDir(run_dir)
-    if not run.journal.exists():
-        return False
     try:
-        return read_journal(run.journal).get("status") != RunStatus.FINISHED
+        return read_journal(run.journal).get("status") if run.journal.exists() else None
     except PearlError:
-        return False
+        return None
 
 
 def launch_world(cfg: RunConfig, run_dir: Path, *, resume: bool, live: bool) -> int:
@@ -306,7 +302,7 @@ def launch_world(cfg: RunConfig, run_dir: Path, *, resume: bool, live: bool) -> 
     def start(resume: bool) -> int:
         model_dir = prepare_run(cfg, run_dir, resume=resume)
         argv = world_argv(
-            cfg, run_dir, model_dir, resume=resume, live=live, mpiexec=launcher_path(cfg)
+            cfg, run_dir, model_dir, resume=resume, live=live, launcher=launcher_path(cfg)
         )
         env = {**os.environ, **world_env(cfg, run_dir)}
         world.append(subprocess.Popen(argv, env=env, preexec_fn=_world_child))
@@ -341,7 +337,7 @@ def run_world(cfg: RunConfig, run_dir: Path, *, resume: bool = False, **popen: A
 
     def start(resume: bool) -> int:
         model_dir = prepare_run(cfg, run_dir, resume=resume)
-        argv = world_argv(cfg, run_dir, model_dir, resume=resume, mpiexec=launcher_path(cfg))
+        argv = world_argv(cfg, run_dir, model_dir, resume=resume, launcher=launcher_path(cfg))
         return subprocess.run(
             argv, check=False, env=env, preexec_fn=_survive_warning, **popen
         ).returncode

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pearl_hpc.comm.layout import ENGINE, TRAINER, base_layout
+from pearl_hpc.comm.layout import ENGINE, TRAINER, base_layout, ranks_per_node
 from pearl_hpc.config.files import REPO_CONFIGS, load_profile
 from pearl_hpc.config.memory import run_plan
 from pearl_hpc.config.run import RunConfig
@@ -67,13 +67,7 @@ def dry_run(
     """The dry run's text (pure but for reading the profile file): ``origins``, where
     the values not in the config file came from; ``checks``, the pre-queue checks'
     lines."""
-    from pearl_hpc.backends.world import (
-        base_job_spec,
-        hostfile_text,
-        multi_node,
-        world_argv,
-        world_env,
-    )
+    from pearl_hpc.backends.world import base_job_spec, multi_node, world_argv, world_env
     from pearl_hpc.slurm.scripts import render_sbatch
 
     layout = base_layout(cfg.workers, cfg.layout)
@@ -89,9 +83,8 @@ def dry_run(
     env = [f"{k}='{v}'" for k, v in world_env(cfg, RUN_DIR).items()]
     out.append(" ".join([*env, *argv]))
     if multi_node(cfg):
-        nodes = [f"NODE{n}" for n in range(cfg.layout.nodes)]
-        lines = hostfile_text(layout, nodes).split()
-        hosts = ", ".join(f"{lines.count(n)} x {n}" for n in nodes if n in lines)
+        counts = enumerate(ranks_per_node(layout))
+        hosts = ", ".join(f"{count} x NODE{n}" for n, count in counts if count)
         out.append(f"{RunDir(RUN_DIR).hostfile} (a line a rank, the job's nodes in order): {hosts}")
     out.append(
         "each rank sets CUDA_VISIBLE_DEVICES to its devices of its node's GPUs (as Slurm "
