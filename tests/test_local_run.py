@@ -438,13 +438,17 @@ def test_fsdp2_checkpoints_and_a_killed_trainer_replays_its_steps_from_the_log(
         expected = torch.from_numpy(straight[0][1][name]).to(torch.bfloat16)
         assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, expected), name
     # to 1e-5, but for entries whose gradient is float noise (embedding rows barely
-    # used): AdamW normalises it into a step of up to lr either way (measured over two
-    # runs: 1 and 10 of the 65,536 embedding entries, up to 1.3e-4 after three steps;
-    # every other entry of every tensor within 6e-6)
+    # used, a few MLP entries): AdamW normalises it into a step of up to lr either way.
+    # Measured over three runs: 1, 10 and 9 entries past 1e-5 (embedding; embedding;
+    # 9 of down_proj's 8,192), up to 1.3e-4 after three steps. A resharding error moves
+    # most entries of a tensor: the bound is 1% of a tensor and 0.1% of the model.
     lr = load_run_config(path).train.lr
+    off = total = 0
     for name, expected in straight[0][1].items():
         diff = np.abs(one[name] - expected)
-        assert (diff > 1e-5).mean() <= 1e-3 and diff.max() <= 3 * lr, name
+        assert (diff > 1e-5).mean() <= 1e-2 and diff.max() <= 3 * lr, name
+        off, total = off + int((diff > 1e-5).sum()), total + diff.size
+    assert off <= 1e-3 * total, (off, total)
 
 
 @pytest.mark.vllm
