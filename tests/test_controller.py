@@ -603,6 +603,9 @@ def test_telemetry_feeds_the_toggle_cost_estimate() -> None:
     assert controller.toggle.estimate_s == pytest.approx(8.0)
     controller.handle(StepTelemetry(2, borrowed=False, training_wait_s=4.0))
     assert controller.toggle.estimate_s == pytest.approx(6.0)
+    # a borrow whose activation was its engine's first start (vLLM compiled): no sample
+    controller.handle(StepTelemetry(3, borrowed=True, activation_s=30.0, toggle_sample=False))
+    assert controller.toggle.estimate_s == pytest.approx(6.0)
 
 
 # ------------------------------------------------------------------- journal

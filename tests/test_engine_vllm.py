@@ -455,6 +455,8 @@ def test_borrowed_worker_hand_off_loses_no_trajectory(fleet: Fleet, chat: ChatFo
     weights = (Path(fleet.spec.model_dir) / "model.safetensors").read_bytes()
     activate = fleet.run(overlap.activate(Role.COLOCATED, weights, 0))
     assert {"restore_s", "weights_s"} <= set(activate.detail)
+    assert activate.detail["first"] is False  # its engine started before (no compile)
+    fleet.run(overlap.generate(TurnRequest("one", (1, 2, 3), 2)))  # a turn it completes
 
     router = _router(fleet, {"col": Role.COLOCATED, "dec": Role.COLOCATED}, Mode.COLOCATED)
     running = asyncio.run_coroutine_threadsafe(batch(router), fleet.loop)
@@ -470,9 +472,15 @@ def test_borrowed_worker_hand_off_loses_no_trajectory(fleet: Fleet, chat: ChatFo
     assert len(moved) == len(partial)
     stats = fleet.run(overlap.stats())
     assert stats.role is None and not stats.admitting
+    # what the borrow bought: the turns it completed (its aborted ones finished elsewhere)
+    served = [
+        turn for t in finished for turn in t.turns if turn.worker_ids[-1:] == (stats.worker_id,)
+    ]
+    assert deactivate.detail["served"] == 1 + len(served)
     print(
         f"\nhand-off: activate {activate.wall_s:.2f} s ({activate.detail}), "
-        f"deactivate {deactivate.wall_s:.2f} s, {len(partial)} turns moved"
+        f"deactivate {deactivate.wall_s:.2f} s, {len(partial)} turns moved, "
+        f"{len(served)} served there"
     )
     fleet.run(overlap.restore(Role.DECODE))
     fleet.run(overlap.admit())

@@ -64,6 +64,7 @@ def measured_latencies(events: list[dict[str, Any]]) -> dict[str, list[float]]:
         "inter-scale preparation": [],
         "inter-scale finalisation": [],
         "intra-scale activation": [],
+        "intra-scale activation, engine's first start (compiles)": [],
         "intra-scale deactivation": [],
         "mode switch (role change)": [],
         "world start (launch -> every hello)": [],
@@ -79,6 +80,8 @@ def measured_latencies(events: list[dict[str, Any]]) -> dict[str, list[float]]:
         if kind == "ready":
             ready_at[ev["slot"]] = ev["t_s"]
             key = "intra-scale activation" if ev["reactivate"] else "inter-scale preparation"
+            if ev["reactivate"] and ev.get("first"):
+                key = "intra-scale activation, engine's first start (compiles)"
             out[key].append(ev["s"])
         elif kind == "admit":
             group = [ready_at[s] for s in ev["slots"] if s in ready_at]
@@ -154,7 +157,8 @@ def _median(xs: list[float]) -> str:
 def format_results(results: dict[str, Any]) -> str:
     lines = [
         "| system | rollout tokens/s | aggregate tokens/s | wall s | idle share | tail idle "
-        "share | targets | borrow cycles | mode changes | local prefills |"
+        "share | targets | borrow cycles: served (turns) / unserved / cancelled | mode "
+        "changes (undone) | local prefills |"
     ]
     lines.append("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
@@ -164,8 +168,9 @@ def format_results(results: dict[str, Any]) -> str:
         lines.append(
             f"| {name} | {s['tokens_per_s']:.0f} | {s['aggregate_tokens_per_s']:.0f} | "
             f"{s['wall_s']:.0f} | {s['idle_share']:.1%} | {s['tail_idle_share']:.1%} | "
-            f"{' -> '.join(targets)} | {c['borrow_cycles']} | {c['mode_changes']} | "
-            f"{s.get('local_prefills', 0)} |"
+            f"{' -> '.join(targets)} | {c['borrow_cycles']} ({c.get('borrowed_turns', 0)}) / "
+            f"{c.get('borrows_unserved', 0)} / {c.get('borrows_cancelled', 0)} | "
+            f"{c['mode_changes']} ({c.get('undone_switches', 0)}) | {s.get('local_prefills', 0)} |"
         )
     if "pearl" not in results:
         return "\n".join(lines)

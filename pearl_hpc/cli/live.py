@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from pearl_hpc.cli.view import format_pools
+from pearl_hpc.master.records import format_borrows
 
 
 def rollout_line(step: int, done: int, batch: int, executor: Any) -> str:
@@ -22,7 +23,8 @@ def rollout_line(step: int, done: int, batch: int, executor: Any) -> str:
     return (
         f"step {step}: rollout {done}/{batch} trajectories, turns moved "
         f"{executor.counters.moved_turns}, roles {roles or '-'}, "
-        f"borrowed {'yes' if borrowed else 'no'}, elastic {format_pools(live) or 'none'}"
+        f"borrowed {'yes' if borrowed else 'no'} ({format_borrows(vars(executor.counters))}), "
+        f"elastic {format_pools(live) or 'none'}"
     )
 
 

@@ -117,6 +117,9 @@ class StepTelemetry:
     activation_s: float = 0.0  # measured overlap activation time
     deactivation_s: float = 0.0  # measured overlap return time
     training_wait_s: float = 0.0  # Training Begin -> training started
+    # False: the step's borrow was its engine's first start (vLLM compiled): no sample
+    # of what a borrow costs from then on
+    toggle_sample: bool = True
 
 
 Event = (
@@ -436,12 +439,13 @@ class Controller:
 
     def _on_telemetry(self, event: StepTelemetry) -> Reconfiguration | None:
         self.tracker.observe_step(event.turns, event.iterations, batch_size=event.batch_size)
-        self.toggle.observe(
-            borrowed=event.borrowed,
-            training_wait_s=event.training_wait_s,
-            activation_s=event.activation_s,
-            deactivation_s=event.deactivation_s,
-        )
+        if event.toggle_sample:
+            self.toggle.observe(
+                borrowed=event.borrowed,
+                training_wait_s=event.training_wait_s,
+                activation_s=event.activation_s,
+                deactivation_s=event.deactivation_s,
+            )
         return self._reconfigure(f"telemetry of step {event.step}")
 
     # -------------------------------------------------------------- decisions

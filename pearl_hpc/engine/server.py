@@ -93,6 +93,7 @@ class EngineWorker:
         self._ops = asyncio.Lock()  # one lifecycle operation at a time
         self._weight_groups: dict[str, tuple[Any, Any]] = {}  # name -> (group, its store)
         self.key = ""  # the run's key: the trainer's store asks for it
+        self.served = 0  # turns completed since the last activate (what a borrow bought)
 
     @property
     def _tp(self) -> int:
@@ -117,6 +118,8 @@ class EngineWorker:
         if request.prefill_only and self.runner.role is not Role.PREFILL:
             raise EngineError(f"{self.runner.worker_id}: prefill_only sent to a {self.runner.role}")
         result: TurnResult = await self._wait(self.runner.submit(request))
+        if not result.aborted:
+            self.served += 1
         return result
 
     async def drain(self) -> list[TurnResult]:
@@ -197,18 +200,25 @@ class EngineWorker:
     async def activate(
         self, role: str, weights: bytes | None = None, version: int | None = None
     ) -> Timing:
-        """Overlap worker joins rollout: restore, load the latest weights, admit."""
+        """Overlap worker joins rollout: restore, load the latest weights, admit. Its
+        timing says whether this was the process's first engine start (``first``: vLLM
+        compiles then, so it is no sample of what a later activation costs)."""
         async with self._ops:
             t0 = time.perf_counter()
+            first = self.runner.starts == 0
             restore = await self._restore(_role(role))
             load_s = 0.0
             if weights is not None and version is not None:
                 load_s = (await self._load_bytes(weights, version)).wall_s
             self.admitting = True
-            return self._timed("activate", t0, restore_s=restore.wall_s, weights_s=load_s)
+            self.served = 0
+            return self._timed(
+                "activate", t0, restore_s=restore.wall_s, weights_s=load_s, first=first
+            )
 
     async def deactivate(self) -> tuple[Timing, list[TurnResult]]:
-        """Overlap worker leaves rollout: drain (partials returned) and release the device."""
+        """Overlap worker leaves rollout: drain (partials returned) and release the device.
+        Its timing's ``served``: the turns it completed since its activation."""
         async with self._ops:
             t0 = time.perf_counter()
             self.admitting = False
@@ -216,8 +226,9 @@ class EngineWorker:
             release = await self._release()
             freed = {k: v for k, v in release.detail.items() if k.startswith("gpu_free_")}
             timing = self._timed(
-                "deactivate", t0, release_s=release.wall_s, aborted=len(partial), **freed
-            )
+                "deactivate", t0, release_s=release.wall_s, aborted=len(partial),
+                served=self.served, **freed,
+            )  # fmt: skip
             return timing, partial
 
     # ------------------------------------------------------------------ weights

@@ -242,6 +242,7 @@ class EngineRunner:
         self.generated_tokens = 0
         self.kv_tokens_injected = 0
         self.failed: str | None = None  # why the engine died (a restart clears it)
+        self.starts = 0  # engines started in this process (the first one compiles)
         # the latest weights on the host, in their wire dtype: a restarted engine (role
         # change, release on CPU) starts from the model directory and re-applies them
         self._host_weights: dict[str, Any] = {}
@@ -420,6 +421,7 @@ class EngineRunner:
             _reload(engine, self._host_weights, self._host_file)
             engine.reset_prefix_cache()  # nothing has run: always succeeds
         self._engine = engine
+        self.starts += 1
         self.role = role
         self._kv_both = (args["kv_transfer_config"] or {}).get("kv_role") == "kv_both"
         self.failed = None

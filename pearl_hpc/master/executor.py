@@ -6,7 +6,10 @@
     change_roles  ── set_role on the engine (the process stays)
     stop_workers  ── deactivate (partial turns come back to the router); a base rank is
                      kept (released), an elastic one's socket closed (it leaves with
-                     its capacity)
+                     its capacity). A worker still starting has its start cancelled:
+                     a wait for an elastic rank at once, an engine start at its next
+                     phase (vLLM's in-process engine construction cannot be
+                     interrupted), before its weights catch up and it is admitted
     admit         ── the router follows the table: ACTIVE rollout slots with an engine
     release_capacity ── the backend gives the elastic component back
 
@@ -43,6 +46,10 @@ from pearl_hpc.rollout.router import Router
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 300.0  # an engine (re)start taking longer has failed
+
+
+class _StartCancelled(Exception):
+    """Internal: a plan removed the slot while its worker was starting."""
 
 
 @dataclass
@@ -109,11 +116,15 @@ class WorkerExecutor:
         self._on_gpus: dict[tuple[str, ...], str] = {}  # a GPU set -> its rank's member id
         self.tasks: set[asyncio.Task[None]] = set()
         self.starting: dict[int, asyncio.Task[None]] = {}  # slot -> its start / activation
+        self._phase: dict[int, str] = {}  # a starting slot's phase (lend, attach, ...)
+        self._cancelled: set[int] = set()  # starting slots a plan removed
+        self._adds: dict[int, WorkerAdd] = {}  # what each starting slot was asked for
         self.training_started = asyncio.Event()
         # weight broadcasts and membership changes of the broadcast group never overlap:
         # a member stopped mid-broadcast would leave the trainer blocked in the collective
         self.weights_lock = asyncio.Lock()
         self.counters = Counters()
+        self.borrowed_turns_unrecorded = 0  # served by borrowed workers since the last step
         self.start_timeout_s = START_TIMEOUT_S
 
     def router_failed(self, worker_id: str, reason: str) -> None:
@@ -229,21 +240,32 @@ class WorkerExecutor:
     # ------------------------------------------------------------------ executor
     def start_workers(self, adds: Sequence[WorkerAdd]) -> None:
         for add in adds:
+            self._adds[add.slot_id] = add
             task = asyncio.create_task(self._start(add))
             self.tasks.add(task)
             self.starting[add.slot_id] = task
             task.add_done_callback(self.tasks.discard)
 
+    def _next_phase(self, slot_id: int, phase: str) -> None:
+        """A start goes on to ``phase``, unless a plan cancelled it meanwhile."""
+        if slot_id in self._cancelled:
+            raise _StartCancelled
+        self._phase[slot_id] = phase
+
     async def _start(self, add: WorkerAdd) -> None:
         t0 = time.perf_counter()
         try:
-            worker = await self._bring_up(add)
+            worker, first = await self._bring_up(add)
+            self._next_phase(add.slot_id, "catch_up")
             role = self._table_role(add.slot_id, add.role)
             if role is not add.role:  # re-planned while starting (change_roles skipped it)
                 await worker.proc.client.set_role(role)
             async with self.weights_lock:
                 await self.weights.catch_up(weight_member(add.gpu_ids), _address(worker))
+                self._next_phase(add.slot_id, "ready")
                 worker.slot_id, worker.role = add.slot_id, role
+        except _StartCancelled:
+            return  # _cancel_start takes it from here
         except Exception as exc:
             log.exception("slot %s failed to start", add.slot_id)
             failed = self._on(add.gpu_ids)
@@ -251,11 +273,15 @@ class WorkerExecutor:
             if failed is not None and gone and not failed.persistent:
                 failed.proc.kill()
                 self._drop(failed)
-            await self.queue.put(WorkerFailed(add.slot_id, f"{type(exc).__name__}: {exc}"))
+            if add.slot_id not in self._cancelled:  # else released by _cancel_start
+                await self.queue.put(WorkerFailed(add.slot_id, f"{type(exc).__name__}: {exc}"))
             return
+        finally:
+            self._phase.pop(add.slot_id, None)
+            self._adds.pop(add.slot_id, None)
         took = time.perf_counter() - t0
-        if add.reactivate:
-            self.counters.activation_s.append(took)
+        if add.reactivate:  # a first start compiles: no sample of a later activation
+            (self.counters.first_activation_s if first else self.counters.activation_s).append(took)
         self.log_event(
             "ready",
             slot=add.slot_id,
@@ -264,14 +290,16 @@ class WorkerExecutor:
             role=str(add.role),
             s=round(took, 2),
             reactivate=add.reactivate,
+            first=first,
         )
         await self.queue.put(WorkerReady(add.slot_id))
 
-    async def _bring_up(self, add: WorkerAdd) -> _Worker:
+    async def _bring_up(self, add: WorkerAdd) -> tuple[_Worker, bool]:
         """An engine in ``add.role`` on ``add.gpu_ids``: a released worker there is
-        activated, one the backend runs is attached and activated, else a new process.
-        A hung engine start (seen: NIXL's listener dying on a taken port) fails the
-        slot instead of stalling admission of its whole group."""
+        activated, one the backend runs is attached and activated, else a new process;
+        and whether that was its process's first engine start. A hung engine start
+        (seen: NIXL's listener dying on a taken port) fails the slot instead of
+        stalling admission of its whole group."""
         # NOTE: three cases, in this order. (1) A trainer's GPU (the overlap zone): the
         # trainer rank there moves its tensors to host memory first, or the engine waking
         # beside it runs out of device memory. (2) An engine rank already on these GPUs
@@ -281,23 +309,26 @@ class WorkerExecutor:
         # world, and it is activated like (2).
         worker = self._on(add.gpu_ids)
         if add.zone is Zone.OVERLAP:  # a trainer's GPU: its tensors leave first
+            self._next_phase(add.slot_id, "lend")
             await self.weights.lend(add.gpu_ids)
-        if worker is not None:
-            worker.slot_id = add.slot_id
-            await asyncio.wait_for(
-                worker.proc.client.activate(add.role), timeout=self.start_timeout_s
+        if worker is None:
+            if add.source is None:  # a base GPU set: its engine rank registered at start
+                raise EngineError(f"no engine rank holds {add.gpu_ids}")
+            self._next_phase(add.slot_id, "attach")  # cancelled at once: a wait
+            remote = await self.backend.attach(
+                add.source, add.gpu_ids, self.key, self.start_timeout_s
             )
-            return worker
-        if add.source is None:  # a base GPU set: its engine rank registered at start
-            raise EngineError(f"no engine rank holds {add.gpu_ids}")
-        remote = await self.backend.attach(add.source, add.gpu_ids, self.key, self.start_timeout_s)
-        if remote is None:
-            raise EngineError(f"{add.source.tag} was given back before its rank joined")
-        # an elastic rank that joined the world, serving no engine yet
-        worker = _Worker(remote, remote.member_id, add.gpu_ids, slot_id=add.slot_id, remote=True)
-        self._keep(worker)
-        await asyncio.wait_for(remote.client.activate(add.role), timeout=self.start_timeout_s)
-        return worker
+            if remote is None:
+                raise EngineError(f"{add.source.tag} was given back before its rank joined")
+            # an elastic rank that joined the world, serving no engine yet
+            worker = _Worker(remote, remote.member_id, add.gpu_ids, remote=True)
+            self._keep(worker)
+        self._next_phase(add.slot_id, "activate")
+        worker.slot_id = add.slot_id
+        timing = await asyncio.wait_for(
+            worker.proc.client.activate(add.role), timeout=self.start_timeout_s
+        )
+        return worker, bool(timing.detail.get("first"))
 
     def _table_role(self, slot_id: int, default: Role) -> Role:
         slot = next((s for s in self.table.rollout_slots() if s.slot_id == slot_id), None)
@@ -336,51 +367,96 @@ class WorkerExecutor:
     async def _stop(self, slot_id: int, deadline_s: float | None = None) -> None:
         starting = self.starting.pop(slot_id, None)
         if starting is not None and not starting.done():
-            if deadline_s is not None:  # reclaimed while starting: no turn ran on it
-                await self._abandon_start(slot_id, starting)
-                return
-            # stopped while starting (e.g. Training Begin during an activation): let the
-            # start finish, then drain and release it like any serving worker
-            await asyncio.gather(starting, return_exceptions=True)
+            await self._cancel_start(slot_id, starting, reclaimed=deadline_s is not None)
+            return
         worker = self._worker_of(slot_id)
         if worker is None:
             await self.queue.put(WorkerReleased(slot_id))
             return
         t0 = time.perf_counter()
         overlap = worker.overlap
+        served, freed = await self._deactivate(worker)
+        took = time.perf_counter() - t0
+        if overlap:
+            self.counters.deactivation_s.append(took)
+        self._count_served(worker, served)
+        self.log_event(
+            "released", slot=slot_id, s=round(took, 2), overlap=overlap, served=served, **freed
+        )
+        await self.queue.put(WorkerReleased(slot_id))
+
+    async def _deactivate(self, worker: _Worker) -> tuple[int | None, dict[str, int]]:
+        """Drain and release ``worker``'s engine (an elastic rank's socket closed after):
+        the turns it served since its activation (None: unknown, it failed to stop) and,
+        on cuda, the device's free bytes before and after."""
         async with self.weights_lock:
             worker.role = None  # out of the next broadcast group
-        freed: dict[str, int] = {}  # cuda: the device's free bytes before and after
+        served: int | None = None
+        freed: dict[str, int] = {}
         try:
             timing, partial = await worker.proc.client.deactivate()
+            served = int(timing.detail.get("served", 0))
             freed = {k: v for k, v in timing.detail.items() if k.startswith("gpu_free_")}
             self.counters.moved_turns += len(partial)
             if not worker.persistent:
                 await worker.proc.stop()
                 self._drop(worker)
         except Exception:
-            log.exception("slot %s did not stop cleanly; killing it", slot_id)
+            log.exception("slot %s did not stop cleanly; killing it", worker.slot_id)
             worker.proc.kill()
             self._drop(worker)
         worker.slot_id, worker.role = None, None
-        took = time.perf_counter() - t0
-        if overlap:
-            self.counters.deactivation_s.append(took)
-        self.log_event("released", slot=slot_id, s=round(took, 2), overlap=overlap, **freed)
-        await self.queue.put(WorkerReleased(slot_id))
+        return served, freed
 
-    async def _abandon_start(self, slot_id: int, starting: asyncio.Task[None]) -> None:
-        """A worker whose capacity is reclaimed before it served: its start is cancelled
-        (an engine start can outlast the reclaim's grace) and its socket closed; its rank
-        leaves the world with its capacity."""
-        starting.cancel()
+    def _count_served(self, worker: _Worker, served: int | None) -> None:
+        """A borrow cycle or an elastic worker's stay, counted by whether it served."""
+        c = self.counters
+        if served is None:  # it failed to stop: what it served is unknown
+            return
+        if worker.overlap:
+            c.borrowed_turns += served
+            self.borrowed_turns_unrecorded += served
+            if served:
+                c.borrow_cycles += 1
+            else:
+                c.borrows_unserved += 1
+        elif worker.remote and not served:
+            c.elastic_unserved += 1
+
+    async def _cancel_start(
+        self, slot_id: int, starting: asyncio.Task[None], *, reclaimed: bool
+    ) -> None:
+        """A plan removed ``slot_id`` while its worker was starting: no turn ran on it.
+        A wait for an elastic rank to join, or any start whose capacity is reclaimed (an
+        engine start can outlast the reclaim's grace), is cancelled at once; an engine
+        start (or a trainer's lend) ends its phase first, then goes no further: no
+        weights catch-up, no admission. An engine that came up is released again (a base
+        rank), or closed and its rank leaves with its capacity (an elastic one)."""
+        t0 = time.perf_counter()
+        phase = self._phase.get(slot_id, "queued")
+        add = self._adds.get(slot_id)
+        self._cancelled.add(slot_id)
+        if reclaimed or phase == "attach":
+            starting.cancel()
         await asyncio.gather(starting, return_exceptions=True)
+        self._cancelled.discard(slot_id)
         worker = self._worker_of(slot_id)
-        if worker is not None and not worker.persistent:
-            self._drop(worker)
-            with contextlib.suppress(Exception):
-                await worker.proc.stop()
-        self.log_event("released", slot=slot_id, s=0.0, overlap=False, abandoned=True)
+        if worker is not None:
+            if reclaimed and not worker.persistent:  # its rank goes with the capacity
+                self._drop(worker)
+                worker.slot_id = None
+                with contextlib.suppress(Exception):
+                    await worker.proc.stop()
+            else:
+                await self._deactivate(worker)
+        if add is not None and add.zone is Zone.OVERLAP:
+            self.counters.borrows_cancelled += 1
+        elif add is not None and add.source is not None:
+            self.counters.elastic_unserved += 1
+        self.log_event(
+            "start_cancelled", slot=slot_id, phase=phase, reclaimed=reclaimed,
+            s=round(time.perf_counter() - t0, 2),
+        )  # fmt: skip
         await self.queue.put(WorkerReleased(slot_id))
 
     def start_training(self, step: int) -> None:

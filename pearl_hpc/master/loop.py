@@ -61,6 +61,7 @@ from pearl_hpc.master.records import (
     event_fields,
     read_metrics,
     rollout_summary,
+    undone_switches,
 )
 from pearl_hpc.master.steps import StepPipeline, Workload
 from pearl_hpc.master.trainer import RemoteTrainer
@@ -407,7 +408,9 @@ class MasterRun:
             )  # fmt: skip
             self._expect_end()
         # counters a previous master journaled; this master's history adds to them
-        self._before_changes = (counters.mode_changes, counters.ratio_changes)
+        self._before_changes = (
+            counters.mode_changes, counters.ratio_changes, counters.undone_switches,
+        )  # fmt: skip
         self._before_capacity = (counters.grows, counters.reclaims)
 
     async def _register_base_workers(self) -> None:
@@ -551,7 +554,14 @@ class MasterRun:
             and a.plan.target.mode is Mode.DISAGGREGATED
             and a.plan.target != b.plan.target
         )
-        c.borrow_cycles = min(len(c.activation_s), len(c.deactivation_s))
+        switches = [
+            (b.time_s, a.plan.target.mode, b.plan.target.mode)
+            for a, b in itertools.pairwise(history)
+            if a.plan.target.mode != b.plan.target.mode
+        ]
+        c.undone_switches = self._before_changes[2] + undone_switches(
+            switches, [m.t_s for m in self.metrics if m.step >= self.first_step]
+        )
         c.grows = self._before_capacity[0] + self.backend.counts["granted"]
         c.reclaims = self._before_capacity[1] + self.backend.counts["reclaimed"]
 

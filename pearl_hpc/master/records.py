@@ -9,9 +9,10 @@ Files of a run directory (one layout, read by ``pearl-hpc status`` and ``report`
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import astuple, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,12 +30,19 @@ class Counters:
 
     grows: int = 0
     reclaims: int = 0
-    borrow_cycles: int = 0
+    borrow_cycles: int = 0  # a borrowed worker activated, served turns, returned
+    borrows_unserved: int = 0  # ... activated and returned without serving a turn
+    borrows_cancelled: int = 0  # ... removed by a plan while it was starting
+    borrowed_turns: int = 0  # turns the borrowed workers served
+    elastic_unserved: int = 0  # elastic workers released (or cancelled) before a turn
     mode_changes: int = 0
+    undone_switches: int = 0  # mode switches undone before the next step was recorded
     ratio_changes: int = 0
     role_changes: int = 0
     moved_turns: int = 0
-    activation_s: list[float] = field(default_factory=list)
+    activation_s: list[float] = field(default_factory=list)  # the toggle estimate's
+    # activations that were their engine process's first start (vLLM compiles then)
+    first_activation_s: list[float] = field(default_factory=list)
     deactivation_s: list[float] = field(default_factory=list)
     return_latency_s: list[float] = field(default_factory=list)  # Training Begin -> start
     # per step that onloaded a lent GPU, the slowest trainer rank's onload (its offload is
@@ -101,6 +109,10 @@ class StepMetrics:
     # policy.local_prefill: the batch's disaggregated turns prefilled on the decode
     # worker holding their prefix
     local_prefills: int = 0
+    # the borrowing gate's decision in force at the rollout's end, and the turns the
+    # borrowed workers served in the cycles that ended since the previous step's record
+    borrow_gate: str = ""
+    borrowed_served_turns: int = 0
 
     @property
     def idle_share(self) -> float:
@@ -208,9 +220,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"{summary.get('idle_share', 0.0):.0%} of worker time, "
         f"{summary.get('tail_idle_share', 0.0):.0%} in the batch tails",
         "reward per step: " + " ".join(f"{r:.3f}" for r in summary["reward_curve"]),
-        f"elastic grows {c['grows']}, reclaims {c['reclaims']}; borrow cycles "
-        f"{c['borrow_cycles']}; mode changes {c['mode_changes']}, ratio changes "
-        f"{c['ratio_changes']}, role changes {c['role_changes']}; turns moved {c['moved_turns']}",
+        f"elastic grows {c['grows']}, reclaims {c['reclaims']}, released before serving "
+        f"{c.get('elastic_unserved', 0)}; {format_borrows(c)}; mode changes "
+        f"{c['mode_changes']} (undone within a step {c.get('undone_switches', 0)}), ratio "
+        f"changes {c['ratio_changes']}, role changes {c['role_changes']}; turns moved "
+        f"{c['moved_turns']}",
         "borrowed GPUs returned before every training step: "
         + ", ".join(f"{x:.2f} s" for x in ret),
         "targets: " + " -> ".join(_dedup(summary["targets"])),
@@ -218,6 +232,15 @@ def format_summary(summary: dict[str, Any]) -> str:
     refused = summary.get("slurm", {}).get("refused_pools", {})
     lines += [f"elastic pool {pool} refused by Slurm: {why}" for pool, why in refused.items()]
     return "\n".join(lines)
+
+
+def format_borrows(c: Mapping[str, Any]) -> str:
+    """The borrow cycles by what they bought: served turns, served none, or were
+    cancelled by a plan while starting."""
+    return (
+        f"borrow cycles {c['borrow_cycles']} served ({c.get('borrowed_turns', 0)} turns), "
+        f"{c.get('borrows_unserved', 0)} unserved, {c.get('borrows_cancelled', 0)} cancelled"
+    )
 
 
 def rollout_summary(metrics: list[StepMetrics]) -> dict[str, float]:
@@ -244,6 +267,22 @@ def rollout_summary(metrics: list[StepMetrics]) -> dict[str, float]:
         ),
         "local_prefills": sum(m.local_prefills for m in metrics),
     }
+
+
+def undone_switches(switches: Sequence[tuple[float, Any, Any]], step_ends: Sequence[float]) -> int:
+    """Of the mode switches ``(time, from, to)``, in order, those undone before the next
+    step was recorded: a switch a -> b followed by b -> a with no step end between them
+    (a pair counts once)."""
+    ends = sorted(step_ends)
+    count, last = 0, None
+    for t, a, b in switches:
+        undone = (
+            last is not None
+            and (last[1], last[2]) == (b, a)
+            and bisect.bisect_right(ends, t) == bisect.bisect_right(ends, last[0])
+        )
+        count, last = (count + 1, None) if undone else (count, (t, a, b))
+    return count
 
 
 def _dedup(items: list[str]) -> list[str]:

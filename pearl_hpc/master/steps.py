@@ -284,6 +284,7 @@ class StepPipeline:
         await self.backend.before_rollout(step, self.executor.spawn)
         counters = self.executor.counters
         borrowed_before = len(counters.activation_s)
+        first_before = len(counters.first_activation_s)
         moved_before = counters.moved_turns
         journaled = self.tlog.load(step)  # a resumed step (two with the rollout ahead)
         # counted now: the rollout continues these trajectories in place
@@ -312,8 +313,9 @@ class StepPipeline:
                 iterations.extend(await client.telemetry())
         slots, roles = self.executor.slot_roles()
         activated = counters.activation_s[borrowed_before:]
+        first = counters.first_activation_s[first_before:]  # compiled: reported, no sample
         # an activation may still be in progress (it lands in a later step's record)
-        borrowed = bool(activated) or self.executor.activating_overlap()
+        borrowed = bool(activated or first) or self.executor.activating_overlap()
         await self.queue.put(
             StepTelemetry(
                 step,
@@ -326,6 +328,7 @@ class StepPipeline:
                 activation_s=activated[-1] if activated else 0.0,
                 deactivation_s=(counters.deactivation_s[-1] if counters.deactivation_s else 0.0)
                 + (counters.handover_s[-1] if borrowed and counters.handover_s else 0.0),
+                toggle_sample=bool(activated) or not first,
             )
         )
         return RolloutResult(
@@ -417,6 +420,14 @@ class StepPipeline:
         from here on resumes at the next step, training it again from its log if no
         checkpoint has its weights)."""
         generated = sum(t.num_generated() for t in done.trajectories)
+        gate = next(
+            (r.borrow_gate.reason for r in reversed(self.controller.history)
+             if r.borrow_gate is not None and r.time_s <= done.ended_s),
+            "",
+        )  # fmt: skip
+        served, self.executor.borrowed_turns_unrecorded = (
+            self.executor.borrowed_turns_unrecorded, 0,
+        )  # fmt: skip
         self.on_recorded(
             StepMetrics(
                 step=step,
@@ -456,6 +467,8 @@ class StepPipeline:
                 idle_worker_s=round(done.window.idle_s, 3),
                 tail_worker_s=round(done.tail.worker_s, 3),
                 tail_idle_worker_s=round(done.tail.idle_s, 3),
+                borrow_gate=gate,
+                borrowed_served_turns=served,
             )
         )
 
