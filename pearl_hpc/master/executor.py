@@ -53,6 +53,17 @@ class _StartCancelled(Exception):
 
 
 @dataclass
+class _Start:
+    """A worker's start in progress."""
+
+    add: WorkerAdd
+    t0: float  # perf_counter at its start
+    phase: str = "queued"  # lend | attach | activate | catch_up | ready
+    first: bool | None = None  # its engine's first start in the process (once activated)
+    cancelled: bool = False  # a plan removed its slot: it goes no further
+
+
+@dataclass
 class _Worker:
     """An engine rank and the slot it serves (None while idle)."""
 
@@ -116,9 +127,7 @@ class WorkerExecutor:
         self._on_gpus: dict[tuple[str, ...], str] = {}  # a GPU set -> its rank's member id
         self.tasks: set[asyncio.Task[None]] = set()
         self.starting: dict[int, asyncio.Task[None]] = {}  # slot -> its start / activation
-        self._phase: dict[int, str] = {}  # a starting slot's phase (lend, attach, ...)
-        self._cancelled: set[int] = set()  # starting slots a plan removed
-        self._adds: dict[int, WorkerAdd] = {}  # what each starting slot was asked for
+        self._starts: dict[int, _Start] = {}  # starting slots
         self.training_started = asyncio.Event()
         # weight broadcasts and membership changes of the broadcast group never overlap:
         # a member stopped mid-broadcast would leave the trainer blocked in the collective
@@ -240,7 +249,7 @@ class WorkerExecutor:
     # ------------------------------------------------------------------ executor
     def start_workers(self, adds: Sequence[WorkerAdd]) -> None:
         for add in adds:
-            self._adds[add.slot_id] = add
+            self._starts[add.slot_id] = _Start(add, time.perf_counter())
             task = asyncio.create_task(self._start(add))
             self.tasks.add(task)
             self.starting[add.slot_id] = task
@@ -248,14 +257,16 @@ class WorkerExecutor:
 
     def _next_phase(self, slot_id: int, phase: str) -> None:
         """A start goes on to ``phase``, unless a plan cancelled it meanwhile."""
-        if slot_id in self._cancelled:
+        start = self._starts[slot_id]
+        if start.cancelled:
             raise _StartCancelled
-        self._phase[slot_id] = phase
+        start.phase = phase
 
     async def _start(self, add: WorkerAdd) -> None:
         t0 = time.perf_counter()
         try:
             worker, first = await self._bring_up(add)
+            self._starts[add.slot_id].first = first
             self._next_phase(add.slot_id, "catch_up")
             role = self._table_role(add.slot_id, add.role)
             if role is not add.role:  # re-planned while starting (change_roles skipped it)
@@ -273,12 +284,11 @@ class WorkerExecutor:
             if failed is not None and gone and not failed.persistent:
                 failed.proc.kill()
                 self._drop(failed)
-            if add.slot_id not in self._cancelled:  # else released by _cancel_start
+            if not self._starts[add.slot_id].cancelled:  # else released by _cancel_start
                 await self.queue.put(WorkerFailed(add.slot_id, f"{type(exc).__name__}: {exc}"))
             return
         finally:
-            self._phase.pop(add.slot_id, None)
-            self._adds.pop(add.slot_id, None)
+            self._starts.pop(add.slot_id, None)
         took = time.perf_counter() - t0
         if add.reactivate:  # a first start compiles: no sample of a later activation
             (self.counters.first_activation_s if first else self.counters.activation_s).append(took)
@@ -431,15 +441,17 @@ class WorkerExecutor:
         engine start can outlast the reclaim's grace), is cancelled at once; an engine
         start (or a trainer's lend) ends its phase first, then goes no further: no
         weights catch-up, no admission. An engine that came up is released again (a base
-        rank), or closed and its rank leaves with its capacity (an elastic one)."""
+        rank), or closed and its rank leaves with its capacity (an elastic one).
+
+        A borrow whose warm engine came up for nothing cost its whole start and release:
+        that is its sample of T_toggle (a first start, which compiles, is none)."""
         t0 = time.perf_counter()
-        phase = self._phase.get(slot_id, "queued")
-        add = self._adds.get(slot_id)
-        self._cancelled.add(slot_id)
+        start = self._starts[slot_id]
+        phase, start.cancelled = start.phase, True
         if reclaimed or phase == "attach":
             starting.cancel()
         await asyncio.gather(starting, return_exceptions=True)
-        self._cancelled.discard(slot_id)
+        self._starts.pop(slot_id, None)  # a task cancelled before it ran left it
         worker = self._worker_of(slot_id)
         if worker is not None:
             if reclaimed and not worker.persistent:  # its rank goes with the capacity
@@ -449,9 +461,11 @@ class WorkerExecutor:
                     await worker.proc.stop()
             else:
                 await self._deactivate(worker)
-        if add is not None and add.zone is Zone.OVERLAP:
+        if start.add.zone is Zone.OVERLAP:
             self.counters.borrows_cancelled += 1
-        elif add is not None and add.source is not None:
+            if start.first is False:
+                self.counters.activation_s.append(time.perf_counter() - start.t0)
+        elif start.add.source is not None:
             self.counters.elastic_unserved += 1
         self.log_event(
             "start_cancelled", slot=slot_id, phase=phase, reclaimed=reclaimed,
