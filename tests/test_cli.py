@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -151,12 +152,23 @@ def test_missing_profile_names_the_shipped_ones() -> None:
     assert "qwen3-8b-h800-tp2" in result.stderr
 
 
-def test_bench_prints_every_size() -> None:
-    result = cli("bench", "--json", "--repeats", "3")
+def test_bench_prints_every_size_and_records_its_line(tmp_path: Path) -> None:
+    lines = tmp_path / "bench.jsonl"
+    result = cli("bench", "--json", "--repeats", "3", "--record", str(lines))
     assert result.returncode == 0, result.stderr
     rows = json.loads(result.stdout)
     assert {r["workers"] for r in rows} == {64, 256, 1024, 4096, 50_000}
     assert all(r["median_ms"] > 0 for r in rows)
+    (line,) = [json.loads(x) for x in lines.read_text().splitlines()]
+    assert line["bench"] == "decision" and line["result"] == rows
+    assert re.fullmatch(r"[0-9a-f]{7,}", line["commit"]) and line["args"]["repeats"] == 3
+    ratios, by = line["ratios"], {(r["workers"], r["event"]): r for r in rows}
+    assert ratios["cold 50000 / 64 workers"] == pytest.approx(
+        by[50_000, "cold"]["median_ms"] / by[64, "cold"]["median_ms"], rel=1e-3
+    )
+    assert ratios["decide speed-up over the scalar loop at 50000"] == pytest.approx(
+        by[50_000, "decide-only"]["speedup"], rel=1e-3
+    )
 
 
 def test_bench_messages_round_trips_a_train_batch_and_a_log_both_ways() -> None:
@@ -192,7 +204,7 @@ def test_bench_train_measures_each_case_and_packs_without_padding(capsys: Any) -
 def test_bench_weights_times_both_paths_and_the_engine_gets_the_weights() -> None:
     """A 32 MiB model through the gloo group and through shared memory to a second
     process (the figures are printed, not judged here)."""
-    result = cli("bench", "--weights", "--gib", "0.03", "--json")
+    result = cli("bench", "--weights", "--gib", "0.03", "--json", "--record", "")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert out["same_weights"] is True and out["bytes"] == 32 << 20

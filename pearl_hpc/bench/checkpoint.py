@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pearl_hpc.bench import record
+
 
 def before(trainer: Any, out: Path) -> tuple[float, int]:
     """The old per-step save, as it ran: (seconds the step waited, bytes written)."""
@@ -93,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--every", type=int, default=10, help="train.checkpoint_every")
     parser.add_argument("--json", action="store_true")
+    record.add_argument(parser)
     args = parser.parse_args(argv)
 
     from pearl_hpc.bench.train import build_model
@@ -107,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:  # the step's wait, averaged over the steps between checkpoints
         row["per_step_s"] = round(row["blocked_s"] / args.every, 4)
         row["per_step_ratio"] = round(row["before_s"] / row["per_step_s"], 1)
+    ratios = {f"{r['model']}: before / after per step": r["per_step_ratio"] for r in rows}
+    record.append(args.record, "checkpoint", rows, ratios, vars(args))
     if args.json:
         for row in rows:
             print(json.dumps(row))

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pearl_hpc.bench import record
 from pearl_hpc.config import REPO_CONFIGS, load_profile
 from pearl_hpc.core import predictor
 from pearl_hpc.core.decision import decide
@@ -107,12 +108,33 @@ def run(sizes: Sequence[int] = SIZES, repeats: int = 30) -> list[dict[str, Any]]
     return rows
 
 
+def ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Each event's time at the largest size over its time at the smallest (linear in
+    the workers: their ratio), and the vectorised decision's speed-up there."""
+    sizes = sorted({r["workers"] for r in rows})
+    out: dict[str, float] = {}
+    by = {(r["workers"], r["event"]): r for r in rows}
+    lo, hi = sizes[0], sizes[-1]
+    for event in ("cold", "grow", "shrink", "decide-only"):
+        if lo != hi and (lo, event) in by and (hi, event) in by:
+            ratio = by[hi, event]["median_ms"] / by[lo, event]["median_ms"]
+            out[f"{event} {hi} / {lo} workers"] = ratio
+    if (hi, "decide-only") in by:
+        out[f"decide speed-up over the scalar loop at {hi}"] = by[hi, "decide-only"]["speedup"]
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument(
+        "--sizes", default=",".join(map(str, SIZES)), help="workers, comma-separated"
+    )
+    record.add_argument(parser)
     args = parser.parse_args(argv)
-    rows = run(repeats=args.repeats)
+    rows = run([int(n) for n in args.sizes.split(",")], repeats=args.repeats)
+    record.append(args.record, "decision", rows, ratios(rows), vars(args))
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

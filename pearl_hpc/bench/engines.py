@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pearl_hpc.bench import record
 from pearl_hpc.core.types import Mode, Role
 from pearl_hpc.engine.client import WorkerProcess, spawn_worker
 from pearl_hpc.engine.rpc import new_key
@@ -184,8 +185,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
+    record.add_argument(parser)
     args = parser.parse_args(argv)
     out = asyncio.run(_measure(args))
+    tp = out["throughput"]
+    col = _median([r["tokens_per_s"] for r in tp["colocated"]])
+    dis = _median([r["tokens_per_s"] for r in tp["disaggregated"]])
+    record.append(args.record, "engines", out, {"1P1D / 2C tokens/s": dis / col}, vars(args))
     print(json.dumps(out, indent=1) if args.json else format_table(out))
     return 0
 

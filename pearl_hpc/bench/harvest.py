@@ -37,6 +37,7 @@ from typing import Any
 
 import yaml
 
+from pearl_hpc.bench import record
 from pearl_hpc.config.files import REPO_CONFIGS
 from pearl_hpc.master.records import read_jsonl
 from pearl_hpc.rundir import RunDir
@@ -200,6 +201,7 @@ def main(
     steps: int,
     as_json: bool,
     requests: tuple[str, ...] = REQUESTS,
+    record_to: str = record.DEFAULT,
 ) -> int:
     unknown = [r for r in requests if r not in REQUESTS]
     if unknown:
@@ -216,6 +218,9 @@ def main(
         print(f"harvest: {request} requests, segment {segment} at {speedup:g}x, in {work}",
               file=sys.stderr, flush=True)  # fmt: skip
         results[request] = run_one(Path(config), request, work, segment, speedup, steps)
+    args = {"config": config, "segment": segment, "speedup": speedup, "steps": steps}
+    ratios = {f"{r}: efficiency": results[r]["efficiency"] or 0.0 for r in requests}
+    record.append(record_to, "harvest", results, ratios, {**args, "requests": list(requests)})
     if as_json:
         print(json.dumps(results, indent=1))
         return 0

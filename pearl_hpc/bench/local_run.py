@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from pearl_hpc.backends.world import run_to_summary
+from pearl_hpc.bench import record
 from pearl_hpc.config.run import RunConfig
 from pearl_hpc.core.policies import BorrowingName, PDPolicyName
 from pearl_hpc.errors import PearlError
@@ -154,6 +155,27 @@ def _median(xs: list[float]) -> str:
     return f"{m:.2f}" if m >= 0.1 else f"{m * 1000:.1f} ms"
 
 
+def ratios(results: dict[str, Any]) -> dict[str, float]:
+    """pearl against each other variant run."""
+    if "pearl" not in results:
+        return {}
+    pearl = results["pearl"]["summary"]
+    out = {}
+    if "colocated" in results:
+        coloc = results["colocated"]["summary"]
+        out["pearl / colocated rollout tokens/s"] = pearl["tokens_per_s"] / coloc["tokens_per_s"]
+    if "pearl-sync" in results:
+        sync = results["pearl-sync"]["summary"]
+        out["pearl / pearl-sync wall time"] = pearl["wall_s"] / sync["wall_s"]
+    if "pearl+" in results:
+        plus = results["pearl+"]["summary"]
+        out["pearl+ / pearl aggregate tokens/s"] = (
+            plus["aggregate_tokens_per_s"] / pearl["aggregate_tokens_per_s"]
+        )
+        out["pearl+ / pearl wall time"] = plus["wall_s"] / pearl["wall_s"]
+    return out
+
+
 def format_results(results: dict[str, Any]) -> str:
     lines = [
         "| system | rollout tokens/s | aggregate tokens/s | wall s | idle share | tail idle "
@@ -174,26 +196,21 @@ def format_results(results: dict[str, Any]) -> str:
         )
     if "pearl" not in results:
         return "\n".join(lines)
-    pearl = results["pearl"]["summary"]
-    if "colocated" in results:
-        coloc = results["colocated"]["summary"]
+    r = ratios(results)
+    if "pearl / colocated rollout tokens/s" in r:
         lines.append(
-            f"\npearl / colocated rollout tokens/s: "
-            f"{pearl['tokens_per_s'] / coloc['tokens_per_s']:.2f}x"
+            f"\npearl / colocated rollout tokens/s: {r['pearl / colocated rollout tokens/s']:.2f}x"
             " (2 CPU cores shared by every engine: see the module docstring)"
         )
-    if "pearl-sync" in results:
-        sync = results["pearl-sync"]["summary"]
+    if "pearl / pearl-sync wall time" in r:
         lines.append(
-            f"pearl wall time / pearl-sync: {pearl['wall_s'] / sync['wall_s']:.2f}x "
+            f"pearl wall time / pearl-sync: {r['pearl / pearl-sync wall time']:.2f}x "
             "(rollout k+1 during training k, on the same 2 cores)"
         )
-    if "pearl+" in results:
-        plus = results["pearl+"]["summary"]
+    if "pearl+ / pearl aggregate tokens/s" in r:
         lines.append(
-            f"pearl+ / pearl aggregate tokens/s: "
-            f"{plus['aggregate_tokens_per_s'] / pearl['aggregate_tokens_per_s']:.2f}x, wall time "
-            f"{plus['wall_s'] / pearl['wall_s']:.2f}x (the next batch in this one's tail)"
+            f"pearl+ / pearl aggregate tokens/s: {r['pearl+ / pearl aggregate tokens/s']:.2f}x, "
+            f"wall time {r['pearl+ / pearl wall time']:.2f}x (the next batch in this one's tail)"
         )
     lines.append("\n| reconfiguration | PEARL Qwen3-8B / 30B-A3B (s) | this run, median (n) |")
     lines.append("|---|---|---|")
@@ -227,8 +244,11 @@ def main(
     as_json: bool = False,
     variants: tuple[str, ...] = VARIANTS,
     steps: int | None = None,
+    record_to: str = record.DEFAULT,
 ) -> int:
     results = run(config, variants, steps)
+    args = {"config": config, "variants": list(variants), "steps": steps}
+    record.append(record_to, "local", results, ratios(results), args)
     if as_json:
         print(json.dumps(results, indent=1))
     else:

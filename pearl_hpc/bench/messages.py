@@ -28,6 +28,7 @@ from typing import Any
 
 import msgspec
 
+from pearl_hpc.bench import record
 from pearl_hpc.comm.messages import Command, Train, decode_command, encode
 from pearl_hpc.master.journal import TrajectoryLog
 from pearl_hpc.rollout.types import Segment, Trajectory, TurnStats
@@ -151,9 +152,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=30)
     parser.add_argument("--ranks", type=int, default=16, help="trainer ranks")
     parser.add_argument("--json", action="store_true")
+    record.add_argument(parser)
     args = parser.parse_args(argv)
     rows = run(args.trajectories, args.tokens, args.turns, args.ranks)
     logged = log_rows(args.trajectories, args.tokens, args.turns)
+    ratios = {
+        f"{r['encoding']}: {k}": r[k]
+        for r in rows
+        for k in ("encode_vs_pickle", "decode_vs_pickle")
+        if isinstance(r.get(k), int | float)
+    }
+    ratios.update({f"log {r['log']}: seconds_vs_whole": r["seconds_vs_whole"] for r in logged})
+    result = {"train": rows, "trajectory_log": logged}
+    record.append(args.record, "messages", result, ratios, vars(args))
     if args.json:
         print(json.dumps({"train": rows, "trajectory_log": logged}, indent=1))
         return 0

@@ -32,6 +32,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pearl_hpc.bench import record
+
 KEY = "5e" * 32  # a key of the benchmark's own (written 0600 as the run's would be)
 PLANS = 20
 
@@ -206,6 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ranks", default="8,32,128,256", help="world sizes, comma-separated")
     parser.add_argument("--joiners", type=int, default=200, help="the burst, at the first size")
     parser.add_argument("--json", action="store_true")
+    record.add_argument(parser)
     sub = parser.add_subparsers(dest="role")
     rank = sub.add_parser("rank")
     rank.add_argument("run_dir", type=Path)
@@ -238,6 +241,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{row['burst_poll_ms']:.1f} ms"
             )
         print(line, flush=True)
+    ratios = {}
+    if len(rows) > 1:  # what a plan's fan-out grows by with the world
+        lo, hi = rows[0], rows[-1]
+        ratios[f"fan-out {hi['ranks']} / {lo['ranks']} ranks"] = hi["fanout_ms"] / lo["fanout_ms"]
+    record.append(args.record, "plane", rows, ratios, vars(args))
     return 0
 
 

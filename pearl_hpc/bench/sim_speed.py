@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from pearl_hpc.bench import record
 from pearl_hpc.sim.run import SimRequest, simulate
 
 SYSTEMS = ("roll", "roll-large", "rlboost+", "pearl")
@@ -32,7 +33,11 @@ def _run(**kwargs: Any) -> dict[str, Any]:
     }
 
 
-def run() -> list[dict[str, Any]]:
+def run(smallest: bool = False) -> list[dict[str, Any]]:
+    """Every case, or (``smallest``) the cheapest one: pearl on segment 2 for 3600 s."""
+    if smallest:
+        row = _run(model="qwen3-8b", segment=2, duration_s=3600.0, systems=("pearl",))
+        return [{"case": "pearl, segment 2, 3600 s", **row}]
     rows = []
     for model in ("qwen3-8b", "qwen3-30b-a3b"):
         for segment in (1, 2, 3):
@@ -53,11 +58,28 @@ def run() -> list[dict[str, Any]]:
     return rows
 
 
+def ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The cost per event of each fixed cluster over PEARL's 32 GPUs (the six segment
+    runs): what an event costs more as the cluster grows."""
+    base = [r["us_per_event"] for r in rows if "segment" in r["case"] and "4 systems" in r["case"]]
+    if not base:
+        return {}
+    per = sum(base) / len(base)
+    return {
+        f"{r['case'].split(',')[1].strip()} / 32 GPUs, us/event": r["us_per_event"] / per
+        for r in rows
+        if "GPUs" in r["case"]
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--smallest", action="store_true", help="the cheapest case only")
+    record.add_argument(parser)
     args = parser.parse_args(argv)
-    rows = run()
+    rows = run(args.smallest)
+    record.append(args.record, "sim", rows, ratios(rows), vars(args))
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

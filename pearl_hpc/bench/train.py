@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pearl_hpc.bench import record
+
 CASES = {  # name: (activation checkpointing, chunked log-probs)
     "neither": (False, False),
     "checkpointing": (True, False),
@@ -162,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mixed", default="2048,512,256,128,128,64",
                         help="padding: tokens per row (agentic trajectories vary)")  # fmt: skip
     parser.add_argument("--json", action="store_true")
+    record.add_argument(parser)
     parser.add_argument("--case", help=argparse.SUPPRESS)  # one memory case, in a child
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -182,6 +185,11 @@ def main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
             memory.append(json.loads(child.stdout.strip().splitlines()[-1]))
         layouts = padding(model_dir, mixed)
+    base = memory[0]["peak_mib"]
+    ratios = {f"{r['case']}: peak / neither": r["peak_mib"] / base for r in memory}
+    pad, packed = layouts
+    ratios["packed / padded tokens/s"] = packed["tokens_per_s"] / pad["tokens_per_s"]
+    record.append(args.record, "train", memory + layouts, ratios, vars(args))
     report(args, memory, layouts)
     return 0
 

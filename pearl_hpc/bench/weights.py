@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from pearl_hpc.bench import record
 from pearl_hpc.engine.rpc import new_key
 from pearl_hpc.engine.store import KeyStore, StoreClient
 from pearl_hpc.weights.group import WeightGroup, send_weights
@@ -164,8 +165,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--gib", type=float, default=1.0, help="bf16 size of the model")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", action="store_true")
+    record.add_argument(parser)
     args = parser.parse_args(argv)
     out = _measure(args.gib, args.repeats)
+    runs = out["runs"]
+    g, s = (statistics.median(r["total_s"] for r in runs[p]) for p in ("gloo", "shm"))
+    ratios = {"shm / gloo total_s": s / g if g else 0.0}
+    record.append(args.record, "weights", out, ratios, vars(args))
     print(json.dumps(out, indent=1) if args.json else format_table(out))
     return 0
 

@@ -19,31 +19,36 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from pearl_hpc.bench import decision_speed, sim_speed
 
+    if args.report is not None:
+        from pearl_hpc.bench import report
+
+        return report.main(args.report, check=args.check)
+    out = ["--record", args.record] + (["--json"] if args.json else [])
     if args.engines:
         from pearl_hpc.bench import engines
 
         extra = ["--model", args.model] if args.model else []
-        return engines.main(extra + (["--json"] if args.json else []))
+        return engines.main(extra + out)
     if args.train:
         from pearl_hpc.bench import train
 
-        return train.main(["--json"] if args.json else [])
+        return train.main(out)
     if args.checkpoint:
         from pearl_hpc.bench import checkpoint
 
-        return checkpoint.main(["--json"] if args.json else [])
+        return checkpoint.main(out)
     if args.plane:
         from pearl_hpc.bench import plane
 
-        return plane.main(["--ranks", args.plane_ranks] + (["--json"] if args.json else []))
+        return plane.main(["--ranks", args.plane_ranks, *out])
     if args.messages:
         from pearl_hpc.bench import messages
 
-        return messages.main(["--json"] if args.json else [])
+        return messages.main(out)
     if args.weights:
         from pearl_hpc.bench import weights
 
-        return weights.main(["--gib", str(args.gib)] + (["--json"] if args.json else []))
+        return weights.main(["--gib", str(args.gib), *out])
     if args.local:
         from pearl_hpc.bench import local_run
 
@@ -52,6 +57,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             args.json,
             variants=tuple(args.variants.split(",")),
             steps=args.steps,
+            record_to=args.record,
         )
     if args.harvest:
         from pearl_hpc.bench import harvest
@@ -59,10 +65,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         config = args.config or str(REPO_CONFIGS / "runs" / "slurm-local.yaml")
         requests = tuple(args.requests.split(","))
         steps = 40 if args.steps is None else args.steps
-        return harvest.main(config, args.segment, args.speedup, steps, args.json, requests)
+        return harvest.main(
+            config, args.segment, args.speedup, steps, args.json, requests, args.record
+        )
     if args.sim:
-        return sim_speed.main(["--json"] if args.json else [])
-    return decision_speed.main(["--repeats", str(args.repeats)] + (["--json"] if args.json else []))
+        return sim_speed.main(out)
+    return decision_speed.main(["--repeats", str(args.repeats), *out])
 
 
 def add_parsers(sub: Any) -> None:
@@ -161,4 +169,22 @@ def add_parsers(sub: Any) -> None:
         "--repeats", type=int, default=30, help="decision + plan: timed runs of each event"
     )
     bench.add_argument("--json", action="store_true")
+    bench.add_argument(
+        "--record",
+        metavar="FILE",
+        default="bench.jsonl",
+        help="append the result as one JSON line: commit, machine, figures, ratios "
+        "(default: bench.jsonl here; '' for none)",
+    )
+    bench.add_argument(
+        "--report",
+        nargs="?",
+        const="docs/bench.jsonl",
+        metavar="FILE",
+        help="write docs/benchmarks.md's generated tables from the newest line of each "
+        "bench in FILE (default: docs/bench.jsonl); nothing is measured",
+    )
+    bench.add_argument(
+        "--check", action="store_true", help="with --report: fail if the tables differ"
+    )
     bench.set_defaults(func=_cmd_bench)

@@ -1,0 +1,49 @@
+"""Benchmarks that guard their figures: each writes one JSON line (commit, machine,
+result, ratios), and docs/benchmarks.md's generated tables are those lines' (a unit test
+of bench/record.py and bench/report.py, and the cheapest simulator case run for real)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pearl_hpc.bench import record, report, sim_speed
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_docs_tables_are_the_recorded_lines() -> None:
+    """docs/benchmarks.md holds, between its markers, what docs/bench.jsonl gives: a
+    figure changed by hand, or a line recorded without regenerating, fails here."""
+    assert report.main(str(REPO / "docs" / "bench.jsonl"), check=True) == 0
+    text = (REPO / "docs" / "benchmarks.md").read_text()
+    for name in report.TABLES:
+        assert f"<!-- bench:{name} -->" in text and f"<!-- /bench:{name} -->" in text, name
+
+
+def test_a_block_is_rewritten_from_the_newest_line_and_check_fails_before(
+    tmp_path: Path,
+) -> None:
+    lines = tmp_path / "bench.jsonl"
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# B\n\n<!-- bench:sim -->\nold\n<!-- /bench:sim -->\n\nprose stays\n")
+    row = {"case": "pearl, 9 GPUs", "wall_s": 1.0, "us_per_event": 2.5, "events": 4000,
+           "trajectories": 7}  # fmt: skip
+    record.append(str(lines), "sim", [{**row, "wall_s": 9.0}], {"r": 1.0})
+    record.append(str(lines), "sim", [row], {"r": 2.0})  # the newer one is reported
+    assert report.main(str(lines), check=True, doc=doc) == 1  # stale: "old"
+    assert report.main(str(lines), doc=doc) == 0
+    text = doc.read_text()
+    assert "| pearl, 9 GPUs | 1.00 | 2.5 | 4,000 | 7 |" in text and "9.00" not in text
+    assert "Ratios: r 2" in text and "old" not in text and text.endswith("prose stays\n")
+    assert report.main(str(lines), check=True, doc=doc) == 0
+
+
+def test_the_simulator_bench_at_its_smallest_records_its_line(tmp_path: Path, capsys) -> None:
+    lines = tmp_path / "bench.jsonl"
+    assert sim_speed.main(["--smallest", "--json", "--record", str(lines)]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["case"] == "pearl, segment 2, 3600 s" and row["events"] > 10_000
+    assert row["us_per_event"] > 0
+    (line,) = [json.loads(x) for x in lines.read_text().splitlines()]
+    assert line["bench"] == "sim" and line["result"] == [row] and line["args"]["smallest"]
