@@ -52,7 +52,8 @@ def line(
     return {
         "bench": bench,
         "commit": commit or "unknown",
-        "dirty": bool(commit) and bool(_git("status", "--porcelain", "--untracked-files=no")),
+        # the measured code changed since the commit (its package, not the docs)
+        "dirty": bool(commit) and bool(_git("status", "--porcelain", "--", "pearl_hpc")),
         "date": datetime.date.today().isoformat(),
         "machine": f"{os.cpu_count()} CPUs ({platform.machine()})",
         "args": {k: v for k, v in args.items() if k not in ("record", "json")},
