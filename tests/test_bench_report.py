@@ -48,3 +48,24 @@ def test_the_simulator_bench_at_its_smallest_records_its_line(tmp_path: Path, ca
     assert row["us_per_event"] > 0
     (line,) = [json.loads(x) for x in lines.read_text().splitlines()]
     assert line["bench"] == "sim" and line["result"] == [row] and line["args"]["smallest"]
+
+
+def test_the_checkpoint_bench_at_a_small_size_records_both_saves(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """``bench --checkpoint`` on the tiny model and a 2-layer Qwen3: each save measured,
+    the step's wait per checkpoint_every steps and its ratio recorded."""
+    from pearl_hpc.bench import checkpoint
+
+    monkeypatch.setenv("PEARL_HPC_CACHE", str(tmp_path / "cache"))
+    lines = tmp_path / "bench.jsonl"
+    small = ["--hidden", "64", "--layers", "2", "--vocab", "4096", "--repeats", "1"]
+    assert checkpoint.main([*small, "--json", "--record", str(lines)]) == 0
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [r["model"] for r in rows] == ["tiny", "qwen3 2x64"]
+    assert all(r["before_s"] > 0 and r["blocked_s"] > 0 and r["state_bytes"] > 0 for r in rows)
+    (line,) = [json.loads(x) for x in lines.read_text().splitlines()]
+    assert line["bench"] == "checkpoint" and line["result"] == rows
+    assert line["ratios"] == {
+        f"{r['model']}: before / after per step": r["per_step_ratio"] for r in rows
+    }

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from pearl_hpc.core.controller import WorkerFailed, WorkerReleased
 from pearl_hpc.core.orchestrator import WorkerAdd
 from pearl_hpc.core.table import ElasticSource, RoleTable
