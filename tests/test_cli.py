@@ -191,7 +191,8 @@ def test_bench_train_measures_each_case_and_packs_without_padding(capsys: Any) -
     from pearl_hpc.bench import train
 
     args = ["--layers", "2", "--hidden", "64", "--vocab", "4096", "--chunk", "64"]
-    assert train.main([*args, "--lengths", "512,256", "--mixed", "256,64,32", "--json"]) == 0
+    argv = [*args, "--lengths", "512,256", "--mixed", "256,64,32", "--json", "--record", ""]
+    assert train.main(argv) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     memory = {r["case"]: r for r in rows if "case" in r}
     assert list(memory) == ["neither", "checkpointing", "chunked", "both"]
