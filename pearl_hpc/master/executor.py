@@ -58,9 +58,16 @@ class _Start:
 
     add: WorkerAdd
     t0: float  # perf_counter at its start
+    task: asyncio.Task[None] | None = None
     phase: str = "queued"  # lend | attach | activate | catch_up | ready
     first: bool | None = None  # its engine's first start in the process (once activated)
     cancelled: bool = False  # a plan removed its slot: it goes no further
+
+    def next_phase(self, phase: str) -> None:
+        """The start goes on to ``phase``, unless a plan cancelled it meanwhile."""
+        if self.cancelled:
+            raise _StartCancelled
+        self.phase = phase
 
 
 @dataclass
@@ -126,8 +133,7 @@ class WorkerExecutor:
         self.workers: dict[str, _Worker] = {}  # engine ranks, by member id
         self._on_gpus: dict[tuple[str, ...], str] = {}  # a GPU set -> its rank's member id
         self.tasks: set[asyncio.Task[None]] = set()
-        self.starting: dict[int, asyncio.Task[None]] = {}  # slot -> its start / activation
-        self._starts: dict[int, _Start] = {}  # starting slots
+        self._starts: dict[int, _Start] = {}  # starting slots: their start / activation
         self.training_started = asyncio.Event()
         # weight broadcasts and membership changes of the broadcast group never overlap:
         # a member stopped mid-broadcast would leave the trainer blocked in the collective
@@ -249,31 +255,23 @@ class WorkerExecutor:
     # ------------------------------------------------------------------ executor
     def start_workers(self, adds: Sequence[WorkerAdd]) -> None:
         for add in adds:
-            self._starts[add.slot_id] = _Start(add, time.perf_counter())
-            task = asyncio.create_task(self._start(add))
-            self.tasks.add(task)
-            self.starting[add.slot_id] = task
-            task.add_done_callback(self.tasks.discard)
+            start = _Start(add, time.perf_counter())
+            start.task = asyncio.create_task(self._start(start))
+            self._starts[add.slot_id] = start
+            self.tasks.add(start.task)
+            start.task.add_done_callback(self.tasks.discard)
 
-    def _next_phase(self, slot_id: int, phase: str) -> None:
-        """A start goes on to ``phase``, unless a plan cancelled it meanwhile."""
-        start = self._starts[slot_id]
-        if start.cancelled:
-            raise _StartCancelled
-        start.phase = phase
-
-    async def _start(self, add: WorkerAdd) -> None:
-        t0 = time.perf_counter()
+    async def _start(self, start: _Start) -> None:
+        add = start.add
         try:
-            worker, first = await self._bring_up(add)
-            self._starts[add.slot_id].first = first
-            self._next_phase(add.slot_id, "catch_up")
+            worker, start.first = await self._bring_up(start)
+            start.next_phase("catch_up")
             role = self._table_role(add.slot_id, add.role)
             if role is not add.role:  # re-planned while starting (change_roles skipped it)
                 await worker.proc.client.set_role(role)
             async with self.weights_lock:
                 await self.weights.catch_up(weight_member(add.gpu_ids), _address(worker))
-                self._next_phase(add.slot_id, "ready")
+                start.next_phase("ready")
                 worker.slot_id, worker.role = add.slot_id, role
         except _StartCancelled:
             return  # _cancel_start takes it from here
@@ -284,14 +282,18 @@ class WorkerExecutor:
             if failed is not None and gone and not failed.persistent:
                 failed.proc.kill()
                 self._drop(failed)
-            if not self._starts[add.slot_id].cancelled:  # else released by _cancel_start
+            if not start.cancelled:  # else released by _cancel_start
                 await self.queue.put(WorkerFailed(add.slot_id, f"{type(exc).__name__}: {exc}"))
             return
         finally:
-            self._starts.pop(add.slot_id, None)
-        took = time.perf_counter() - t0
+            if self._starts.get(add.slot_id) is start:  # (a cancelled one was taken out)
+                del self._starts[add.slot_id]
+        took = time.perf_counter() - start.t0
         if add.reactivate:  # a first start compiles: no sample of a later activation
-            (self.counters.first_activation_s if first else self.counters.activation_s).append(took)
+            counted = (
+                self.counters.first_activation_s if start.first else self.counters.activation_s
+            )
+            counted.append(took)
         self.log_event(
             "ready",
             slot=add.slot_id,
@@ -300,11 +302,11 @@ class WorkerExecutor:
             role=str(add.role),
             s=round(took, 2),
             reactivate=add.reactivate,
-            first=first,
+            first=start.first,
         )
         await self.queue.put(WorkerReady(add.slot_id))
 
-    async def _bring_up(self, add: WorkerAdd) -> tuple[_Worker, bool]:
+    async def _bring_up(self, start: _Start) -> tuple[_Worker, bool]:
         """An engine in ``add.role`` on ``add.gpu_ids``: a released worker there is
         activated, one the backend runs is attached and activated, else a new process;
         and whether that was its process's first engine start. A hung engine start
@@ -317,14 +319,15 @@ class WorkerExecutor:
         # no process start; its weights are caught up by the caller. (3) Otherwise the
         # GPUs are an elastic component's: the backend waits for its rank to join the
         # world, and it is activated like (2).
+        add = start.add
         worker = self._on(add.gpu_ids)
         if add.zone is Zone.OVERLAP:  # a trainer's GPU: its tensors leave first
-            self._next_phase(add.slot_id, "lend")
+            start.next_phase("lend")
             await self.weights.lend(add.gpu_ids)
         if worker is None:
             if add.source is None:  # a base GPU set: its engine rank registered at start
                 raise EngineError(f"no engine rank holds {add.gpu_ids}")
-            self._next_phase(add.slot_id, "attach")  # cancelled at once: a wait
+            start.next_phase("attach")  # cancelled at once: a wait
             remote = await self.backend.attach(
                 add.source, add.gpu_ids, self.key, self.start_timeout_s
             )
@@ -333,7 +336,7 @@ class WorkerExecutor:
             # an elastic rank that joined the world, serving no engine yet
             worker = _Worker(remote, remote.member_id, add.gpu_ids, remote=True)
             self._keep(worker)
-        self._next_phase(add.slot_id, "activate")
+        start.next_phase("activate")
         worker.slot_id = add.slot_id
         timing = await asyncio.wait_for(
             worker.proc.client.activate(add.role), timeout=self.start_timeout_s
@@ -356,8 +359,7 @@ class WorkerExecutor:
 
     async def _rerole(self, slot_id: int, role: Role) -> None:
         worker = self._worker_of(slot_id)
-        starting = self.starting.get(slot_id)
-        if worker is None or (starting is not None and not starting.done()):
+        if worker is None or slot_id in self._starts:
             return  # still starting: _start takes the table's role when its engine is up
         try:
             timing = await worker.proc.client.set_role(role)
@@ -375,9 +377,9 @@ class WorkerExecutor:
             self.spawn(self._stop(slot_id, deadline_s))
 
     async def _stop(self, slot_id: int, deadline_s: float | None = None) -> None:
-        starting = self.starting.pop(slot_id, None)
-        if starting is not None and not starting.done():
-            await self._cancel_start(slot_id, starting, reclaimed=deadline_s is not None)
+        start = self._starts.pop(slot_id, None)
+        if start is not None:
+            await self._cancel_start(start, reclaimed=deadline_s is not None)
             return
         worker = self._worker_of(slot_id)
         if worker is None:
@@ -433,10 +435,8 @@ class WorkerExecutor:
         elif worker.remote and not served:
             c.elastic_unserved += 1
 
-    async def _cancel_start(
-        self, slot_id: int, starting: asyncio.Task[None], *, reclaimed: bool
-    ) -> None:
-        """A plan removed ``slot_id`` while its worker was starting: no turn ran on it.
+    async def _cancel_start(self, start: _Start, *, reclaimed: bool) -> None:
+        """A plan removed ``start``'s slot while its worker was starting: no turn ran on it.
         A wait for an elastic rank to join, or any start whose capacity is reclaimed (an
         engine start can outlast the reclaim's grace), is cancelled at once; an engine
         start (or a trainer's lend) ends its phase first, then goes no further: no
@@ -446,12 +446,12 @@ class WorkerExecutor:
         A borrow whose warm engine came up for nothing cost its whole start and release:
         that is its sample of T_toggle (a first start, which compiles, is none)."""
         t0 = time.perf_counter()
-        start = self._starts[slot_id]
+        slot_id, task = start.add.slot_id, start.task
+        assert task is not None
         phase, start.cancelled = start.phase, True
         if reclaimed or phase == "attach":
-            starting.cancel()
-        await asyncio.gather(starting, return_exceptions=True)
-        self._starts.pop(slot_id, None)  # a task cancelled before it ran left it
+            task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
         worker = self._worker_of(slot_id)
         if worker is not None:
             if reclaimed and not worker.persistent:  # its rank goes with the capacity

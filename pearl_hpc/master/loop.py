@@ -539,14 +539,16 @@ class MasterRun:
             self.on_step(m)
 
     def _count(self) -> None:
-        """Mode / ratio changes from the controller's history, borrow cycles and
-        capacity events, added to what a previous master counted."""
+        """Mode / ratio changes (and mode switches undone) from the controller's
+        history, and capacity events, added to what a previous master counted."""
         history = self.controller.history
-        modes = [r.plan.target.mode for r in history]
+        switches = [
+            (b.time_s, a.plan.target.mode, b.plan.target.mode)
+            for a, b in itertools.pairwise(history)
+            if a.plan.target.mode != b.plan.target.mode
+        ]
         c = self.executor.counters
-        c.mode_changes = self._before_changes[0] + sum(
-            1 for a, b in itertools.pairwise(modes) if a != b
-        )
+        c.mode_changes = self._before_changes[0] + len(switches)
         c.ratio_changes = self._before_changes[1] + sum(
             1
             for a, b in itertools.pairwise(history)
@@ -554,11 +556,6 @@ class MasterRun:
             and a.plan.target.mode is Mode.DISAGGREGATED
             and a.plan.target != b.plan.target
         )
-        switches = [
-            (b.time_s, a.plan.target.mode, b.plan.target.mode)
-            for a, b in itertools.pairwise(history)
-            if a.plan.target.mode != b.plan.target.mode
-        ]
         c.undone_switches = self._before_changes[2] + undone_switches(
             switches, [m.t_s for m in self.metrics if m.step >= self.first_step]
         )
