@@ -69,3 +69,9 @@ def test_the_checkpoint_bench_at_a_small_size_records_both_saves(
     assert line["ratios"] == {
         f"{r['model']}: before / after per step": r["per_step_ratio"] for r in rows
     }
+
+
+def test_a_record_names_paths_in_the_checkout_relative_to_it(tmp_path: Path) -> None:
+    config = record.SOURCE / "pearl_hpc" / "configs" / "runs" / "local.yaml"
+    line = record.append("", "local", {}, args={"config": str(config), "other": "/x/y"})
+    assert line["args"] == {"config": "pearl_hpc/configs/runs/local.yaml", "other": "/x/y"}

@@ -30,7 +30,8 @@ def add_argument(parser: argparse.ArgumentParser) -> None:
         "--record",
         metavar="FILE",
         default=DEFAULT,
-        help=f"append the result as one JSON line (default: {DEFAULT}; '' for none)",
+        help="append the result as one JSON line: commit, machine, arguments, result, "
+        f"ratios (default: {DEFAULT} here; '' for none)",
     )
 
 
@@ -42,6 +43,13 @@ def _git(*args: str) -> str:
     except (OSError, subprocess.SubprocessError):
         return ""
     return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def _portable(value: Any) -> Any:
+    """A path inside the checkout as relative to it (a record names no machine's path)."""
+    if isinstance(value, str) and value.startswith(f"{SOURCE}{os.sep}"):
+        return os.path.relpath(value, SOURCE)
+    return value
 
 
 def line(
@@ -56,7 +64,7 @@ def line(
         "dirty": bool(commit) and bool(_git("status", "--porcelain", "--", "pearl_hpc")),
         "date": datetime.date.today().isoformat(),
         "machine": f"{os.cpu_count()} CPUs ({platform.machine()})",
-        "args": {k: v for k, v in args.items() if k not in ("record", "json")},
+        "args": {k: _portable(v) for k, v in args.items() if k not in ("record", "json")},
         "result": result,
         "ratios": {k: round(float(v), 4) for k, v in ratios.items()},
     }

@@ -81,6 +81,11 @@ def add_parsers(sub: Any) -> None:
         "out", nargs="?", type=out_dir, help="directory (default: $PEARL_HPC_CACHE/tiny-qwen3)"
     )
     tiny.set_defaults(func=_cmd_tiny_model)
+    _add_bench_parser(sub)
+
+
+def _add_bench_parser(sub: Any) -> None:
+    from pearl_hpc.bench import record
 
     bench = sub.add_parser(
         "bench", help="benchmarks: decision + plan speed (64 .. 50,000 workers), or --sim"
@@ -169,13 +174,7 @@ def add_parsers(sub: Any) -> None:
         "--repeats", type=int, default=30, help="decision + plan: timed runs of each event"
     )
     bench.add_argument("--json", action="store_true")
-    bench.add_argument(
-        "--record",
-        metavar="FILE",
-        default="bench.jsonl",
-        help="append the result as one JSON line: commit, machine, figures, ratios "
-        "(default: bench.jsonl here; '' for none)",
-    )
+    record.add_argument(bench)
     bench.add_argument(
         "--report",
         nargs="?",
