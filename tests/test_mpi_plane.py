@@ -69,12 +69,17 @@ def test_joins_strangers_and_faults_never_stop_the_masters_loop(tmp_path: Path) 
     assert max(result["accept_s"]) > 3.0  # (the pump did sit)
 
 
-def test_bench_plane_measures_plans_and_a_burst_of_joiners() -> None:
-    """`pearl-hpc bench --plane` at a small size: each figure reported, every joiner in."""
+def test_bench_plane_measures_plans_and_a_burst_of_joiners(tmp_path: Path) -> None:
+    """`pearl-hpc bench --plane` at a small size: each figure reported, every joiner in,
+    its line recorded (where asked: never into the checkout)."""
+    lines = tmp_path / "bench.jsonl"
     argv = [sys.executable, "-m", "pearl_hpc.bench.plane", "--ranks", "4", "--joiners", "3"]
-    run = subprocess.run([*argv, "--json"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    argv += ["--json", "--record", str(lines)]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     (row,) = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     assert row["ranks"] == 4 and row["joined"] == 3
     assert row["partition_ms"] > 0 and row["fanout_ms"] > 0 and row["join_ms"] > 0
     assert row["burst_poll_ms"] < row["burst_s"] * 1e3
+    (line,) = [json.loads(x) for x in lines.read_text().splitlines()]
+    assert line["bench"] == "plane" and line["result"] == [row]
