@@ -16,6 +16,7 @@ Ground floor: imports nothing of pearl_hpc but :mod:`pearl_hpc.errors`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -454,3 +455,17 @@ def files_table() -> str:
     rows = ["| file | what it holds |", "|---|---|"]
     rows += [f"| `{name}` | {what} |" for _, name, what in FILES]
     return "\n".join(rows) + "\n"
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file the run appends to; a missing file is empty and
+    a torn line (being written, or cut by a kill) is skipped."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            if isinstance(record, dict):  # a line of another shape is not a record
+                out.append(record)
+    return out

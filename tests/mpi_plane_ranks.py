@@ -91,7 +91,8 @@ async def master(run_dir: Path, doorman: Doorman) -> None:
     from pearl_hpc.comm.members import Members
     from pearl_hpc.comm.messages import Train, TrainAck
     from pearl_hpc.comm.mpi import MasterPlane, PlaneError
-    from pearl_hpc.master.records import EventLog, read_jsonl
+    from pearl_hpc.master.records import EventLog
+    from pearl_hpc.rundir import read_jsonl
 
     plane = MasterPlane(
         run_dir, KEY, doorman=doorman, hello_timeout_s=5.0, send_timeout_s=SEND_TIMEOUT_S

@@ -164,6 +164,7 @@ FILE_COMMANDS = {
     "status": ("journal.json", ["status", "{d}"]),
     "report metrics": ("metrics.jsonl", ["report", "{d}", "--out", "{o}"]),
     "report events": ("events.jsonl", ["report", "{d}", "--out", "{o}"]),
+    "validate-sim": ("summary.json", ["validate-sim", "{d}"]),
     "plan --profile": ("p.yaml", ["plan", "--profile", "{f}", "--rollout-workers", "4"]),
     "simulate --trace": (
         "t.csv", ["simulate", "--trace", "{f}", "--no-progress", "--duration-s", "60"]

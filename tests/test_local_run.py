@@ -232,6 +232,24 @@ def test_local_run_grows_reclaims_borrows_and_loses_nothing(tmp_path: Path, monk
     assert sorted([s["slot_id"], s["status"]] for s in slots if s["role"] != "training") == sorted(
         [slot, status] for slot, _, status, _ in last
     )
+    check_replay(run_dir, steps=3)
+
+
+def check_replay(run_dir: Path, *, steps: int) -> dict:
+    """The simulator replays a real run from its own inputs (``pearl-hpc validate-sim``):
+    every system finishes the run's steps, the twin's error is printed, and bounded only
+    loosely (shared cores make it machine-dependent: docs/simulator.md has the figures)."""
+    from pearl_hpc.sim import counterfactual as cf
+    from pearl_hpc.sim.replay import load_run
+
+    record = load_run(run_dir)
+    doc = cf.counterfactual(record)
+    print(cf.format_inputs(doc), cf.format_validation(doc), cf.format_systems(doc), sep="\n")
+    v = doc["validation"]
+    assert v["steps"] == steps and all(r["finished"] for r in doc["systems"])
+    assert record.startup_s > 0  # engine starts: their own phase, not step 0's rollout
+    assert abs(v["run_error"]) < 0.5, v
+    return doc
 
 
 @pytest.mark.vllm
@@ -655,6 +673,8 @@ def test_a_master_killed_mid_step_resumes_without_losing_anything(
     assert report.returncode == 0, report.stderr
     for name in ("throughput.png", "roles.png", "prediction.png", "steps.md"):
         assert (run_dir / "report" / name).stat().st_size > 0
+    # a resumed run has a clock per master: not replayed, and the report says so
+    assert "Not replayed" in (run_dir / "report" / "counterfactual.md").read_text()
 
 
 @pytest.mark.vllm

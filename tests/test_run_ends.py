@@ -67,7 +67,7 @@ def test_a_trainer_that_raises_at_start_ends_the_world_in_seconds(
 def test_cancel_stops_a_run_cleanly_and_resume_finishes_it(tmp_path: Path) -> None:
     from pearl_hpc.cli.view import run_status
     from pearl_hpc.errors import PearlError
-    from pearl_hpc.master.records import read_jsonl
+    from pearl_hpc.rundir import read_jsonl
 
     runs = tmp_path / "runs"
     steps = 4

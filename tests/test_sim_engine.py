@@ -596,7 +596,7 @@ def test_the_calibrated_workload_prefills_pearls_share_of_tokens() -> None:
 
 def test_a_prefill_iteration_batches_queued_prompts_up_to_the_token_budget() -> None:
     sim = build("static-2P2D", segment=None, rollout_gpus=8)
-    traj = Traj(sim.gen.batch(0)[0], 0)
+    traj = Traj(sim.batches(0)[0], 0)
     pre = SimWorker(99, Role.PREFILL, Zone.DEDICATED, 10**7)
     for tokens in (1000, 1500, 500):
         sim._enter(pre, "prefill", Request(traj, prefill_tokens=tokens, prompt_tokens=tokens))

@@ -23,12 +23,11 @@ import pytest
 import yaml
 
 from pearl_hpc.backends.slurm import run_tag_of
-from pearl_hpc.master.records import read_jsonl
-from pearl_hpc.rundir import RunDir
+from pearl_hpc.rundir import RunDir, read_jsonl
 from tests import other_user
 from tests.conftest import resume_drained_nodes, vllm_skip_reason
 from tests.test_local_run import CONFIG as LOCAL_CONFIG
-from tests.test_local_run import MEASURED
+from tests.test_local_run import MEASURED, check_replay
 
 REPO = Path(__file__).resolve().parents[1]
 BATCH = 4 * 4
@@ -420,6 +419,9 @@ def test_slurm_run_survives_a_slurmctld_outage_and_a_killed_elastic_rank(
     # the demand stands: the worker is asked of Slurm again
     assert any(e["kind"] == "submitted" and e["t_s"] > failed[0]["t_s"] for e in events)
     assert RunDir(run_dir).read_state()["status"] == "finished"
+    # the simulator replays it from its recorded grants, failure and costs
+    doc = check_replay(run_dir, steps=STEPS_FAULTS)
+    assert doc["inputs"]["capacity"], "the elastic grant is in the replay's timeline"
     _wait("the run's jobs to leave squeue", lambda: not _tagged(f"pearl:{tag}"), 60)
     stray = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
     assert stray.stdout.strip() == "", f"processes of the run left: {stray.stdout}"

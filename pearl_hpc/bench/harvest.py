@@ -39,8 +39,7 @@ import yaml
 
 from pearl_hpc.bench import record
 from pearl_hpc.config.files import REPO_CONFIGS
-from pearl_hpc.master.records import read_jsonl
-from pearl_hpc.rundir import RunDir
+from pearl_hpc.rundir import RunDir, read_jsonl
 
 REPO = REPO_CONFIGS.parent
 REQUESTS = ("single", "hetjob")

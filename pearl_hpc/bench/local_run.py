@@ -47,8 +47,7 @@ from pearl_hpc.config.run import RunConfig
 from pearl_hpc.core.policies import BorrowingName, PDPolicyName
 from pearl_hpc.errors import PearlError
 from pearl_hpc.master.preflight import load_run_config
-from pearl_hpc.master.records import read_jsonl
-from pearl_hpc.rundir import RunDir
+from pearl_hpc.rundir import RunDir, read_jsonl
 
 # PEARL.md, "Reconfiguration latency" (Qwen3-8B / Qwen3-30B-A3B on H800), seconds
 PEARL_LATENCIES_S = {

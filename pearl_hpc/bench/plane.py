@@ -76,7 +76,8 @@ async def _master(run_dir: Path, doorman: Any, joiners: int) -> dict[str, Any]:
     from pearl_hpc.comm.members import Members
     from pearl_hpc.comm.messages import Release, ReleaseAck
     from pearl_hpc.comm.mpi import MasterPlane
-    from pearl_hpc.master.records import EventLog, read_jsonl
+    from pearl_hpc.master.records import EventLog
+    from pearl_hpc.rundir import read_jsonl
 
     t0 = time.monotonic()
     plane = MasterPlane(run_dir, KEY, doorman=doorman)

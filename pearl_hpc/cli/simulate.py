@@ -10,6 +10,7 @@ from typing import Any
 
 from pearl_hpc.cli.common import (
     MAX_BATCH,
+    existing_run_dir,
     non_negative_float,
     non_negative_int,
     number,
@@ -114,6 +115,26 @@ def _cmd_calibrate_sim(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_validate_sim(args: argparse.Namespace) -> int:
+    from pearl_hpc.sim.counterfactual import (
+        NOT_MODELLED,
+        counterfactual,
+        format_inputs,
+        format_validation,
+    )
+    from pearl_hpc.sim.replay import load_run
+
+    doc = counterfactual(load_run(args.run_dir))
+    if args.json:
+        print(json.dumps({k: doc[k] for k in ("run", "inputs", "measured", "validation")}))
+        return 0
+    print(f"{doc['run']}: the simulator replays the run from its own inputs")
+    print(f"inputs: {format_inputs(doc)}")
+    print(format_validation(doc))
+    print(f"not modelled: {NOT_MODELLED}")
+    return 0
+
+
 def add_parsers(sub: Any) -> None:
     sim = sub.add_parser(
         "simulate",
@@ -204,3 +225,11 @@ def add_parsers(sub: Any) -> None:
     )
     cal.add_argument("--json", action="store_true")
     cal.set_defaults(func=_cmd_calibrate_sim)
+
+    val = sub.add_parser(
+        "validate-sim",
+        help="replay a finished run in the simulator from its own inputs: the error per step",
+    )
+    val.add_argument("run_dir", type=existing_run_dir, help="the directory `pearl-hpc run` printed")
+    val.add_argument("--json", action="store_true", help="one JSON object")
+    val.set_defaults(func=_cmd_validate_sim)

@@ -9,6 +9,7 @@ tracker's predicted rollout time next to the measured one.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -18,8 +19,8 @@ from typing import Any
 
 from pearl_hpc.core.window import run_end_s
 from pearl_hpc.errors import PearlError
-from pearl_hpc.master.records import StepMetrics, read_jsonl, read_metrics, read_tables
-from pearl_hpc.rundir import JournalError, RunDir, RunStatus
+from pearl_hpc.master.records import StepMetrics, read_metrics, read_tables
+from pearl_hpc.rundir import JournalError, RunDir, RunStatus, read_jsonl
 
 _ROLE_LETTER = {"prefill": "P", "decode": "D", "colocated": "C"}
 
@@ -308,7 +309,66 @@ def write_run_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
         )
     path.write_text("\n".join(rows) + "\n")
     written.append(path)
+    if RunDir(run_dir).summary.exists():  # the run has ended: it can be replayed
+        from pearl_hpc.sim.replay import ReplayError
+
+        try:
+            written += _write_counterfactual(plt, run_dir, out)
+        except ReplayError as exc:  # e.g. a resumed run: the report stands without it
+            (out / "counterfactual.md").write_text(f"Not replayed: {exc}\n")
+            written.append(out / "counterfactual.md")
     return written
+
+
+def _write_counterfactual(plt: Any, run_dir: Path, out: Path) -> list[Path]:
+    """The run replayed in the simulator, PEARL as configured and the other systems on
+    the same inputs: ``counterfactual.md``, ``counterfactual.png``, and the document in
+    ``summary.json`` (key ``counterfactual``)."""
+    from pearl_hpc.sim import counterfactual as cf
+    from pearl_hpc.sim.replay import load_run
+
+    record = load_run(run_dir)
+    doc = cf.counterfactual(record)
+    md = out / "counterfactual.md"
+    md.write_text(
+        f"# {doc['run']}: measured, simulated, and what other systems would have done\n\n"
+        f"Inputs (all from the run): {cf.format_inputs(doc)}\n\n"
+        f"## The run against its simulated twin\n\n{cf.format_validation(doc)}\n\n"
+        f"Not modelled: {cf.NOT_MODELLED}.\n\n"
+        f"## Counterfactual: the same steps, capacity and costs\n\n{cf.format_systems(doc)}\n"
+    )
+    summary_path = RunDir(run_dir).summary
+    summary = json.loads(summary_path.read_text())
+    summary["counterfactual"] = doc
+    tmp = summary_path.with_name(summary_path.name + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=1))
+    os.replace(tmp, summary_path)
+
+    fig, (ax, step_ax) = plt.subplots(1, 2, figsize=(13, 4.5))
+    start = record.startup_s
+    ax.axvspan(0, start, color="grey", alpha=0.2, label="start-up (engine starts)")
+    ax.step([0, *(start + m.recorded_s for m in record.steps)], range(len(record.steps) + 1),
+            where="post", color="black", linewidth=2.5, label="measured run")  # fmt: skip
+    for row in [*doc["systems"][1:], doc["systems"][0]]:  # the twin drawn last, on top
+        ends = [start + s["trained_s"] for s in row["per_step"]]
+        twin = row["system"] == cf.PEARL
+        name = "pearl (simulated)" if twin else row["system"]
+        ax.step([0, *ends], range(len(ends) + 1), "-" if twin else "--", where="post",
+                linewidth=2 if twin else 1, label=name)  # fmt: skip
+    ax.set_xlabel("run time (s)")
+    ax.set_ylabel("steps trained")
+    ax.legend(fontsize=7)
+    steps = [m.step for m in record.steps]
+    step_ax.plot(steps, [m.rollout_s for m in record.steps], "o-", color="black",
+                 label="measured")  # fmt: skip
+    simulated = [s["rollout_s"] for s in doc["systems"][0]["per_step"]]
+    step_ax.plot(steps[: len(simulated)], simulated, "s--", label="pearl (simulated)")
+    step_ax.set_xlabel("step")
+    step_ax.set_ylabel("rollout seconds")
+    from pearl_hpc.sim.report import save_figure
+
+    return [md, save_figure(plt, fig, out / "counterfactual.png")]
+    return [md, save_figure(plt, fig, out / "counterfactual.png")]
 
 
 def _plot_off_policy(plt: Any, metrics: list[StepMetrics], path: Path) -> Path:

@@ -20,6 +20,7 @@ backend feeds it events from one queue, the simulator from its event heap.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ from pearl_hpc.core.policies import (
 from pearl_hpc.core.profile import WorkloadProfile
 from pearl_hpc.core.table import IN_SERVICE, ElasticSource, RoleTable
 from pearl_hpc.core.tracker import IterationRecord, RuntimeTracker, TurnRecord
-from pearl_hpc.core.types import ROLLOUT_ROLES, PDConfig, Role, Status, TrainingState, Zone
+from pearl_hpc.core.types import ROLLOUT_ROLES, Mode, PDConfig, Role, Status, TrainingState, Zone
 from pearl_hpc.core.window import CapacityWindow, usable_window_s
 from pearl_hpc.errors import SpecError
 
@@ -172,6 +173,18 @@ class Reconfiguration:
     plan: TransitionPlan
     borrow_gate: GateDecision | None = None
     expansion_gate: GateDecision | None = None
+
+
+def mode_changes(history: Sequence[Reconfiguration]) -> tuple[list[tuple[float, Mode, Mode]], int]:
+    """Of a controller's reconfigurations: the mode switches ``(time, from, to)`` in order,
+    and how many changed the P:D ratio of a disaggregated target in place."""
+    pairs = list(itertools.pairwise(r.plan.target for r in history))
+    times = [r.time_s for r in history[1:]]
+    switches = [
+        (t, a.mode, b.mode) for t, (a, b) in zip(times, pairs, strict=True) if a.mode != b.mode
+    ]
+    ratios = sum(1 for a, b in pairs if a.mode is b.mode is Mode.DISAGGREGATED and a != b)
+    return switches, ratios
 
 
 @dataclass

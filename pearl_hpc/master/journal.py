@@ -12,9 +12,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pearl_hpc.master.records import read_jsonl
 from pearl_hpc.rollout.types import Trajectory
-from pearl_hpc.rundir import RunDir
+from pearl_hpc.rundir import RunDir, read_jsonl
 
 
 class TrajectoryLog:

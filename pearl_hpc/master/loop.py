@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import itertools
 import json
 import math
 import os
@@ -46,10 +45,9 @@ from pearl_hpc.comm.membership import Member
 from pearl_hpc.comm.mpi import MasterPlane
 from pearl_hpc.config.files import REPO_CONFIGS, load_profile
 from pearl_hpc.config.run import DashboardSettings, RunConfig
-from pearl_hpc.core.controller import Controller, Event
+from pearl_hpc.core.controller import Controller, Event, mode_changes
 from pearl_hpc.core.policies import prefill_locally
 from pearl_hpc.core.table import IN_SERVICE, RoleTable
-from pearl_hpc.core.types import Mode
 from pearl_hpc.core.window import run_end_s
 from pearl_hpc.master.capacity import BackendContext, CapacityBackend
 from pearl_hpc.master.dashboards import Dashboards
@@ -541,21 +539,10 @@ class MasterRun:
     def _count(self) -> None:
         """Mode / ratio changes (and mode switches undone) from the controller's
         history, and capacity events, added to what a previous master counted."""
-        history = self.controller.history
-        switches = [
-            (b.time_s, a.plan.target.mode, b.plan.target.mode)
-            for a, b in itertools.pairwise(history)
-            if a.plan.target.mode != b.plan.target.mode
-        ]
+        switches, ratios = mode_changes(self.controller.history)
         c = self.executor.counters
         c.mode_changes = self._before_changes[0] + len(switches)
-        c.ratio_changes = self._before_changes[1] + sum(
-            1
-            for a, b in itertools.pairwise(history)
-            if a.plan.target.mode == b.plan.target.mode
-            and a.plan.target.mode is Mode.DISAGGREGATED
-            and a.plan.target != b.plan.target
-        )
+        c.ratio_changes = self._before_changes[1] + ratios
         c.undone_switches = self._before_changes[2] + undone_switches(
             switches, [m.t_s for m in self.metrics if m.step >= self.first_step]
         )

@@ -21,7 +21,7 @@ import msgspec
 
 from pearl_hpc.core.controller import Event
 from pearl_hpc.core.table import ElasticSource
-from pearl_hpc.rundir import JournalError, RunDir
+from pearl_hpc.rundir import JournalError, RunDir, read_jsonl
 
 
 @dataclass
@@ -146,20 +146,6 @@ def event_fields(event: Event) -> dict[str, Any]:
             out[name] = value.tag
         elif name == "also" and value:  # a heterogeneous job's other components
             out[name] = [grant.source.tag for grant in value]
-    return out
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The records of a JSON-lines file the run appends to; a missing file is empty and
-    a torn line (being written, or cut by a kill) is skipped."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        with contextlib.suppress(ValueError):
-            record = json.loads(line)
-            if isinstance(record, dict):  # a line of another shape is not a record
-                out.append(record)
     return out
 
 

@@ -50,8 +50,7 @@ from pearl_hpc.core.controller import (
 )
 from pearl_hpc.core.policies import tail_level
 from pearl_hpc.core.predictor import predict
-from pearl_hpc.core.table import IN_SERVICE
-from pearl_hpc.core.types import Role, Status
+from pearl_hpc.core.types import Status
 from pearl_hpc.master.capacity import CapacityBackend
 from pearl_hpc.master.executor import WorkerExecutor
 from pearl_hpc.master.journal import TrajectoryLog
@@ -128,12 +127,11 @@ class Workload:
 def serving_prediction(controller: Controller) -> tuple[str, float]:
     """The configuration the controller has in service now (e.g. ``1P2D``; workers still
     joining included) and the tracker's predicted makespan for it."""
-    roles = [s.role for s in controller.table.rollout_slots() if s.status in IN_SERVICE]
-    n_p, n_d, n_c = (roles.count(r) for r in (Role.PREFILL, Role.DECODE, Role.COLOCATED))
-    if n_p and n_d:
-        return f"{n_p}P{n_d}D", predict(controller.profile, n_p, n_d, 0)
-    n = max(1, n_c + n_p + n_d)
-    return f"{n}C", predict(controller.profile, 0, 0, n)
+    label = controller.table.serving_label()
+    if label.endswith("D"):
+        n_p, n_d = (int(x) for x in label[:-1].split("P"))
+        return label, predict(controller.profile, n_p, n_d, 0)
+    return label, predict(controller.profile, 0, 0, int(label[:-1]))
 
 
 class StepPipeline:

@@ -61,7 +61,7 @@ from pearl_hpc.sim.entities import (
     Traj,
 )
 from pearl_hpc.sim.physics import WorkerPhysics
-from pearl_hpc.sim.workload import WorkloadConfig, WorkloadGenerator
+from pearl_hpc.sim.workload import TrajectorySpec, WorkloadConfig, WorkloadGenerator
 
 DEDICATED_RELEASE_S = 1.0  # stop a dedicated worker: abort requests, free the GPUs
 RETURN_DEADLINE_S = 120.0  # borrowed GPUs not back this long after Training Begin: a bug
@@ -80,12 +80,18 @@ class Simulator(WorkerPhysics):
         duration_s: float,
         check_invariants: bool = True,
         progress: Callable[[float], None] | None = None,
+        batches: Callable[[int], Sequence[TrajectorySpec]] | None = None,
+        max_steps: int | None = None,
     ) -> None:
+        """``batches(step)``: the trajectories of each rollout batch (None: drawn by the
+        workload's seeded generator); ``max_steps``: the run ends when that many steps
+        have trained (a replay of a finished run), else at ``duration_s``."""
         self.setup = setup
         self.cost = cost
         self.workload = workload
         self.duration_s = duration_s
-        self.gen = WorkloadGenerator(workload, seed)
+        self.batches = batches or WorkloadGenerator(workload, seed).batch
+        self.max_steps = max_steps
         self.now = 0.0
         self._heap: list[tuple[float, int, int, Callable[..., None], tuple[Any, ...]]] = []
         self._seq = itertools.count()
@@ -116,6 +122,7 @@ class Simulator(WorkerPhysics):
         self.preempted_turns = 0  # decoding requests preempted for KV and recomputed
         self.kv_waits = 0  # requests whose admission waited for KV on their worker
         self.local_prefills = 0  # disaggregated turns prefilled on their decode worker
+        self.borrowed_turns = 0  # turns finished on borrowed (overlap) workers
         self.turns_left = TurnsLeft(profile.mean_turns)  # tail_dispatch's predictor
         self.idle_worker_s = 0.0  # active workers with nothing to run, worker-seconds
         self.active_worker_s = 0.0
@@ -154,7 +161,7 @@ class Simulator(WorkerPhysics):
             [train_gpus[i : i + tp] for i in range(0, len(train_gpus) - tp + 1, tp)]
             if self.setup.overlap
             else []
-        )
+        )[: self.setup.overlap_workers]
         self.controller.register_training(train_gpus, overlap_gpu_sets=overlap)
         reserved = [
             [f"res:{i + j}" for j in range(tp)]
@@ -163,7 +170,9 @@ class Simulator(WorkerPhysics):
         self.controller.grant_reserved(reserved)
         if self.setup.elastic is not None:
             for t, count in zip(self.setup.elastic.times_s, self.setup.elastic.counts, strict=True):
-                if t <= self.duration_s:
+                if t == 0 and self.setup.after_startup:
+                    self._on_trace(count)
+                elif t <= self.duration_s:
                     self.at(t, P_CAPACITY, self._on_trace, count)
         self._record_budget()
         self._start_batch()
@@ -175,6 +184,8 @@ class Simulator(WorkerPhysics):
             self.now = time_s
             fn(*args)
             events += 1
+            if self._trained_step + 1 == self.max_steps:
+                break
             if self.progress is not None and events % 4096 == 0:
                 self.progress(self.now)
         self.now = self.duration_s
@@ -241,6 +252,8 @@ class Simulator(WorkerPhysics):
             if add.reactivate:
                 delay = self.cost.reconfig_s("activation")
                 self._borrow_started[add.slot_id] = self.now
+            elif add.source is None and self.setup.after_startup:
+                delay = 0.0
             elif not self.setup.weight_pull:
                 delay = 1.0
             else:  # prewarm: the joiner's finalisation runs in its own background
@@ -361,6 +374,7 @@ class Simulator(WorkerPhysics):
     # ------------------------------------------------------------------ training
     def _training_done(self, step: int) -> None:
         self._trained_step = step
+        self.steps[step].trained_s = self.now
         self._training_running = None
         # the new weights reach every engine, which drops the prefix cache computed by
         # the old ones (as pearl_hpc's vLLM engines and SGLang's update_weights do):
@@ -394,11 +408,12 @@ class Simulator(WorkerPhysics):
     # ------------------------------------------------------------------ batches
     def _start_batch(self) -> None:
         step = self._rollout_step
-        specs = self.gen.batch(step)
+        specs = self.batches(step)
         trajs = [Traj(spec, step) for spec in specs]
         self._batches[step] = trajs
         self._left[step] = len(trajs)
-        self.steps.append(StepRecord(step, 0.0, rollout_started_s=self.now))
+        label = self.controller.table.serving_label()
+        self.steps.append(StepRecord(step, 0.0, rollout_started_s=self.now, config=label))
         self.trajs_started += len(trajs)
         for t in trajs:
             t.turn_started_s = self.now
@@ -409,6 +424,8 @@ class Simulator(WorkerPhysics):
         # staleness s: batch j may start once training step j - 1 - s has finished
         # (tail_start: also while the newest batch's tail leaves workers idle)
         nxt = self._rollout_step + 1
+        if nxt == self.max_steps:
+            return
         left = self._left.get(self._rollout_step, 1)
         tail = self.setup.policy.tail_start and left < self._tail_level()
         if (left == 0 or tail) and self._trained_step >= nxt - 1 - self.workload.staleness:
@@ -600,6 +617,8 @@ class Simulator(WorkerPhysics):
         traj = req.traj
         turn = traj.spec.turns[traj.turn]
         traj.context += turn.new_tokens + turn.kept_tokens
+        if w.zone is Zone.OVERLAP:
+            self.borrowed_turns += 1
         self._turns.append(
             TurnRecord(
                 traj.spec.trajectory_id,

@@ -178,6 +178,8 @@ class StepRecord:
     started_s: float
     rollout_started_s: float = 0.0
     finished_s: float = 0.0
+    trained_s: float = 0.0  # its training step finished
+    config: str = ""  # serving configuration at the rollout's start, e.g. 1P2D or 2C
     generated_tokens: int = 0
     trained_tokens: int = 0
     mode: str = ""
@@ -216,3 +218,8 @@ class SimSetup:
     # a role change is a drain and a new label (pearl_hpc's engines: NIXL kv_both), not
     # PEARL's measured restart ("tens of seconds")
     rerole_in_place: bool = False
+    # a replay of a real run from its start-up's end: the reserved workers are up and
+    # the capacity of the trace's first point is in place before the first batch starts
+    # (else: they start like any joiner, the trace's points arrive as events)
+    after_startup: bool = False
+    overlap_workers: int | None = None  # None: one per TP set of the training GPUs
