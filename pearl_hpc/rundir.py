@@ -60,7 +60,8 @@ FILES: tuple[tuple[str, str, str], ...] = (
      "after each change"),
     ("summary", "summary.json", "the run's totals, written when it ends: counters, targets, "
      "the refitted profile, aggregate tokens/s, idle shares (`slurm`: requests, grants, "
-     "submit -> RUNNING latencies, worker-seconds held)"),
+     "submit -> RUNNING latencies, worker-seconds held); `pearl-hpc report` adds the "
+     "counterfactual"),
     ("rpc_key", "rpc.key", "the engine sockets' key (0600), new for each world"),
     ("elastic", "elastic/", "elastic launches: their logs (`job-J.out` on Slurm)"),
     ("lease", "elastic/master.lease", "`<host> <pid> <unix time>`, touched every second by "
@@ -82,7 +83,7 @@ FILES: tuple[tuple[str, str, str], ...] = (
     ("tensorboard", "tensorboard/", "TensorBoard event files (`dashboards.tensorboard`)"),
     ("wandb", "wandb/", "Weights & Biases files (`dashboards.wandb_project`; offline: "
      "`wandb sync RUN_DIR/wandb/offline-run-*`)"),
-    ("report", "report/", "`pearl-hpc report`'s plots and step table"),
+    ("report", "report/", "`pearl-hpc report`'s plots, step table and counterfactual"),
     ("", "rankR-KIND.log", "each member's output, KIND trainer or engine (the terminal is "
      "rank 0's)"),
     ("", "WORKER.ready.json", "an engine rank's socket (host, port, pid) once it listens "

@@ -320,6 +320,9 @@ def write_run_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     return written
 
 
+TWIN = {"color": "crimson"}  # the simulated twin of the run, in both panels
+
+
 def _write_counterfactual(plt: Any, run_dir: Path, out: Path) -> list[Path]:
     """The run replayed in the simulator, PEARL as configured and the other systems on
     the same inputs: ``counterfactual.md``, ``counterfactual.png``, and the document in
@@ -354,7 +357,7 @@ def _write_counterfactual(plt: Any, run_dir: Path, out: Path) -> list[Path]:
         twin = row["system"] == cf.PEARL
         name = "pearl (simulated)" if twin else row["system"]
         ax.step([0, *ends], range(len(ends) + 1), "-" if twin else "--", where="post",
-                linewidth=2 if twin else 1, label=name)  # fmt: skip
+                linewidth=2 if twin else 1, label=name, **(TWIN if twin else {}))  # fmt: skip
     ax.set_xlabel("run time (s)")
     ax.set_ylabel("steps trained")
     ax.legend(fontsize=7)
@@ -362,7 +365,7 @@ def _write_counterfactual(plt: Any, run_dir: Path, out: Path) -> list[Path]:
     step_ax.plot(steps, [m.rollout_s for m in record.steps], "o-", color="black",
                  label="measured")  # fmt: skip
     simulated = [s["rollout_s"] for s in doc["systems"][0]["per_step"]]
-    step_ax.plot(steps[: len(simulated)], simulated, "s--", label="pearl (simulated)")
+    step_ax.plot(steps[: len(simulated)], simulated, "s--", label="pearl (simulated)", **TWIN)
     step_ax.set_xlabel("step")
     step_ax.set_ylabel("rollout seconds")
     from pearl_hpc.sim.report import save_figure

@@ -11,7 +11,7 @@ data-sheet cost model:
   token, the KV hand-off rate and capacity; training seconds per trained token and the
   weight broadcast from ``metrics.jsonl``; the elastic workers' preparation (grant, or
   the start-up's end, to ready), activation / deactivation of borrowed workers (the
-  run's counters; first starts only where no warm one was measured) and role changes
+  run's counters: warm starts only, a first start compiles) and role changes
   from ``events.jsonl``.
 - **workload**: each step's trajectories as recorded (``trajectories/``): per turn its
   new tokens, its response, the part of it kept in context, and its environment time
@@ -241,11 +241,8 @@ def _latencies(
     half_toggle = policy.toggle_cost_s / 2
     measured = {
         "preparation": (_mean(prepared), f"mean of {len(prepared)} elastic starts"),
-        "activation": (
-            _mean(counters.get("activation_s", ()))
-            or _mean(counters.get("first_activation_s", ())),
-            "the run's borrow activations",
-        ),
+        # a first start compiles: part of the start-up, not what a later borrow costs
+        "activation": (_mean(counters.get("activation_s", ())), "the run's warm activations"),
         "deactivation": (_mean(counters.get("deactivation_s", ())), "the run's borrow releases"),
         "rerole": (_mean(reroles), f"mean of {len(reroles)} role changes"),
     }
