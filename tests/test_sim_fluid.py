@@ -66,3 +66,26 @@ def test_every_simulated_system_stays_below_its_fluid_bound(workload: str):
     shares = {n: r["share_of_fluid_bound"] for n, r in doc["systems"].items()}
     assert all(0 < s < 1 for s in shares.values()), shares
     assert shares["pearl+"] > shares["pearl"] > shares["roll"], shares
+
+
+def test_the_worker_seconds_breakdown_sums_to_what_the_bound_may_use():
+    """Each system's worker-seconds split by where they went (sim/breakdown.py): the
+    parts sum to R + W x T; a static system holds no elastic GPU and lends nothing, so
+    its training workers only train or idle; PEARL's borrowing uses that idle time."""
+    req = SimRequest(systems=("roll", "pearl"), segment=2, duration_s=1800)
+    doc = simulate(req)
+    bound = doc["fluid_bound"]
+    capacity = bound["rollout_worker_s"] + 16 / 2 * 1800  # 16 training GPUs, TP2
+    for name, r in doc["systems"].items():
+        ws = r["worker_seconds"]
+        assert ws["capacity_worker_s"] == pytest.approx(capacity, abs=0.1)
+        assert sum(ws["worker_s"].values()) == pytest.approx(capacity, abs=1.0), name
+        assert all(v >= -1.0 for v in ws["worker_s"].values()), (name, ws)
+        assert ws["worker_s"]["fluid_work"] == pytest.approx(
+            r["steps"] * bound["rollout_worker_s_per_batch"], abs=0.5
+        )
+    roll, pearl = (doc["systems"][n]["worker_seconds"]["worker_s"] for n in ("roll", "pearl"))
+    # roll: 4 reserved GPUs, no trace, no borrowing: what segment 2 offers it never holds
+    assert roll["offered_not_held"] == pytest.approx(bound["rollout_worker_s"] - 2 * 1800, abs=1)
+    assert roll["training_idle"] == pytest.approx(8 * 1800 - roll["training"], abs=1)
+    assert pearl["training_idle"] < roll["training_idle"]

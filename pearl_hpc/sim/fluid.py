@@ -43,6 +43,7 @@ class BatchWork:
     rollout_worker_s: float
     generated_tokens: int
     trained_tokens: int
+    prefill_worker_s: float = 0.0  # of rollout_worker_s: the prompts' prefill
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class FluidBound:
     training_s_per_batch: float
     rollout_worker_s: float  # R: reserved + elastic worker-seconds of the window
     limited_by: str  # "training" (the serial steps) or "rollout" (the GPUs)
+    prefill_worker_s_per_batch: float = 0.0  # of rollout_worker_s_per_batch
 
     def to_dict(self) -> dict[str, float | str]:
         return {
@@ -62,6 +64,7 @@ class FluidBound:
             "training_s_per_batch": round(self.training_s_per_batch, 3),
             "rollout_worker_s": round(self.rollout_worker_s, 3),
             "limited_by": self.limited_by,
+            "prefill_worker_s_per_batch": round(self.prefill_worker_s_per_batch, 3),
         }
 
 
@@ -86,6 +89,7 @@ def batch_work(cost: CostModel, batch: list[TrajectorySpec], prefix_reuse: bool)
         prefill_s + decode_tokens * per_token_s,
         sum(s.generated_tokens for s in batch),
         sum(s.total_tokens for s in batch),
+        prefill_s,
     )
 
 
@@ -135,4 +139,5 @@ def fluid_bound(
         t_train,
         rollout_s,
         "training" if by_training <= by_gpus else "rollout",
+        per_traj.prefill_worker_s * scale,
     )

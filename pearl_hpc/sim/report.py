@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from pearl_hpc.errors import PearlError
+from pearl_hpc.sim import breakdown
 from pearl_hpc.sim.engine import Simulator
 
 _STATE_COLORS = {
@@ -64,6 +65,7 @@ def markdown_table(doc: dict[str, Any]) -> str:
         f"{bound['rollout_worker_s_per_batch']:.0f} rollout worker-s and "
         f"{bound['training_s_per_batch']:.0f} s of training per batch)",
     ]
+    lines += ["", breakdown.markdown(doc["systems"])]
     if any(r["steps"] and name.startswith("pearl+") for name, r in doc["systems"].items()):
         lines += [
             "",

@@ -13,6 +13,7 @@ from pearl_hpc.config.traces import AvailabilityTrace, load_segment, load_trace
 from pearl_hpc.core.policies import PolicyConfig
 from pearl_hpc.core.profile import WorkloadProfile
 from pearl_hpc.core.routing import RoutingPolicy
+from pearl_hpc.sim.breakdown import worker_seconds
 from pearl_hpc.sim.costmodel import CHUNK_TOKENS, CostModel, SimConfigError
 from pearl_hpc.sim.engine import Simulator
 from pearl_hpc.sim.fluid import fluid_bound
@@ -217,6 +218,16 @@ def simulate(
         )
         for name in names
     }  # every name is checked before anything runs
+    # the same GPUs at perfect utilisation with free reconfiguration (sim/fluid.py)
+    bound = fluid_bound(
+        cost,
+        workload,
+        seed=req.seed,
+        duration_s=duration,
+        reserved_rollout_gpus=req.rollout_gpus or RESERVED_ROLLOUT_GPUS,
+        training_gpus=req.training_gpus,
+        trace=trace,
+    )
     results: dict[str, Any] = {}
     for name, setup in setups.items():
         tick = None if progress is None else (lambda t, n=name: progress(n, t, duration))
@@ -224,6 +235,7 @@ def simulate(
             setup, cost, workload, profile, seed=req.seed, duration_s=duration, progress=tick
         ).run()
         results[name] = _summary(sim)
+        results[name]["worker_seconds"] = worker_seconds(sim, bound, duration)
         if keep is not None:
             keep[name] = sim
         if progress is not None:
@@ -244,16 +256,6 @@ def simulate(
         "kv_transfer_gb_per_s": round(cost.kv_transfer_rate / 1e9, 3),
         "systems": results,
     }
-    # the same GPUs at perfect utilisation with free reconfiguration (sim/fluid.py)
-    bound = fluid_bound(
-        cost,
-        workload,
-        seed=req.seed,
-        duration_s=duration,
-        reserved_rollout_gpus=req.rollout_gpus or RESERVED_ROLLOUT_GPUS,
-        training_gpus=req.training_gpus,
-        trace=trace,
-    )
     doc["fluid_bound"] = bound.to_dict()
     for r in results.values():
         r["share_of_fluid_bound"] = round(r["aggregate_tokens_per_s"] / bound.tokens_per_s, 4)
