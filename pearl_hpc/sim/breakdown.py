@@ -50,7 +50,7 @@ PARTS = (
 )
 
 
-def _state_s(sim: Simulator, end_s: float) -> dict[str, float]:
+def state_seconds(sim: Simulator, end_s: float) -> dict[str, float]:
     """Worker-seconds in each timeline state (``active``, ``starting-borrowed``, ...)
     up to ``end_s``."""
     spent: dict[str, float] = defaultdict(float)
@@ -66,7 +66,7 @@ def _state_s(sim: Simulator, end_s: float) -> dict[str, float]:
     return spent
 
 
-def _held_s(sim: Simulator, end_s: float) -> float:
+def held_gpu_seconds(sim: Simulator, end_s: float) -> float:
     """Dedicated GPU-seconds the system held (its budget) up to ``end_s``."""
     total = 0.0
     points = [*sim.budget, (end_s, 0)]
@@ -81,9 +81,9 @@ def worker_seconds(sim: Simulator, bound: FluidBound, duration_s: float) -> dict
     tp = sim.cost.tp
     lent = sim.setup.training_gpus / tp
     capacity = bound.rollout_worker_s + lent * duration_s
-    states = _state_s(sim, duration_s)
+    states = state_seconds(sim, duration_s)
     borrowed = sum(s for state, s in states.items() if state.endswith("-borrowed"))
-    dedicated = _held_s(sim, duration_s) / tp
+    dedicated = held_gpu_seconds(sim, duration_s) / tp
     active = states["active"] + states["active-borrowed"]
     busy = active - sim.idle_worker_s
     finished = [s for s in sim.steps if 0 < s.finished_s <= duration_s]

@@ -28,6 +28,7 @@ from typing import Any
 from pearl_hpc.core.controller import mode_changes
 from pearl_hpc.core.policies import BorrowingName, ExpansionName, PDPolicyName
 from pearl_hpc.core.routing import RoutingPolicy, RoutingRule
+from pearl_hpc.sim.breakdown import held_gpu_seconds, state_seconds
 from pearl_hpc.sim.engine import Simulator
 from pearl_hpc.sim.entities import SimSetup
 from pearl_hpc.sim.replay import RunRecord
@@ -112,19 +113,11 @@ def replay(record: RunRecord, setup: SimSetup) -> Simulator:
 
 
 def _worker_s(sim: Simulator, reserved: int) -> tuple[float, float]:
-    """Borrowed workers' active seconds and elastic workers' held seconds."""
+    """Borrowed workers' active seconds and elastic workers' held seconds, to the end of
+    the last step."""
     end = max((s.trained_s for s in sim.steps), default=sim.now)
-    borrowed, since = 0.0, dict[int, float]()
-    for t, slot, _role, state in sim.timeline:
-        if slot in since:
-            borrowed += t - since.pop(slot)
-        if state == "active-borrowed":
-            since[slot] = t
-    borrowed += sum(end - t for t in since.values())
-    elastic = 0.0
-    for (t0, gpus), (t1, _) in zip(sim.budget, [*sim.budget[1:], (end, 0)], strict=True):
-        elastic += max(0.0, min(t1, end) - t0) * max(0, gpus - reserved)
-    return borrowed, elastic
+    elastic = held_gpu_seconds(sim, end) - reserved * end  # (the replay's tp is 1)
+    return state_seconds(sim, end)["active-borrowed"], elastic
 
 
 def system_row(record: RunRecord, name: str, sim: Simulator) -> dict[str, Any]:
