@@ -12,14 +12,18 @@ from pearl_hpc.bench import record, report, sim_speed
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_the_docs_tables_are_the_recorded_lines() -> None:
-    """docs/benchmarks.md holds, between its markers, what docs/bench.jsonl gives: a
-    figure changed by hand, or a line recorded without regenerating, fails here."""
-    doc = REPO / "docs" / "benchmarks.md"
-    assert report.main(str(REPO / "docs" / "bench.jsonl"), check=True, doc=doc) == 0
+def test_the_docs_tables_and_the_readmes_figures_are_the_recorded_lines() -> None:
+    """docs/benchmarks.md holds, between its markers, what docs/bench.jsonl gives, and
+    README.md cites its figures from the same lines: a figure changed by hand, or a
+    line recorded without regenerating, fails here."""
+    doc, readme = REPO / "docs" / "benchmarks.md", REPO / "README.md"
+    assert report.main(str(REPO / "docs" / "bench.jsonl"), check=True, docs=(doc, readme)) == 0
     text = doc.read_text()
     for name in report.TABLES:
         assert f"<!-- bench:{name} -->" in text and f"<!-- /bench:{name} -->" in text, name
+    cited = readme.read_text()
+    for name in report.FIGURES:
+        assert f"<!-- fig:{name} -->" in cited, name
 
 
 def test_a_block_is_rewritten_from_the_newest_line_and_check_fails_before(
@@ -32,12 +36,35 @@ def test_a_block_is_rewritten_from_the_newest_line_and_check_fails_before(
            "trajectories": 7}  # fmt: skip
     record.append(str(lines), "sim", [{**row, "wall_s": 9.0}], {"r": 1.0})
     record.append(str(lines), "sim", [row], {"r": 2.0})  # the newer one is reported
-    assert report.main(str(lines), check=True, doc=doc) == 1  # stale: "old"
-    assert report.main(str(lines), doc=doc) == 0
+    assert report.main(str(lines), check=True, docs=(doc,)) == 1  # stale: "old"
+    assert report.main(str(lines), docs=(doc,)) == 0
     text = doc.read_text()
     assert "| pearl, 9 GPUs | 1.00 | 2.5 | 4,000 | 7 |" in text and "9.00" not in text
     assert "Ratios: r 2" in text and "old" not in text and text.endswith("prose stays\n")
-    assert report.main(str(lines), check=True, doc=doc) == 0
+    assert report.main(str(lines), check=True, docs=(doc,)) == 0
+
+
+def test_a_cited_figure_and_a_part_of_a_bench_come_from_its_newest_line(
+    tmp_path: Path,
+) -> None:
+    lines = tmp_path / "bench.jsonl"
+    readme = tmp_path / "README.md"
+    readme.write_text("packing <!-- fig:train-packing -->1.0x<!-- /fig --> the tokens/s\n")
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("<!-- bench:train.packing -->\nold\n<!-- /bench:train.packing -->\n")
+    rows = [{"case": "neither", "peak_mib": 100.0, "step_s": 1.0},
+            {"layout": "padded", "tokens_computed": 80, "padding_share": 0.5,
+             "tokens_per_s": 100.0},
+            {"layout": "packed", "tokens_computed": 40, "padding_share": 0.0,
+             "tokens_per_s": 420.0}]  # fmt: skip
+    record.append(str(lines), "train", rows, {"packed / padded tokens/s": 4.2})
+    assert report.main(str(lines), docs=(doc, readme)) == 0
+    cited = "packing <!-- fig:train-packing -->4.2x<!-- /fig --> the tokens/s\n"
+    assert readme.read_text() == cited
+    text = doc.read_text()
+    assert "| packed | 40 | 0.0% | 420 (4.20x) |" in text and "neither" not in text
+    assert "Ratios" not in text  # a part's block: the bench's ratios are not repeated
+    assert report.main(str(lines), check=True, docs=(doc, readme)) == 0
 
 
 def test_the_simulator_bench_at_its_smallest_records_its_line(tmp_path: Path, capsys) -> None:

@@ -1,9 +1,12 @@
 """``pearl-hpc bench --report [FILE] [--check]``: docs/benchmarks.md's generated tables
-from the newest record of each bench in FILE (default ``docs/bench.jsonl``).
+and the figures README.md cites, from the newest record of each bench in FILE (default
+``docs/bench.jsonl``).
 
-A generated table sits between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->``; the
-text around it is written by hand. ``--check`` changes nothing and exits 1 when a table
-differs from what its record gives (the suite runs it).
+A generated table sits between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->``
+(NAME: a bench, or BENCH.PART for one of its tables); a cited figure between
+``<!-- fig:NAME -->`` and ``<!-- /fig -->``; the text around them is written by hand.
+``--check`` changes nothing and exits 1 when either differs from what its record gives
+(the suite runs it).
 """
 
 from __future__ import annotations
@@ -17,10 +20,14 @@ from typing import Any
 from pearl_hpc.bench import record
 
 DOC = record.SOURCE / "docs" / "benchmarks.md"
+README = record.SOURCE / "README.md"
 COMMANDS = {
     "decision": "pearl-hpc bench",
     "sim": "pearl-hpc bench --sim",
     "local": "pearl-hpc bench --local",
+    "messages": "pearl-hpc bench --messages",
+    "checkpoint": "pearl-hpc bench --checkpoint",
+    "train": "pearl-hpc bench --train",
 }
 
 
@@ -55,55 +62,165 @@ def _local(results: dict[str, Any]) -> list[str]:
     return format_results(results).splitlines()
 
 
+def _train_message(result: dict[str, Any]) -> list[str]:
+    out = [
+        "| encoding | MiB per rank | master: encode for all ranks | one rank: decode |",
+        "|---|---:|---:|---:|",
+    ]
+    for i, r in enumerate(result["train"]):
+        enc, dec = f"{r['master_encode_s']:.3f} s", f"{r['rank_decode_s']:.3f} s"
+        if i:  # against the first row, the baseline
+            enc += f" ({r['encode_vs_pickle']:.2f}x)"
+            dec += f" ({r['decode_vs_pickle']:.2f}x)"
+        out.append(f"| {r['encoding']} | {r['mib_per_rank']:.1f} | {enc} | {dec} |")
+    return out
+
+
+def _trajectory_log(result: dict[str, Any]) -> list[str]:
+    out = ["| log | MiB a step | master seconds a step |", "|---|---:|---:|"]
+    for i, r in enumerate(result["trajectory_log"]):
+        mib, sec = f"{r['mib']:.1f}", f"{r['master_s']:.3f}"
+        if i:  # against the first row, the baseline
+            mib += f" ({r['bytes_vs_whole']:.3f}x)"
+            sec += f" ({r['seconds_vs_whole']:.2f}x)"
+        out.append(f"| {r['log']} | {mib} | {sec} |")
+    return out
+
+
+def _checkpoint(rows: list[dict[str, Any]]) -> list[str]:
+    out = [
+        "| model | state GB | before: s a step | after: waits s | written s (background) "
+        "| per step s | before / after |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        model = f"{r['model']}, {r['params'] / 1e9:.2f}B" if r["params"] >= 1e8 else r["model"]
+        before = "< 0.005" if r["before_s"] < 0.005 else f"{r['before_s']:.2f}"
+        out.append(
+            f"| {model} | {r['state_bytes'] / 1e9:.{2 if r['state_bytes'] >= 1e8 else 3}f} | {before} | {r['blocked_s']:.3f} | "
+            f"{r['written_s']:.2f} | {r['per_step_s']:.3f} | {r['per_step_ratio']:.1f}x |"
+        )
+    return out
+
+
+CASE_NAMES = {
+    "checkpointing": "activation checkpointing",
+    "chunked": "chunked log-probs",
+    "both": "both (the trainer on cuda)",
+}
+
+
+def _train_memory(rows: list[dict[str, Any]]) -> list[str]:
+    memory = [r for r in rows if "case" in r]
+    base = memory[0]["peak_mib"]
+    out = ["| case | peak MiB | vs neither | step s |", "|---|---:|---:|---:|"]
+    for r in memory:
+        out.append(
+            f"| {CASE_NAMES.get(r['case'], r['case'])} | {r['peak_mib']:,.0f} | "
+            f"{r['peak_mib'] / base:.2f}x | "
+            f"{r['step_s']:.1f} |"
+        )
+    return out
+
+
+def _train_packing(rows: list[dict[str, Any]]) -> list[str]:
+    layouts = [r for r in rows if "layout" in r]
+    out = ["| layout | tokens computed | padding | trajectory tokens/s |", "|---|---:|---:|---:|"]
+    for i, r in enumerate(layouts):
+        rate = f"{r['tokens_per_s']:,.0f}"
+        if i:  # against the first row, the padded baseline
+            rate += f" ({r['tokens_per_s'] / layouts[0]['tokens_per_s']:.2f}x)"
+        out.append(
+            f"| {r['layout']} | {r['tokens_computed']:,} | {r['padding_share']:.1%} | {rate} |"
+        )
+    return out
+
+
+# a generated block's name: its bench, or BENCH.PART for one of a bench's tables
 TABLES: dict[str, Callable[[Any], list[str]]] = {
     "decision": _decision,
     "sim": _sim,
     "local": _local,
+    "messages.train": _train_message,
+    "messages.log": _trajectory_log,
+    "checkpoint": _checkpoint,
+    "train.memory": _train_memory,
+    "train.packing": _train_packing,
 }
 
 
-def block(rec: dict[str, Any]) -> str:
-    """A bench's generated block: where it was measured, its table, its ratios."""
+def _ratio(bench: str, key: str, fmt: str) -> Callable[[dict[str, Any]], str]:
+    return lambda records: format(records[bench]["ratios"][key], fmt) + "x"
+
+
+# figures the README cites, each from one ratio of a bench's newest record
+FIGURES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
+    "train-memory": ("train", _ratio("train", "both: peak / neither", ".2f")),
+    "train-packing": ("train", _ratio("train", "packed / padded tokens/s", ".1f")),
+    "checkpoint-wait": (
+        "checkpoint",
+        lambda r: format(r["checkpoint"]["result"][-1]["per_step_ratio"], ".0f") + "x",
+    ),
+}
+
+
+def block(name: str, rec: dict[str, Any]) -> str:
+    """A generated block: where its bench was measured, its table, and (a whole bench's
+    block) its ratios."""
     dirty = "+" if rec["dirty"] else ""
     lines = [
         f"> commit `{rec['commit']}{dirty}` · {rec['date']} · {rec['machine']} · "
         f"`{COMMANDS[rec['bench']]}`",
         "",
-        *TABLES[rec["bench"]](rec["result"]),
+        *TABLES[name](rec["result"]),
     ]
-    if rec["ratios"]:
+    if rec["ratios"] and "." not in name:
         lines += ["", "Ratios: " + "; ".join(f"{k} {v:g}" for k, v in rec["ratios"].items())]
     return "\n".join(lines)
 
 
 def render(text: str, records: dict[str, dict[str, Any]]) -> str:
-    """``text`` with each generated block replaced from its bench's record (a block
-    whose bench has none is left as it is)."""
+    """``text`` with each generated block and cited figure replaced from its bench's
+    newest record (one whose bench has none is left as it is)."""
 
     def fill(m: re.Match[str]) -> str:
         name = m.group(1)
-        if name not in records:
+        rec = records.get(name.split(".")[0])
+        if rec is None or name not in TABLES:
             return m.group(0)
-        return f"<!-- bench:{name} -->\n{block(records[name])}\n<!-- /bench:{name} -->"
+        return f"<!-- bench:{name} -->\n{block(name, rec)}\n<!-- /bench:{name} -->"
 
-    return re.sub(r"<!-- bench:(\w+) -->\n.*?<!-- /bench:\1 -->", fill, text, flags=re.S)
+    def figure(m: re.Match[str]) -> str:
+        name = m.group(1)
+        if name not in FIGURES or FIGURES[name][0] not in records:
+            return m.group(0)
+        return f"<!-- fig:{name} -->{FIGURES[name][1](records)}<!-- /fig -->"
+
+    text = re.sub(r"<!-- bench:([\w.]+) -->\n.*?<!-- /bench:\1 -->", fill, text, flags=re.S)
+    return re.sub(r"<!-- fig:([\w-]+) -->(.*?)<!-- /fig -->", figure, text)
 
 
-def main(path: str, check: bool = False, doc: Path = DOC) -> int:
+def main(path: str, check: bool = False, docs: tuple[Path, ...] = (DOC, README)) -> int:
     lines = Path(path)
-    if not lines.exists() or not doc.exists():
-        missing = lines if not lines.exists() else doc
-        print(f"bench --report: {missing} not found (run it in a source checkout)", file=sys.stderr)
+    missing = [p for p in (lines, *docs) if not p.exists()]
+    if missing:
+        print(f"bench --report: {missing[0]} not found (run it in a source checkout)",
+              file=sys.stderr)  # fmt: skip
         return 2
-    records = {k: v for k, v in record.newest(lines).items() if k in TABLES}
-    text = doc.read_text()
-    new = render(text, records)
-    if check:
+    benches = {n.split(".")[0] for n in TABLES} | {b for b, _ in FIGURES.values()}
+    records = {k: v for k, v in record.newest(lines).items() if k in benches}
+    stale = []
+    for doc in docs:
+        text = doc.read_text()
+        new = render(text, records)
         if new != text:
-            print(f"bench --report --check: {doc} differs from {lines}: run "
-                  f"`pearl-hpc bench --report {path}`", file=sys.stderr)  # fmt: skip
-            return 1
-        return 0
-    doc.write_text(new)
-    print(f"{doc}: {', '.join(sorted(records))} from {lines}")
+            stale.append(doc)
+            if not check:
+                doc.write_text(new)
+    if check and stale:
+        print(f"bench --report --check: {', '.join(map(str, stale))} differ from {lines}: "
+              f"run `pearl-hpc bench --report {path}`", file=sys.stderr)  # fmt: skip
+        return 1
+    if not check:
+        print(f"{', '.join(d.name for d in docs)}: {', '.join(sorted(records))} from {lines}")
     return 0
