@@ -597,6 +597,52 @@ def test_step_telemetry_refits_the_profile() -> None:
     assert controller.tracker.steps_observed == 1
 
 
+def test_events_that_arrive_together_are_decided_on_once() -> None:
+    """The main job's flip: a grant and step 0's telemetry arrive together. One by one,
+    the grant is decided on the prior (prefill-heavy: 1P1D) and the telemetry undoes it
+    at once (2C); together, one decision on both. A reclaim among them is carried out
+    at once (it must remove its workers), on everything the batch brought before it."""
+    from pearl_hpc.config import REPO_CONFIGS, load_profile
+
+    prior = load_profile(REPO_CONFIGS / "profiles" / "tiny-cpu-pd-prior.yaml")
+    turns = tuple(TurnRecord(f"t{k}", t, 30, 62, 100 * (t + 1), 0.2, 0, Role.COLOCATED)
+                  for k in range(64) for t in range(3))  # fmt: skip
+    iterations = tuple(
+        IterationRecord(0, Role.COLOCATED, n, 100 * n, chunk, 0.0054 + 2.8e-4 * n + 5.9e-5 * chunk)
+        for n in (4, 8, 16, 32)
+        for chunk in (0, 200)
+    )
+    telemetry = StepTelemetry(0, turns=turns, iterations=iterations)
+
+    def one_worker() -> Controller:
+        controller = Controller(prior, RecordingExecutor(), policy=PolicyConfig(
+            expansion="always"), clock=ManualClock(100.0), check_invariants=True)  # fmt: skip
+        controller.grant_reserved([gpus(0)])
+        ready_all(controller, [0])
+        return controller
+
+    events = [CapacityGranted(JOB, (gpus(10),)), telemetry]
+    apart = one_worker()
+    assert [str(r.plan.target) for e in events if (r := apart.handle(e))] == ["1P1D", "2C"]
+    together = one_worker()
+    (result,) = together.handle_all(events)
+    assert result.cause == "capacity granted by 5001+0; telemetry of step 0"
+    assert str(result.plan.target) == "2C"
+    assert together.table.role_counts() == apart.table.role_counts()
+    assert together._deferred is None  # the next single event is decided at once
+
+    other = ElasticSource("5002", 0)
+    apart, together = one_worker(), one_worker()
+    for controller in (apart, together):
+        controller.handle(CapacityGranted(other, (gpus(20),)))  # 1P1D
+    events = [CapacityGranted(JOB, (gpus(10),)), telemetry, CapacityReclaimed(other, 130.0)]
+    for event in events:
+        apart.handle(event)
+    results = together.handle_all(events)
+    assert results[0].cause == "capacity reclaimed by 5002+0"
+    assert together.table.role_counts() == apart.table.role_counts()
+
+
 def test_telemetry_feeds_the_toggle_cost_estimate() -> None:
     controller, _, _ = running_base(2, toggle_cost_s=10.0, toggle_ema_alpha=0.5)
     controller.handle(StepTelemetry(1, borrowed=True, activation_s=4.0, deactivation_s=2.0))

@@ -96,8 +96,9 @@ def _checkpoint(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         model = f"{r['model']}, {r['params'] / 1e9:.2f}B" if r["params"] >= 1e8 else r["model"]
         before = "< 0.005" if r["before_s"] < 0.005 else f"{r['before_s']:.2f}"
+        state = f"{r['state_bytes'] / 1e9:.{2 if r['state_bytes'] >= 1e8 else 3}f}"
         out.append(
-            f"| {model} | {r['state_bytes'] / 1e9:.{2 if r['state_bytes'] >= 1e8 else 3}f} | {before} | {r['blocked_s']:.3f} | "
+            f"| {model} | {state} | {before} | {r['blocked_s']:.3f} | "
             f"{r['written_s']:.2f} | {r['per_step_s']:.3f} | {r['per_step_ratio']:.1f}x |"
         )
     return out

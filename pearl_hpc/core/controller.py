@@ -237,6 +237,7 @@ class Controller:
         self._groups: dict[int, _AdmissionGroup] = {}
         self.released_sources: set[ElasticSource] = set()  # given back; never twice
         self._next_group = 0
+        self._deferred: list[str] | None = None  # causes held for one decision (handle_all)
 
     # ----------------------------------------------------------------- set-up
     def register_training(
@@ -304,6 +305,27 @@ class Controller:
         return Demand(workers, window_s, reason, starts_in_s)
 
     # ------------------------------------------------------------------ events
+    def handle_all(self, events: Sequence[Event]) -> list[Reconfiguration]:
+        """Process events that arrived together, in order. A plan an event forces
+        (borrowed GPUs returned at Training Begin, reclaimed capacity, a failed worker) is
+        made at once; the decision the others ask for (a grant, a finished training step,
+        telemetry that refits the profile) is made once, after the last, on all they
+        changed: a grant and the telemetry beside it do not switch the mode twice."""
+        results: list[Reconfiguration] = []
+        self._deferred = []
+        try:
+            for event in events:
+                result = self.handle(event)
+                if result is not None:
+                    results.append(result)
+        finally:
+            causes, self._deferred = self._deferred, None
+        if causes:
+            result = self._reconfigure("; ".join(causes))
+            if result is not None:
+                results.append(result)
+        return results
+
     def handle(self, event: Event) -> Reconfiguration | None:
         """Process one event; returns the reconfiguration it caused, if any."""
         result: Reconfiguration | None
@@ -471,6 +493,9 @@ class Controller:
         gate_expansion: bool = True,
         reuse_free: bool = True,
     ) -> Reconfiguration | None:
+        if self._deferred is not None and not must_remove and gate_expansion and reuse_free:
+            self._deferred.append(cause)  # decided once the batch of events is in
+            return None
         now = self.clock()
         profile = self.profile
         forced = set(must_remove)

@@ -255,7 +255,8 @@ class MasterRun:
             tlog.close()
             self.dashboards.close()
             self._pump_stop.set()
-            with contextlib.suppress(Exception):
+            pump_task.cancel()
+            with contextlib.suppress(Exception, asyncio.CancelledError):
                 await pump_task
             with contextlib.suppress(Exception):
                 await poll_task
@@ -431,47 +432,46 @@ class MasterRun:
 
     # ------------------------------------------------------------------ the pump
     async def _pump(self) -> None:
-        while not self._pump_stop.is_set():
-            try:
-                event = await asyncio.wait_for(self.queue.get(), timeout=0.2)
-            except TimeoutError:
-                continue
+        """Decide on the queued events as they come, until cancelled. It awaits
+        ``queue.get()`` in its own task: a getter task of its own (``wait_for``) takes
+        an event out as it arrives and holds it while the backend's ``decide_now``
+        (before a rollout starts) decides the events queued after it, out of order."""
+        while True:
+            event = await self.queue.get()
             self.decide_now(event)
             self.save_state(self._next_step(), RunStatus.RUNNING)
 
     def decide_now(self, first: Event | None = None) -> None:
-        """Apply ``first`` and every queued event, in order, to the controller, then make
-        the router follow the table (and log the table when it changed: the role
+        """Apply ``first`` and every queued event, in order, to the controller (one
+        decision for those that arrived together: :meth:`Controller.handle_all`), then
+        make the router follow the table (and log the table when it changed: the role
         timeline of the report)."""
-        controller, log_event = self.controller, self.events
-        planned = False
-        while first is not None or not self.queue.empty():
-            event = first if first is not None else self.queue.get_nowait()
-            first = None
+        log_event = self.events
+        events = [first] if first is not None else []
+        while not self.queue.empty():
+            events.append(self.queue.get_nowait())
+        for event in events:
             log_event("event", event=type(event).__name__, **event_fields(event))
-            result = controller.handle(event)
-            if result is not None:
-                planned = True
-                log_event(
-                    "reconfigure",
-                    cause=result.cause,
-                    target=str(result.plan.target),
-                    add=len(result.plan.add),
-                    remove=len(result.plan.remove),
-                    role_changes=len(result.plan.role_changes),
-                    reason=result.decision.reason[:160],
-                    borrow_gate=result.borrow_gate.reason if result.borrow_gate else None,
-                    expansion_gate=(
-                        result.expansion_gate.reason if result.expansion_gate else None
-                    ),
-                )
+        results = self.controller.handle_all(events)
+        for result in results:
+            log_event(
+                "reconfigure",
+                cause=result.cause,
+                target=str(result.plan.target),
+                add=len(result.plan.add),
+                remove=len(result.plan.remove),
+                role_changes=len(result.plan.role_changes),
+                reason=result.decision.reason[:160],
+                borrow_gate=result.borrow_gate.reason if result.borrow_gate else None,
+                expansion_gate=result.expansion_gate.reason if result.expansion_gate else None,
+            )
         self.executor.sync_router()
-        if planned:  # the members' role groups after the plan (logged when they change)
+        if results:  # the members' role groups after the plan (logged when they change)
             self.members.partition()
         self._request_capacity()
         table = [
             [s.slot_id, str(s.role), str(s.status), str(s.zone)]
-            for s in controller.table.rollout_slots()
+            for s in self.controller.table.rollout_slots()
         ]
         if table != self._last_table:
             self._last_table = table
