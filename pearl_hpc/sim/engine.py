@@ -638,8 +638,10 @@ class Simulator(WorkerPhysics):
             if traj.finished_s is not None:
                 raise SimInvariantError(f"trajectory {traj.spec.trajectory_id} finished twice")
             traj.finished_s = self.now
-            for holder in self.workers.values():  # its prefix will never be used again
-                holder.uncache(traj.spec.trajectory_id)
+            for slot in traj.cached_on:  # its prefix will never be used again
+                holder = self.workers.get(slot)
+                if holder is not None:
+                    holder.uncache(traj.spec.trajectory_id)
             self.trajs_finished += 1
             self.turns_left.observe(len(traj.spec.turns))
             self._left[traj.step] -= 1

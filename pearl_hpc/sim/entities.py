@@ -52,6 +52,9 @@ class Traj:
     finished_s: float | None = None
     interrupts: int = 0
     turn_started_s: float = 0.0  # when the current turn's request was made
+    # workers its prefix was cached on (some may have evicted it since): uncached there
+    # when it finishes, not on every worker of the cluster
+    cached_on: set[int] = field(default_factory=set)
 
 
 @dataclass(eq=False)

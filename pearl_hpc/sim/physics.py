@@ -225,6 +225,7 @@ class WorkerPhysics:
             w.cache_prefix(
                 traj.spec.trajectory_id, traj.context + traj.spec.turns[traj.turn].new_tokens
             )
+            traj.cached_on.add(w.slot_id)
 
     def _admit_waiting(self, w: SimWorker) -> None:
         while w.waiting:
