@@ -62,16 +62,19 @@ def _local(results: dict[str, Any]) -> list[str]:
     return format_results(results).splitlines()
 
 
+def _vs(row: int, text: str, ratio: float, digits: int = 2) -> str:
+    """A cell, with its ratio to the first row's (the baseline) after the first row."""
+    return text if row == 0 else f"{text} ({ratio:.{digits}f}x)"
+
+
 def _train_message(result: dict[str, Any]) -> list[str]:
     out = [
         "| encoding | MiB per rank | master: encode for all ranks | one rank: decode |",
         "|---|---:|---:|---:|",
     ]
     for i, r in enumerate(result["train"]):
-        enc, dec = f"{r['master_encode_s']:.3f} s", f"{r['rank_decode_s']:.3f} s"
-        if i:  # against the first row, the baseline
-            enc += f" ({r['encode_vs_pickle']:.2f}x)"
-            dec += f" ({r['decode_vs_pickle']:.2f}x)"
+        enc = _vs(i, f"{r['master_encode_s']:.3f} s", r["encode_vs_pickle"])
+        dec = _vs(i, f"{r['rank_decode_s']:.3f} s", r["decode_vs_pickle"])
         out.append(f"| {r['encoding']} | {r['mib_per_rank']:.1f} | {enc} | {dec} |")
     return out
 
@@ -79,10 +82,8 @@ def _train_message(result: dict[str, Any]) -> list[str]:
 def _trajectory_log(result: dict[str, Any]) -> list[str]:
     out = ["| log | MiB a step | master seconds a step |", "|---|---:|---:|"]
     for i, r in enumerate(result["trajectory_log"]):
-        mib, sec = f"{r['mib']:.1f}", f"{r['master_s']:.3f}"
-        if i:  # against the first row, the baseline
-            mib += f" ({r['bytes_vs_whole']:.3f}x)"
-            sec += f" ({r['seconds_vs_whole']:.2f}x)"
+        mib = _vs(i, f"{r['mib']:.1f}", r["bytes_vs_whole"], 3)
+        sec = _vs(i, f"{r['master_s']:.3f}", r["seconds_vs_whole"])
         out.append(f"| {r['log']} | {mib} | {sec} |")
     return out
 
@@ -128,9 +129,7 @@ def _train_packing(rows: list[dict[str, Any]]) -> list[str]:
     layouts = [r for r in rows if "layout" in r]
     out = ["| layout | tokens computed | padding | trajectory tokens/s |", "|---|---:|---:|---:|"]
     for i, r in enumerate(layouts):
-        rate = f"{r['tokens_per_s']:,.0f}"
-        if i:  # against the first row, the padded baseline
-            rate += f" ({r['tokens_per_s'] / layouts[0]['tokens_per_s']:.2f}x)"
+        rate = _vs(i, f"{r['tokens_per_s']:,.0f}", r["tokens_per_s"] / layouts[0]["tokens_per_s"])
         out.append(
             f"| {r['layout']} | {r['tokens_computed']:,} | {r['padding_share']:.1%} | {rate} |"
         )
