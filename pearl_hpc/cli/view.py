@@ -329,6 +329,7 @@ def _write_counterfactual(plt: Any, run_dir: Path, out: Path) -> list[Path]:
     ``summary.json`` (key ``counterfactual``)."""
     from pearl_hpc.sim import counterfactual as cf
     from pearl_hpc.sim.replay import load_run
+    from pearl_hpc.sim.report import save_figure
 
     record = load_run(run_dir)
     doc = cf.counterfactual(record)
@@ -368,9 +369,7 @@ def _write_counterfactual(plt: Any, run_dir: Path, out: Path) -> list[Path]:
     step_ax.plot(steps[: len(simulated)], simulated, "s--", label="pearl (simulated)", **TWIN)
     step_ax.set_xlabel("step")
     step_ax.set_ylabel("rollout seconds")
-    from pearl_hpc.sim.report import save_figure
-
-    return [md, save_figure(plt, fig, out / "counterfactual.png")]
+    step_ax.legend(fontsize=7)
     return [md, save_figure(plt, fig, out / "counterfactual.png")]
 
 
