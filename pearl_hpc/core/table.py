@@ -184,15 +184,15 @@ class RoleTable:
                 counts[slot.effective_role] += 1
         return counts
 
-    def serving_label(self) -> str:
+    def serving_config(self) -> PDConfig:
         """The configuration in service now, workers still joining included: ``1P2D``
         when both disaggregated roles serve, else ``nC`` (n >= 1). A step's record names
         its rollout by it (the real run's and the simulator's)."""
         roles = [s.role for s in self.rollout_slots() if s.status in IN_SERVICE]
         n_p, n_d, n_c = (roles.count(r) for r in (Role.PREFILL, Role.DECODE, Role.COLOCATED))
         if n_p and n_d:
-            return f"{n_p}P{n_d}D"
-        return f"{max(1, n_c + n_p + n_d)}C"
+            return PDConfig.disaggregated(n_p, n_d)
+        return PDConfig.colocated(max(1, n_c + n_p + n_d))
 
     def current_config(self) -> PDConfig | None:
         """The in-service set as a PD configuration, or None when it is empty or not a

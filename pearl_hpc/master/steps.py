@@ -127,11 +127,8 @@ class Workload:
 def serving_prediction(controller: Controller) -> tuple[str, float]:
     """The configuration the controller has in service now (e.g. ``1P2D``; workers still
     joining included) and the tracker's predicted makespan for it."""
-    label = controller.table.serving_label()
-    if label.endswith("D"):
-        n_p, n_d = (int(x) for x in label[:-1].split("P"))
-        return label, predict(controller.profile, n_p, n_d, 0)
-    return label, predict(controller.profile, 0, 0, int(label[:-1]))
+    c = controller.table.serving_config()
+    return str(c), predict(controller.profile, c.num_prefill, c.num_decode, c.num_colocated)
 
 
 class StepPipeline:

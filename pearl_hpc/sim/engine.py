@@ -412,8 +412,8 @@ class Simulator(WorkerPhysics):
         trajs = [Traj(spec, step) for spec in specs]
         self._batches[step] = trajs
         self._left[step] = len(trajs)
-        label = self.controller.table.serving_label()
-        self.steps.append(StepRecord(step, 0.0, rollout_started_s=self.now, config=label))
+        config = str(self.controller.table.serving_config())
+        self.steps.append(StepRecord(step, 0.0, rollout_started_s=self.now, config=config))
         self.trajs_started += len(trajs)
         for t in trajs:
             t.turn_started_s = self.now
