@@ -31,12 +31,11 @@ the event loop.
 
 from __future__ import annotations
 
-import itertools
 from collections import defaultdict
 from typing import Any
 
 from pearl_hpc.sim.engine import Simulator
-from pearl_hpc.sim.fluid import FluidBound
+from pearl_hpc.sim.fluid import FluidBound, step_integral
 
 PARTS = (
     "fluid_work",
@@ -68,11 +67,7 @@ def state_seconds(sim: Simulator, end_s: float) -> dict[str, float]:
 
 def held_gpu_seconds(sim: Simulator, end_s: float) -> float:
     """Dedicated GPU-seconds the system held (its budget) up to ``end_s``."""
-    total = 0.0
-    points = [*sim.budget, (end_s, 0)]
-    for (t0, gpus), (t1, _) in itertools.pairwise(points):
-        total += max(0.0, min(t1, end_s) - min(t0, end_s)) * gpus
-    return total
+    return step_integral(sim.budget, end_s)
 
 
 def worker_seconds(sim: Simulator, bound: FluidBound, duration_s: float) -> dict[str, Any]:

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pearl_hpc.config.traces import AvailabilityTrace
@@ -93,18 +95,23 @@ def batch_work(cost: CostModel, batch: list[TrajectorySpec], prefix_reuse: bool)
     )
 
 
+def step_integral(points: Iterable[tuple[float, float]], end_s: float) -> float:
+    """The integral over ``[0, end_s]`` of a right-continuous step function given as
+    ``(time, value)`` points in time order (nothing before the first)."""
+    total = 0.0
+    for (t, value), (t_next, _) in itertools.pairwise([*points, (math.inf, 0.0)]):
+        lo, hi = max(0.0, t), min(end_s, t_next)
+        if hi > lo:
+            total += value * (hi - lo)
+    return total
+
+
 def elastic_gpu_s(trace: AvailabilityTrace | None, duration_s: float) -> float:
     """GPU-seconds the trace grants over ``[0, duration_s]`` (nothing before its first
     point)."""
     if trace is None:
         return 0.0
-    total = 0.0
-    points = [*zip(trace.times_s, trace.counts, strict=True), (float("inf"), 0)]
-    for (t, count), (t_next, _) in itertools.pairwise(points):
-        lo, hi = max(0.0, t), min(duration_s, t_next)
-        if hi > lo:
-            total += count * (hi - lo)
-    return total
+    return step_integral(zip(trace.times_s, trace.counts, strict=True), duration_s)
 
 
 def fluid_bound(
