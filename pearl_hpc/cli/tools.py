@@ -117,9 +117,6 @@ def _add_bench_parser(sub: Any) -> None:
         "per join at 8 .. 256 ranks, a burst of 200 joiners",
     )
     bench.add_argument(
-        "--plane-ranks", default="8,32,128,256", help="with --plane: world sizes, comma-separated"
-    )
-    bench.add_argument(
         "--train",
         action="store_true",
         help="one trainer step on 4K-8K-token trajectories (CPU): peak memory with and "
@@ -131,24 +128,46 @@ def _add_bench_parser(sub: Any) -> None:
         help="weight sync to an engine on trainer 0's node: gloo group vs shared memory",
     )
     bench.add_argument(
-        "--gib", type=float, default=1.0, help="with --weights: bf16 size of the model"
-    )
-    bench.add_argument(
         "--local",
         action="store_true",
         help="the local training run: pearl vs fixed colocated, synchronous steps and pearl+ "
         "(tail_start), reconfiguration latencies, predicted vs measured rollout",
     )
     bench.add_argument(
-        "--variants",
-        default="pearl,colocated,pearl-sync,pearl+",
-        help="with --local: which runs, comma-separated (pearl first)",
-    )
-    bench.add_argument(
         "--harvest",
         action="store_true",
         help="on the local Slurm cluster: elastic worker-seconds served / idle worker-seconds "
         "a replayed trace left, single vs hetjob requests",
+    )
+    _add_bench_options(bench)
+    bench.add_argument("--json", action="store_true")
+    record.add_argument(bench)
+    bench.add_argument(
+        "--report",
+        nargs="?",
+        const="docs/bench.jsonl",
+        metavar="FILE",
+        help="write docs/benchmarks.md's generated tables from the newest line of each "
+        "bench in FILE (default: docs/bench.jsonl); nothing is measured",
+    )
+    bench.add_argument(
+        "--check", action="store_true", help="with --report: fail if the tables differ"
+    )
+    bench.set_defaults(func=_cmd_bench)
+
+
+def _add_bench_options(bench: argparse.ArgumentParser) -> None:
+    """The options of one bench or another (each says which)."""
+    bench.add_argument(
+        "--plane-ranks", default="8,32,128,256", help="with --plane: world sizes, comma-separated"
+    )
+    bench.add_argument(
+        "--gib", type=float, default=1.0, help="with --weights: bf16 size of the model"
+    )
+    bench.add_argument(
+        "--variants",
+        default="pearl,colocated,pearl-sync,pearl+",
+        help="with --local: which runs, comma-separated (pearl first)",
     )
     bench.add_argument(
         "--segment", type=int, default=1, choices=(1, 2, 3), help="with --harvest: trace segment"
@@ -173,17 +192,3 @@ def _add_bench_parser(sub: Any) -> None:
     bench.add_argument(
         "--repeats", type=int, default=30, help="decision + plan: timed runs of each event"
     )
-    bench.add_argument("--json", action="store_true")
-    record.add_argument(bench)
-    bench.add_argument(
-        "--report",
-        nargs="?",
-        const="docs/bench.jsonl",
-        metavar="FILE",
-        help="write docs/benchmarks.md's generated tables from the newest line of each "
-        "bench in FILE (default: docs/bench.jsonl); nothing is measured",
-    )
-    bench.add_argument(
-        "--check", action="store_true", help="with --report: fail if the tables differ"
-    )
-    bench.set_defaults(func=_cmd_bench)
