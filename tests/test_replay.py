@@ -14,6 +14,8 @@ import yaml
 
 from pearl_hpc.cli.main import main
 from pearl_hpc.config import REPO_CONFIGS, load_profile
+from pearl_hpc.master.journal import TrajectoryLog
+from pearl_hpc.rollout.types import Segment, Trajectory, TurnStats
 from pearl_hpc.sim import counterfactual as cf
 from pearl_hpc.sim.replay import ReplayError, capacity_trace, load_run, recorded_batch
 
@@ -22,13 +24,15 @@ STEPS = 3
 GROUPS, GROUP_SIZE = 4, 4
 
 
-def _turns(step: int, k: int) -> list[dict]:
-    """Two turns; the second's context keeps 10 of the first's 30 response tokens."""
-    first = {"turn_index": 0, "new_input_tokens": 40 + k, "generated_tokens": 30,
-             "context_tokens": 70 + k, "env_s": 0.05 * (step + 1)}  # fmt: skip
-    second = {"turn_index": 1, "new_input_tokens": 12, "generated_tokens": 20,
-              "context_tokens": 40 + k + 10 + 12 + 20, "env_s": 0.0}  # fmt: skip
-    return [first, second]
+def _trajectory(step: int, g: int, k: int, turns: int = 2) -> Trajectory:
+    """Two turns (or the first alone); the second's context keeps 10 of the first's 30
+    response tokens."""
+    first = TurnStats(0, 40 + k, 30, 70 + k, 0.05 * (step + 1), ("w0",))
+    second = TurnStats(1, 12, 20, 40 + k + 10 + 12 + 20, 0.0, ("w0",))
+    segments = [Segment((1,) * (40 + k), False), Segment((2,) * 30, True),
+                Segment((3,) * 12, False), Segment((4,) * 20, True)]  # fmt: skip
+    return Trajectory(f"s{step}-g{g}-k{k}", f"s{step}-g{g}", segments[: 2 * turns],
+                      done=turns == 2, turns=[first, second][:turns])  # fmt: skip
 
 
 def write_run(root: Path, *, reserved: int = 1, resumed: bool = False) -> Path:
@@ -58,15 +62,14 @@ def write_run(root: Path, *, reserved: int = 1, resumed: bool = False) -> Path:
         events.append({"t_s": 0.0, "kind": "clock", "wall": 99.0})
     (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     metrics = []
+    log = TrajectoryLog(run)  # what a master writes: a record per turn
     for step in range(STEPS):
-        lines = [
-            {"trajectory_id": f"s{step}-g{g}-k{k}", "group_id": f"s{step}-g{g}", "turns": [t]}
-            for g in range(GROUPS)
-            for k in range(GROUP_SIZE)
-            for t in _turns(step, k)
-        ]
-        path = run / "trajectories" / f"step-{step:05d}.jsonl"
-        path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        for turns in (1, 2):
+            for g in range(GROUPS):
+                for k in range(GROUP_SIZE):
+                    log.record(step, _trajectory(step, g, k, turns))
+    log.close()
+    for step in range(STEPS):
         metrics.append({"step": step, "t_s": 10.0 * (step + 1), "rollout_s": 5.0,
                         "train_s": 2.0, "sync_s": 0.1, "generated_tokens": 16 * 50,
                         "config": "1P1D" if step == 0 else "2C",
@@ -104,8 +107,7 @@ def test_the_replay_takes_the_runs_recorded_timeline(tmp_path: Path) -> None:
 
 
 def test_recorded_turns_keep_what_the_next_context_shows() -> None:
-    lines = [{"trajectory_id": "a", "group_id": "g", "turns": [t]} for t in _turns(0, 3)]
-    (spec,) = recorded_batch(lines, overhead_s=0.02)
+    (spec,) = recorded_batch([_trajectory(0, 0, 3)], overhead_s=0.02)
     first, second = spec.turns
     assert (first.new_tokens, first.gen_tokens, first.kept_tokens) == (43, 30, 10)
     assert first.env_s == pytest.approx(0.07)  # the environment + the per-turn overhead

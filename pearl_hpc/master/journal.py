@@ -6,13 +6,12 @@ this module holds what needs the rollout's types.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pearl_hpc.rollout.types import Trajectory
+from pearl_hpc.rollout.types import Trajectory, fold_log
 from pearl_hpc.rundir import RunDir, read_jsonl
 
 
@@ -70,12 +69,7 @@ class TrajectoryLog:
         """Each trajectory of ``step`` as its records fold (a torn last line, or a record
         that does not continue what came before, is skipped); the next records of these
         trajectories continue from them."""
-        out: dict[str, Trajectory] = {}
-        for record in read_jsonl(self.path(step)):
-            with contextlib.suppress(KeyError, TypeError, ValueError):
-                traj = _fold(out.get(str(record["trajectory_id"])), record)
-                if traj is not None:
-                    out[traj.trajectory_id] = traj
+        out = fold_log(read_jsonl(self.path(step)))
         for traj in out.values():
             if not traj.done:  # a finished one is kept as it is, never recorded again
                 self._written[(step, traj.trajectory_id)] = (len(traj.segments), len(traj.turns))
@@ -85,18 +79,3 @@ class TrajectoryLog:
         if self._file is not None:
             self._file.close()
             self._file = None
-
-
-def _fold(before: Trajectory | None, record: dict[str, Any]) -> Trajectory | None:
-    """``before`` with ``record`` applied (None: the record does not continue it)."""
-    if "from_segment" not in record:  # a whole trajectory
-        return Trajectory.from_dict(record)
-    segments, turns = int(record["from_segment"]), int(record["from_turn"])
-    have = (0, 0) if before is None else (len(before.segments), len(before.turns))
-    if have != (segments, turns):
-        return None
-    traj = Trajectory.from_dict(record)  # the new part, with the current small fields
-    if before is not None:
-        traj.segments = before.segments + traj.segments
-        traj.turns = before.turns + traj.turns
-    return traj

@@ -11,7 +11,9 @@ elsewhere is two or more generated segments in a row.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -116,3 +118,32 @@ class Trajectory:
             turns=[TurnStats(**{**t, "worker_ids": tuple(t["worker_ids"])}) for t in data["turns"]],
             info=dict(data["info"]),
         )
+
+
+def fold_log(records: Iterable[dict[str, Any]]) -> dict[str, Trajectory]:
+    """Each trajectory of a step's trajectory log (``trajectories/step-N.jsonl``) as its
+    records fold, by id: a record carries what a turn added (``from_segment`` /
+    ``from_turn``), or a whole trajectory (the log of an earlier release); a torn or
+    malformed record, or one that does not continue what came before, is skipped."""
+    out: dict[str, Trajectory] = {}
+    for record in records:
+        with contextlib.suppress(KeyError, TypeError, ValueError):
+            traj = _fold(out.get(str(record["trajectory_id"])), record)
+            if traj is not None:
+                out[traj.trajectory_id] = traj
+    return out
+
+
+def _fold(before: Trajectory | None, record: dict[str, Any]) -> Trajectory | None:
+    """``before`` with ``record`` applied (None: the record does not continue it)."""
+    if "from_segment" not in record:  # a whole trajectory
+        return Trajectory.from_dict(record)
+    segments, turns = int(record["from_segment"]), int(record["from_turn"])
+    have = (0, 0) if before is None else (len(before.segments), len(before.turns))
+    if have != (segments, turns):
+        return None
+    traj = Trajectory.from_dict(record)  # the new part, with the current small fields
+    if before is not None:
+        traj.segments = before.segments + traj.segments
+        traj.turns = before.turns + traj.turns
+    return traj

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,7 @@ from pearl_hpc.config.run import RunConfig, read_run_config
 from pearl_hpc.config.traces import AvailabilityTrace
 from pearl_hpc.core.profile import WorkloadProfile
 from pearl_hpc.errors import PearlError
+from pearl_hpc.rollout.types import Trajectory, fold_log
 from pearl_hpc.rundir import RunDir, read_jsonl
 from pearl_hpc.sim.workload import TrajectorySpec, Turn
 
@@ -171,7 +171,10 @@ def _read(run: RunDir, name: str, events: list[dict[str, Any]]) -> RunRecord:
     prior, prior_source = _prior(cfg, fitted)
     latencies, sources = _latencies(cfg, events, summary.get("counters", {}), origin)
     batches = tuple(
-        recorded_batch(read_jsonl(run.trajectory_log(int(m["step"]))), fitted.overhead_s_per_turn)
+        recorded_batch(
+            fold_log(read_jsonl(run.trajectory_log(int(m["step"])))).values(),
+            fitted.overhead_s_per_turn,
+        )
         for m in metrics
     )
     trained = [sum(s.total_tokens for s in batch) for batch in batches]
@@ -261,35 +264,27 @@ def _latencies(
 
 
 def recorded_batch(
-    lines: Sequence[Mapping[str, Any]], overhead_s: float
+    trajectories: Iterable[Trajectory], overhead_s: float
 ) -> tuple[TrajectorySpec, ...]:
-    """One step's trajectories from its ``trajectories/step-N.jsonl`` lines (a line holds
-    turns of one trajectory; a trajectory is the fold of its lines), in first-line order.
-    A turn's kept tokens are what the next turn's context shows of its response; every
-    turn but the last waits its environment time plus ``overhead_s``."""
-    turns: dict[str, dict[int, Mapping[str, Any]]] = defaultdict(dict)
+    """One step's trajectories, folded from its log (:func:`fold_log`), as the
+    simulator's. A turn's kept tokens are what the next turn's context shows of its
+    response; every turn but the last waits its environment time plus ``overhead_s``."""
     groups: dict[str, int] = {}
-    group_of: dict[str, int] = {}
-    for line in lines:
-        tid = str(line["trajectory_id"])
-        group_of[tid] = groups.setdefault(str(line.get("group_id", tid)), len(groups))
-        for t in line.get("turns", ()):
-            turns[tid][int(t["turn_index"])] = t
     out = []
-    for tid, by_index in turns.items():
-        ordered = [by_index[i] for i in sorted(by_index)]
+    for traj in trajectories:
+        turns = sorted(traj.turns, key=lambda t: t.turn_index)
         specs = []
-        for i, t in enumerate(ordered):
-            new, gen = int(t["new_input_tokens"]), int(t["generated_tokens"])
-            if i + 1 < len(ordered):
-                nxt = ordered[i + 1]
-                kept = int(nxt["context_tokens"]) - int(nxt["new_input_tokens"])
-                kept -= int(nxt["generated_tokens"]) + int(t["context_tokens"]) - gen
-                env = float(t.get("env_s", 0.0)) + overhead_s
+        for t, nxt in zip(turns, [*turns[1:], None], strict=True):
+            new, gen = t.new_input_tokens, t.generated_tokens
+            if nxt is not None:
+                kept = nxt.context_tokens - nxt.new_input_tokens - nxt.generated_tokens
+                kept -= t.context_tokens - gen
+                env = t.env_s + overhead_s
             else:
                 kept, env = gen, 0.0
             specs.append(Turn(max(1, new), max(1, gen), min(gen, max(0, kept)), env))
-        out.append(TrajectorySpec(tid, group_of[tid], tuple(specs)))
+        group = groups.setdefault(traj.group_id, len(groups))
+        out.append(TrajectorySpec(traj.trajectory_id, group, tuple(specs)))
     return tuple(out)
 
 
