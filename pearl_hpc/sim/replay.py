@@ -104,8 +104,6 @@ class RecordedStep:
     generated_tokens: int
     config: str  # serving configuration at the rollout's start
     recorded_s: float  # its record written (training done)
-    train_s: float
-    borrowed_served_turns: int
 
     @property
     def tokens_per_s(self) -> float:
@@ -192,8 +190,6 @@ def _read(run: RunDir, name: str, events: list[dict[str, Any]]) -> RunRecord:
             generated_tokens=int(m["generated_tokens"]),
             config=str(m["config"]),
             recorded_s=float(m["t_s"]) - origin,
-            train_s=float(m["train_s"]),
-            borrowed_served_turns=int(m.get("borrowed_served_turns", 0)),
         )
         for m in metrics
     )
