@@ -13,7 +13,8 @@
 # Partitions: `normal` (default), `elastic` (preemptible: cancelled after a 20 s grace
 # time, the job's --signal delivered first) and `high` (priority tier 10: preempts
 # `elastic`). Each node's GPUs are GRES type `sim`, its feature `sim`
-# (configs/clusters/local.yaml describes it). Facts this relies on: shared/notes/slurm-local-cluster.md.
+# (configs/clusters/local.yaml describes it). No accounting database: ended jobs go to
+# the job completion log (log/jobcomp.log), which `sacct -c` and `pearl-hpc trace` read. Facts this relies on: shared/notes/slurm-local-cluster.md.
 set -euo pipefail
 
 DIR=${PEARL_SLURM_DIR:-/tmp/pearl-slurm}
@@ -74,7 +75,8 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
-JobCompType=jobcomp/none
+JobCompType=jobcomp/filetxt
+JobCompLoc=$DIR/log/jobcomp.log
 MpiDefault=none
 SchedulerType=sched/backfill
 SchedulerParameters=bf_interval=1

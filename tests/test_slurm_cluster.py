@@ -182,3 +182,39 @@ def test_replayed_load_starts_a_standing_request_then_preempts_it(
             break
         time.sleep(0.5)
     assert not left, left
+    check_trace_from_history(lines, tmp_path)
+
+
+def check_trace_from_history(lines: list[dict], tmp_path: Path) -> None:
+    """``pearl-hpc trace --from-sacct`` over the load's window finds the idle GPUs the
+    load left (the pearl-elastic request that took them counts as idle), and the simulator
+    runs on what it wrote."""
+    from datetime import datetime
+
+    import numpy as np
+
+    from pearl_hpc.cli.main import main as cli
+    from pearl_hpc.config.traces import load_trace
+
+    steps = [x for x in lines if "idle_nodes" in x]
+    since = steps[0]["wall"] - steps[0]["t_s"]
+    until = lines[-1]["wall"]
+    out = tmp_path / "elastic-idle.csv"
+    iso = [datetime.fromtimestamp(t).isoformat() for t in (since, until)]
+    assert cli(["trace", "--from-sacct", "elastic", "--since", iso[0], "--until", iso[1],
+                "--out", str(out)]) == 0  # fmt: skip
+    found = load_trace(out)
+    grid = np.arange(steps[0]["t_s"] + 1.0, lines[-1]["t_s"] - 1.0, 0.1)
+    replayed = [8 * next(x["idle_nodes"] for x in reversed(steps) if x["t_s"] <= t) for t in grid]
+    seen = [found.count_at(t) for t in grid]
+    corr = float(np.corrcoef(replayed, seen)[0, 1])
+    print(f"trace --from-sacct against the replayed load: correlation {corr:.3f}, idle GPUs "
+          f"mean {np.mean(seen):.2f} found, {np.mean(replayed):.2f} replayed")  # fmt: skip
+    # Slurm records whole seconds (and a preempted job's grace): more than 1.5 s from a
+    # change of the load, what was found is what was replayed
+    changes = [x["t_s"] for x in steps[1:]] + [lines[-1]["t_s"]]
+    settled = [i for i, t in enumerate(grid) if min(abs(t - c) for c in changes) > 1.5]
+    assert len(settled) > len(grid) / 2
+    assert [seen[i] for i in settled] == [replayed[i] for i in settled]
+    assert corr > 0.5
+    assert cli(["simulate", "--trace", str(out), "--systems", "pearl", "--json"]) == 0

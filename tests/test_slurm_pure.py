@@ -237,3 +237,69 @@ def test_failed_poll_keeps_last_state_and_backs_off() -> None:
     now[0] = 4.0
     assert set(client.poll()) == {"5+0", "8"}
     assert len(runner.calls) == 4
+
+
+# -- a partition's history as an availability trace (pearl-hpc trace --from-sacct) ------
+
+
+def _at(seconds: float) -> str:
+    """A Slurm time ``seconds`` after 2026-12-01T08:00 (local)."""
+    return (datetime(2026, 12, 1, 8, 0) + timedelta(seconds=seconds)).strftime("%Y-%m-%dT%H:%M:%S")
+
+
+T0 = datetime(2026, 12, 1, 8, 0).timestamp()
+SACCT = "\n".join([
+    f"101|train|{_at(10)}|{_at(20)}|n1|8|billing=8,cpu=8,mem=64G,node=1",  # exclusive: no GPU named
+    f"102+0|het|{_at(15)}|{_at(30)}|n[1-2]|4|cpu=4,gres/gpu=4,mem=8G,node=2",  # 2 GPUs a node
+    f"103|pearl-elastic|{_at(0)}|{_at(40)}|n2|8|cpu=8,gres/gpu=4,node=1",  # the run's own: idle
+    f"104|other|{_at(5)}|{_at(35)}|n9|8|cpu=8,gres/gpu=4,node=1",  # not the partition's node
+    "105|pending|Unknown|Unknown|None assigned|1|",  # never started: holds nothing
+    f"106|running|{_at(50)}|Unknown|n2|1|cpu=1,gres/gpu=1,node=1",  # to the window's end
+])  # fmt: skip
+
+
+def test_history_idle_gpus_follow_the_jobs_that_held_the_partitions_nodes() -> None:
+    from pearl_hpc.slurm.history import Node, idle_trace, parse_nodes, parse_sacct
+
+    nodes = parse_nodes("n1|8|gpu:a100:4(S:0-1)\nn2|8|gpu:a100:4\nn1|8|gpu:a100:4\nbad|x|\n")
+    assert nodes == {"n1": Node(8, 4), "n2": Node(8, 4)}
+    holds = parse_sacct(SACCT)
+    assert [h.job for h in holds] == ["101", "102+0", "103", "104", "106"]
+    assert holds[1].nodes == ("n1", "n2") and holds[1].gpus == 4 and holds[0].gpus is None
+    assert holds[2].own and holds[4].end_s is None
+    trace, touched = idle_trace(holds, nodes, T0, T0 + 60, "p")
+    assert touched == 3  # 101, 102+0, 106
+    # 0-10: all 8 idle; 10-15: n1's CPUs all held; 15-20: + n2 2 GPUs; 20-30: n1 2, n2 2;
+    # 30-50: all idle; 50-60: n2 1 held
+    assert trace.times_s == (0.0, 10.0, 15.0, 20.0, 30.0, 50.0, 60.0)
+    assert trace.counts == (8, 4, 2, 4, 8, 7, 7)
+
+
+def test_history_reads_accounting_else_the_completion_log() -> None:
+    from pearl_hpc.slurm.history import read_history
+
+    calls: list[list[str]] = []
+
+    def cluster(accounting: bool, completion: bool):  # type: ignore[no-untyped-def]
+        def run(argv: Sequence[str], stdin: str | None) -> CommandResult:
+            calls.append(list(argv))
+            if argv[0] == "sinfo":
+                return CommandResult(0, "n1|8|gpu:4\nn2|8|gpu:4\n", "")
+            if "-c" not in argv and not accounting:
+                return CommandResult(1, "", "Slurm accounting storage is disabled\n")
+            if "-c" in argv and not completion:
+                return CommandResult(1, "", "Slurm job completion is disabled\n")
+            return CommandResult(0, SACCT, "")
+
+        return run
+
+    history = read_history("scavenger", T0, T0 + 60, cluster(True, False))
+    assert not isinstance(history, str) and history.source == "accounting"
+    assert (history.nodes, history.gpus, history.jobs) == (2, 8, 3)
+    assert calls[0][:5] == ["sinfo", "-N", "-h", "-p", "scavenger"]
+    assert calls[1][:7] == ["sacct", "-a", "-X", "-D", "-n", "-P", "-S"]
+    history = read_history("scavenger", T0, T0 + 60, cluster(False, True))
+    assert not isinstance(history, str) and history.source == "the job completion log"
+    assert calls[-1][:2] == ["sacct", "-c"]
+    why = read_history("scavenger", T0, T0 + 60, cluster(False, False))
+    assert isinstance(why, str) and "keeps no job history" in why

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pearl_hpc.cli.common import EXIT_USAGE, Parser
+from pearl_hpc.cli.common import EXIT_USAGE, Parser, number, out_file
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -76,7 +76,68 @@ def _line_of(key: str, lines: dict[str, int]) -> str:
     return "?"
 
 
+def _cmd_trace(args: argparse.Namespace) -> int:
+    """``pearl-hpc trace --from-sacct PARTITION``: the partition's idle GPUs over a window
+    of its past, as an availability trace for ``pearl-hpc simulate --trace``."""
+    import time
+
+    from pearl_hpc.errors import ConfigError
+    from pearl_hpc.slurm.history import read_history, trace_csv
+
+    until = _when(args.until, "--until") if args.until else time.time()
+    since = _when(args.since, "--since") if args.since else until - args.days * 86400
+    if since >= until:
+        raise ConfigError("--since is not before --until: give a window of the past")
+    history = read_history(args.from_sacct, since, until)
+    if isinstance(history, str):
+        raise ConfigError(history)
+    trace = history.trace
+    out = args.out or Path(f"{args.from_sacct}-idle.csv")
+    out.write_text(trace_csv(trace))
+    counts = trace.counts
+    print(f"{args.from_sacct}: {history.nodes} nodes, {history.gpus} GPUs; {history.jobs} "
+          f"jobs held them over {_span(trace.duration_s)} ({history.source})")  # fmt: skip
+    print(f"idle GPUs: mean {trace.mean():.1f}, min {min(counts)}, max {max(counts)}, "
+          f"{trace.changes_per_hour:.1f} changes/h")  # fmt: skip
+    print(f"wrote {out}: pearl-hpc simulate --trace {out}")
+    return 0
+
+
+def _span(seconds: float) -> str:
+    if seconds < 3600:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 3600:.1f} h" if seconds < 2 * 86400 else f"{seconds / 86400:.1f} days"
+
+
+def _when(text: str, flag: str) -> float:
+    """A time as sacct takes one (2026-12-01T08:00[:00], local time) in epoch seconds."""
+    from datetime import datetime
+
+    from pearl_hpc.errors import ConfigError
+
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: a time such as 2026-12-01T08:00") from None
+
+
 def add_parsers(sub: Any) -> None:
+    trace_p = sub.add_parser(
+        "trace",
+        help="a partition's idle GPUs over its past (sacct), as an availability trace for "
+        "pearl-hpc simulate --trace",
+    )
+    trace_p.add_argument(
+        "--from-sacct", metavar="PARTITION", required=True,
+        help="the (preemptible) partition whose nodes' idle GPUs make the trace",
+    )  # fmt: skip
+    trace_p.add_argument(
+        "--days", type=number(float, 1e-6, 3650), default=7.0, help="the window: the last N days"
+    )
+    trace_p.add_argument("--since", help="or from this time (2026-12-01T08:00, local)")
+    trace_p.add_argument("--until", help="to this time (default: now)")
+    trace_p.add_argument("--out", type=out_file, help="the trace CSV (default: PARTITION-idle.csv)")
+    trace_p.set_defaults(func=_cmd_trace)
     cluster_p = sub.add_parser("cluster", help="a cluster's config file, against the live Slurm")
     verbs = cluster_p.add_subparsers(dest="verb", required=True, parser_class=Parser)
     check_p = verbs.add_parser(
