@@ -318,7 +318,7 @@ def test_a_sites_template_wraps_the_base_jobs_script(site: Path) -> None:
     (site / "clusters").mkdir(exist_ok=True)
     template.write_text(
         "#!/bin/bash -l\n$options\n#SBATCH --mail-type=FAIL\nset -eu\n"
-        "echo \"job $$SLURM_JOB_ID\"\n$setup\n$command\n"
+        'echo "job $$SLURM_JOB_ID"\n$setup\n$command\n'
     )
     cluster = {**CLUSTER, "slurm": {**CLUSTER["slurm"], "template": "batch.tmpl"}}
     cfg = read_run_config(_write(site, RUN, cluster))
@@ -346,3 +346,50 @@ def test_a_bad_template_is_one_line(site: Path, text: str, message: str) -> None
     cluster = {**CLUSTER, "slurm": {**CLUSTER["slurm"], "template": "batch.tmpl"}}
     with pytest.raises(ConfigError, match=re.escape(message)):
         read_run_config(_write(site, RUN, cluster))
+
+
+def test_the_ranks_run_in_the_sites_image(site: Path) -> None:
+    """slurm.container: pyxis puts the image on every step's srun (a one-node world's
+    gforker in a one-task step), apptainer wraps every rank's command; the launchers
+    stay on the host. (The Slurm run tests run ranks through an apptainer stand-in.)"""
+    from pearl_hpc.backends.world import world_argv, world_env
+
+    image = ["slurm.container.image=/shared/pearl.sqsh", "slurm.container.mounts=[/scratch]"]
+    rank = ["python3", "-m", "pearl_hpc.rank", "rank", "--run-dir", "/r", "--model-dir", "/m"]
+    pyxis = read_run_config(_write(site, RUN), ["slurm.container.runtime=pyxis", *image])
+    assert world_argv(pyxis, Path("/r"), "/m", python="py") == [
+        "srun", "-n1", "--mpi=none", "--container-image=/shared/pearl.sqsh",
+        "--container-mounts=/scratch", "mpiexec.gforker", "-n", "4", *rank,
+    ]  # fmt: skip
+    assert world_env(pyxis, Path("/r"), in_step=True) == {"SLURM_OVERLAP": "1"}
+    job = elastic_job_spec(pyxis.elastic, [0], pyxis.slurm, "t", Path("/r/elastic"), "/m", "py")
+    command = render_sbatch(job).splitlines()[-1]
+    assert command.startswith("exec py -m pearl_hpc.backends.slurm_job ")  # on the host
+    assert command.endswith(
+        " --srun-option=--container-image=/shared/pearl.sqsh "
+        "--srun-option=--container-mounts=/scratch --rank-command=python3"
+    )
+    sets = ["slurm.container.runtime=apptainer", "slurm.container.options=[--cleanenv]", *image]
+    two = ["layout.training_nodes=1", "layout.rollout_nodes=1"]
+    apptainer = read_run_config(_write(site, RUN), [*sets, *two])
+    wrap = ["apptainer", "exec", "--nv", "--bind", "/scratch", "--cleanenv", "/shared/pearl.sqsh"]
+    argv = world_argv(apptainer, Path("/r"), "/m", python="py")
+    assert argv[0] == "srun" and argv[argv.index("apptainer") :] == [*wrap, *rank]
+    job = elastic_job_spec(apptainer.elastic, [0], apptainer.slurm, "t", Path("/e"), "/m", "py")
+    assert "".join(f" --rank-command={w}" for w in [*wrap, "python3"]) in render_sbatch(job)
+
+
+@pytest.mark.parametrize(
+    ("item", "message"),
+    [
+        ("slurm.container.runtime=docker", "runtime 'docker': use pyxis, apptainer"),
+        ("slurm.container.image=", "image '': the image the ranks run in"),
+        ("slurm.container.mounts=[scratch]", "absolute paths"),
+        ("slurm.container.mounts=['/a,/b']", "one mount an item"),
+        ("slurm.container.options=[writable]", "an option, e.g. --container-writable"),
+    ],
+)
+def test_a_bad_container_is_one_line(site: Path, item: str, message: str) -> None:
+    image = ["slurm.container.runtime=pyxis", "slurm.container.image=/i.sqsh"]
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        read_run_config(_write(site, RUN), [*image, item])

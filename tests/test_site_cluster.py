@@ -80,6 +80,8 @@ def _config(tmp_path: Path, **changes: object) -> Path:
          "sbatch --test-only refuses the base job"),
         (["elastic.pools.0.constraint=infiniband"],
          "elastic.pools[0] (elastic): sbatch --test-only refuses a worker's job"),
+        (["slurm.container.runtime=pyxis", "slurm.container.image=/shared/pearl.sqsh"],
+         "this cluster's srun has no --container-image (pyxis is not installed)"),
     ],
 )  # fmt: skip
 def test_each_check_before_the_queue_refuses_with_one_line(

@@ -45,6 +45,15 @@ SITE = {
     "setup": ['echo "site setup ran: PEARL_SITE_PROBE=$PEARL_SITE_PROBE"'],
 }
 SETUP_RAN = f"site setup ran: PEARL_SITE_PROBE={PROBE}"
+# the ranks in an apptainer image: no apptainer can be installed here, so tests/bin's
+# stand-in runs each command on the host with PEARL_TEST_IMAGE set (the wiring, every
+# rank through the runtime, is under test; the runtime itself is not)
+IMAGE = "/images/pearl.sif"
+IN_IMAGE = {
+    "container": {"runtime": "apptainer", "image": IMAGE, "mounts": ["/tmp:/tmp"],
+                  "python": sys.executable},
+    "setup": [*SITE["setup"], f"export PATH={REPO / 'tests' / 'bin'}:$PATH"],
+}  # fmt: skip
 
 CONFIG = {
     **LOCAL_CONFIG,  # the local run test's workload and ungated policies
@@ -115,13 +124,19 @@ def _submit(config: Path, env: dict[str, str]) -> tuple[str, Path, Path]:
     return job, Path(run_dir), Path(run_dir) / f"batch-{job}.out"
 
 
-def _without_site_env(run_dir: Path) -> list[str]:
+def _without_site_env(run_dir: Path, image: bool = False) -> list[str]:
     """The run's live rank processes (base and elastic) whose environment lacks the
-    site's variable (read from /proc: the local cluster's nodes are this host)."""
+    site's variable (``image``: or the image's, with its mount; read from /proc: the
+    local cluster's nodes are this host)."""
     lacking = []
+    site = f"PEARL_SITE_PROBE={PROBE}".encode()
+    in_image = [f"PEARL_TEST_IMAGE={IMAGE}".encode(), b"--nv --bind /tmp:/tmp"]
     for proc in _rank_processes(run_dir):
+        launcher = _cmdline(proc).split(" ")[0].endswith("srun")  # (starts the image)
+        want = [site, *(in_image if image and not launcher else [])]
         try:
-            if f"PEARL_SITE_PROBE={PROBE}".encode() not in (proc / "environ").read_bytes():
+            environ = (proc / "environ").read_bytes()
+            if not all(w in environ for w in want):
                 lacking.append(_cmdline(proc))
         except OSError:
             continue  # gone meanwhile
@@ -218,7 +233,8 @@ def test_slurm_run_harvests_a_standing_request_master_killed_and_resumed(
     slurm_cluster: str, tmp_path: Path
 ) -> None:
     config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump({**CONFIG, "runs_dir": str(tmp_path / "runs")}))
+    doc = {**CONFIG, "slurm": {**CONFIG["slurm"], **IN_IMAGE}, "runs_dir": str(tmp_path / "runs")}
+    config.write_text(yaml.safe_dump(doc))
     env = {**os.environ, "PEARL_HPC_CACHE": str(tmp_path / "cache")}
     others = OtherUsers()
     others.take(3)  # every node but the one the master's job will get
@@ -246,11 +262,11 @@ def test_slurm_run_harvests_a_standing_request_master_killed_and_resumed(
         except AssertionError as e:
             raise AssertionError(f"{e}\n{_elastic_logs(run_dir)}") from None
         # the site's env and setup reached the base job and the elastic job, and every
-        # rank of both: 4 base ranks, 2 elastic ones
+        # rank of both runs in the image: 4 base ranks, 2 elastic ones
         assert SETUP_RAN in first_log.read_text()
         elastic_out = "".join(p.read_text() for p in (run_dir / "elastic").glob("job-*.out"))
         assert SETUP_RAN in elastic_out, elastic_out[-2000:]
-        assert len(_rank_processes(run_dir)) >= 6 and _without_site_env(run_dir) == []
+        assert len(_rank_processes(run_dir)) >= 6 and _without_site_env(run_dir, True) == []
         master_pid = RunDir(run_dir).read_state()["pid"]
         os.kill(master_pid, signal.SIGKILL)  # gforker ends the world; the launcher resumes it
 
@@ -508,13 +524,17 @@ def test_a_base_job_over_two_nodes_trains_on_one_and_serves_on_the_other(
 ) -> None:
     """`pearl-hpc run CONFIG --sbatch` with a full site section: Slurm holds the job
     with the site's account, qos, time, constraint and typed GPUs; its setup lines and
-    env reach every rank; the world is one srun step over two nodes of the base job
+    env reach every rank, each started in the site's apptainer image (a stand-in); the
+    world is one srun step over two nodes of the base job
     (Slurm's pmi2 for the ranks' PMI, placed by RUN_DIR/hostfile), the master and the
     trainer and overlap ranks on the training node, the reserved engine rank on the
     rollout node; elastic workers are asked for as a 2-component hetjob; every step
     trains its whole batch."""
     config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump({**MULTI_NODE, "runs_dir": str(tmp_path / "runs")}))
+    slurm = {**MULTI_NODE["slurm"], **IN_IMAGE}
+    config.write_text(
+        yaml.safe_dump({**MULTI_NODE, "slurm": slurm, "runs_dir": str(tmp_path / "runs")})
+    )
     env = {**os.environ, "PEARL_HPC_CACHE": str(tmp_path / "cache")}
     job, run_dir, log = _submit(config, env)
     seen: list[list[str]] = []  # the rank processes lacking the site's env, when 5 lived
@@ -530,7 +550,7 @@ def test_a_base_job_over_two_nodes_trains_on_one_and_serves_on_the_other(
 
         def world_up() -> bool:
             if len(_rank_processes(run_dir)) >= 6:  # srun and its 5 ranks
-                seen.append(_without_site_env(run_dir))
+                seen.append(_without_site_env(run_dir, True))
             return bool(seen) or not _in_squeue(job)
 
         _wait("the world's ranks", world_up, 600, log, poll_s=0.5)

@@ -66,6 +66,11 @@ def shared_node_warnings(cfg: RunConfig) -> list[str]:
     return out
 
 
+def _has_pyxis(run: Runner) -> bool:
+    """Slurm's srun here takes pyxis's options (its SPANK plugin adds them to --help)."""
+    return "--container-image" in run(["srun", "--help"], None).stdout
+
+
 def prequeue_checks(
     cfg: RunConfig,
     *,
@@ -101,6 +106,14 @@ def prequeue_checks(
     if found:
         return checks
     checks.done.append("partitions, GPUs, CPUs and nodes (sinfo)")
+    if cfg.slurm.container.runtime == "pyxis":
+        if _has_pyxis(run):
+            checks.done.append("pyxis: srun has --container-image")
+        else:
+            checks.problems.append(
+                "slurm.container.runtime pyxis: this cluster's srun has no --container-image "
+                "(pyxis is not installed): use apptainer, or no container"
+            )
     refused = test_only(job, run)
     if refused:
         checks.problems.append(f"slurm: sbatch --test-only refuses the base job: {refused}")

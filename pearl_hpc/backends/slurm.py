@@ -48,7 +48,12 @@ from pearl_hpc.backends.ranks import RankWorker, attach_rank
 from pearl_hpc.comm.members import LEAVE_TIMEOUT_S
 from pearl_hpc.comm.membership import MemberState
 from pearl_hpc.config.run import ElasticConfig, PoolConfig
-from pearl_hpc.config.slurm import SlurmSettings, site_options
+from pearl_hpc.config.slurm import (
+    SlurmSettings,
+    container_srun_options,
+    in_container,
+    site_options,
+)
 from pearl_hpc.core.controller import CapacityGranted, CapacityReclaimed
 from pearl_hpc.core.table import ElasticSource
 from pearl_hpc.core.types import Role
@@ -128,7 +133,8 @@ def elastic_job_spec(
     one), one engine rank each, whose batch step is :mod:`pearl_hpc.backends.slurm_job`
     (pure). Every component is signalled ``signal_lead_s`` before a preemption or its
     time limit (the first pool's lead: Slurm takes one --signal per job). The site's
-    ``env`` and ``setup`` lines run first; its steps are ``srun --mpi=`` the site's."""
+    ``env`` and ``setup`` lines run first; its steps are ``srun --mpi=`` the site's, in
+    the run's container if it has one."""
     chosen = [elastic.pools[i] for i in pools]
     engine_args = [
         f"--run-dir={elastic_dir.parent}",
@@ -136,8 +142,10 @@ def elastic_job_spec(
         f"--lease-timeout-s={s.lease_timeout_s:g}",
         "--gpus=" + ",".join(str(p.gpus_per_worker) for p in chosen),
         f"--mpi={s.mpi}",
-        *[f"--srun-option={o}" for o in s.srun_extra],
-    ]
+        *[f"--srun-option={o}" for o in (*s.srun_extra, *container_srun_options(s.container))],
+        *[f"--rank-command={w}" for w in in_container(s.container, [s.container.python])
+          if s.container.runtime],
+    ]  # fmt: skip
     return JobSpec(
         name="pearl-elastic",
         run_tag=run_tag,

@@ -61,7 +61,7 @@ def _launch(args: argparse.Namespace) -> int:
         argv = ["srun", "-n1", f"--mpi={args.mpi}", *args.srun_option]
         argv += [f"--het-group={k}"] if het else []
         argv += [
-            sys.executable, "-m", "pearl_hpc.rank", "join",
+            *(args.rank_command or [sys.executable]), "-m", "pearl_hpc.rank", "join",
             "--run-dir", str(args.run_dir), "--model-dir", args.model, "--group", f"{job}+{k}",
             "--gpus", str(gpus[k]),
         ]  # fmt: skip
@@ -128,6 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus", default="1", help="GPUs of each component's worker: 1,2,...")
     p.add_argument("--mpi", default="pmi2", help="srun --mpi of each component's step")
     p.add_argument("--srun-option", action="append", default=[], help="a further srun option")
+    p.add_argument(
+        "--rank-command", action="append", default=[],
+        help="a word of the command that runs Python for each rank, in order (default: this "
+        "Python; in a container: apptainer exec ... IMAGE python3, or the image's python3)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     private_files()
     return _launch(args)

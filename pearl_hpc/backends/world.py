@@ -15,6 +15,9 @@ Where the world runs:
   :func:`base_job_spec` is the batch job that asks for it (``pearl-hpc run CONFIG
   --sbatch`` submits it, ``--dry-run`` prints it).
 Elastic capacity of the Slurm backend comes as heterogeneous jobs (:mod:`.slurm`).
+With ``slurm.container`` the ranks run in an image: under pyxis the step's ``srun``
+carries the image (a one-node world's gforker runs in an ``srun -n1`` step), under
+apptainer each command runs in ``apptainer exec``; the launcher stays on the host.
 
 A base rank that fails ends the world (rank 0 calls ``Abort``; gforker and srun end
 every rank when one dies, and a rank dies with its launcher), so nothing of a run
@@ -37,7 +40,12 @@ from typing import Any
 from pearl_hpc.comm.layout import RankSpec, base_layout, ranks_per_node
 from pearl_hpc.comm.mpiexec import die_with_parent, gforker_path, one_node
 from pearl_hpc.config.run import RunConfig
-from pearl_hpc.config.slurm import site_options
+from pearl_hpc.config.slurm import (
+    ContainerSettings,
+    container_srun_options,
+    in_container,
+    site_options,
+)
 from pearl_hpc.errors import ConfigError, PearlError
 from pearl_hpc.rundir import RunDir, RunStatus, read_journal
 from pearl_hpc.slurm.scripts import HetComponent, JobSpec
@@ -60,35 +68,56 @@ def world_argv(
     python: str = sys.executable,
 ) -> list[str]:
     """The command that starts the run's world (``launcher``: :func:`launcher_path`'s,
-    Slurm's ``srun`` over several nodes, MPICH's gforker on one; the bare name for a
-    description)."""
+    Slurm's ``srun`` over several nodes, MPICH's gforker on one -- or what runs it in the
+    run's container; the bare name for a description)."""
     ranks = len(base_layout(cfg.workers, cfg.layout))
+    image = container(cfg)
+    rank = [
+        image.python if image.runtime else python, "-m", "pearl_hpc.rank", "rank",
+        "--run-dir", str(run_dir), "--model-dir", model_dir,
+        *(["--resume"] if resume else []), *(["--live"] if live else []),
+    ]  # fmt: skip
     if multi_node(cfg):  # one job step: Slurm starts each rank where the hostfile says;
         # its PMI is Slurm's pmi2 plugin (the MPICH wheel speaks PMI-1/2, not PMIx)
         head = [
             launcher or "srun", "--mpi=pmi2", "--kill-on-bad-exit=1",
             "--quit-on-interrupt", f"--nodes={cfg.layout.nodes}", f"--ntasks={ranks}",
             f"--cpus-per-task={cfg.layout.cpus_per_rank}", "--distribution=arbitrary",
-            *cfg.slurm.srun_extra,
+            *cfg.slurm.srun_extra, *container_srun_options(image),
         ]  # fmt: skip
-    else:
-        head = one_node(ranks, launcher or "mpiexec.gforker")
-    return [
-        *head, python, "-m", "pearl_hpc.rank", "rank",
-        "--run-dir", str(run_dir), "--model-dir", model_dir,
-        *(["--resume"] if resume else []), *(["--live"] if live else []),
-    ]  # fmt: skip
+        return [*head, *in_container(image, rank)]
+    if image.runtime == "pyxis":  # the image's gforker, in a one-task step that has it
+        step = [launcher or "srun", "-n1", "--mpi=none", *cfg.slurm.srun_extra]
+        return [*step, *container_srun_options(image), *one_node(ranks, "mpiexec.gforker"), *rank]
+    if image.runtime == "apptainer":
+        world = [*one_node(ranks, "mpiexec.gforker"), *rank]
+        return [launcher or "apptainer", *in_container(image, world)[1:]]
+    return [*one_node(ranks, launcher or "mpiexec.gforker"), *rank]
+
+
+def container(cfg: RunConfig) -> ContainerSettings:
+    """The image the run's ranks run in (a Slurm run's ``slurm.container``; none on the
+    local backend)."""
+    return cfg.slurm.container if cfg.backend == "slurm" else ContainerSettings()
 
 
 def launcher_path(cfg: RunConfig) -> str:
-    """The launcher of the run's world: Slurm's ``srun`` over several nodes, MPICH's
-    gforker on one (a clear error where it is missing)."""
-    if not multi_node(cfg):
+    """The launcher of the run's world: Slurm's ``srun`` over several nodes (or to start
+    the run's pyxis container), MPICH's gforker on one, ``apptainer`` to start gforker in
+    the run's image (a clear error where it is missing)."""
+    runtime = container(cfg).runtime
+    if not multi_node(cfg) and not runtime:
         return gforker_path()
-    srun = shutil.which("srun")
-    if srun is None:
-        raise ConfigError("srun not found: a world over several nodes runs in a Slurm job")
-    return srun
+    name = "apptainer" if runtime == "apptainer" and not multi_node(cfg) else "srun"
+    path = shutil.which(name)
+    if path is None:
+        why = (
+            "a world over several nodes, or in a pyxis container, runs in a Slurm job"
+            if name == "srun"
+            else "slurm.container.runtime apptainer: load its module (slurm.setup)"
+        )
+        raise ConfigError(f"{name} not found: {why}")
+    return path
 
 
 def world_env(cfg: RunConfig, run_dir: Path, *, in_step: bool = False) -> dict[str, str]:
@@ -100,12 +129,9 @@ def world_env(cfg: RunConfig, run_dir: Path, *, in_step: bool = False) -> dict[s
     another host."""
     if cfg.backend == "local":
         return {"UCX_NET_DEVICES": "lo"}
-    if not multi_node(cfg):
-        return {}
-    return {
-        "SLURM_HOSTFILE": str(RunDir(run_dir).hostfile),
-        **({"SLURM_OVERLAP": "1"} if in_step else {}),
-    }
+    env = {"SLURM_HOSTFILE": str(RunDir(run_dir).hostfile)} if multi_node(cfg) else {}
+    step = multi_node(cfg) or container(cfg).runtime == "pyxis"  # the world is a step
+    return {**env, **({"SLURM_OVERLAP": "1"} if in_step and step else {})}
 
 
 def base_job_spec(cfg: RunConfig, run_dir: Path, python: str = "") -> JobSpec:

@@ -21,6 +21,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from pearl_hpc.backends.world import base_job_spec
     from pearl_hpc.config.cluster import CLUSTER_ENV, find_cluster, key_lines, read_cluster
     from pearl_hpc.config.run import RunConfig, check_cluster_defaults
+    from pearl_hpc.config.slurm import container_srun_options
     from pearl_hpc.core.schema import from_mapping
     from pearl_hpc.errors import ConfigError
     from pearl_hpc.slurm.cluster import base_problems, pool_problems, read_sinfo, shape_problems
@@ -51,8 +52,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
         if line.startswith("#SBATCH --") and not line.startswith(tuple(f"#SBATCH {o}" for o in own))
     ]
     print("a one-node base job of a run on it:", " ".join(options))
+    image = cfg.slurm.container
     srun = " ".join([f"--mpi={cfg.slurm.mpi}", *cfg.slurm.srun_extra])
-    print(f"its elastic steps: srun {srun}")
+    srun += "".join(f" {o}" for o in container_srun_options(image))
+    where = f" (ranks in the {image.runtime} image {image.image})" if image.runtime else ""
+    print(f"its elastic steps: srun {srun}{where}")
     for line in script:
         if line.startswith("export ") or line in cfg.slurm.setup:
             print(f"  first, in every job: {line}")

@@ -19,7 +19,7 @@ from pearl_hpc.errors import ConfigError
 def _cmd_run(args: argparse.Namespace) -> int:
     """Check the config, make the run directory, then run the run's MPI world to its end
     (rank 0, the master, prints a line per step and the summary)."""
-    from pearl_hpc.backends.world import launch_world, launcher_path
+    from pearl_hpc.backends.world import container, launch_world, launcher_path
     from pearl_hpc.engine.spec import check_engine_install
     from pearl_hpc.master.preflight import load_run_config
     from pearl_hpc.rundir import RunDir, RunStatus, read_journal
@@ -54,7 +54,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             return 0
     else:
         cfg = load_run_config(args.config, sets=args.set)
-    check_engine_install(cfg.engine)  # vLLM's version and engine.vllm_args, one line
+    if not container(cfg).runtime:  # (in an image, vLLM is the image's: each rank checks it)
+        check_engine_install(cfg.engine)  # vLLM's version and engine.vllm_args, one line
     launcher_path(cfg)  # no MPI: one clear line before a run directory is made
     if args.resume:  # (a directory made by --sbatch starts there: it has no journal yet)
         resume = status is not None

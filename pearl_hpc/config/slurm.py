@@ -22,6 +22,36 @@ SLURM_NAME = re.compile(r"[A-Za-z0-9_.+\-&|]+")  # partitions, accounts, qos, co
 SLURM_MEM = re.compile(r"\d+[KMGT]?")  # --mem / --mem-per-gpu
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 GPU_OPTIONS = ("gres", "gpus-per-node")
+CONTAINER_RUNTIMES = ("", "pyxis", "apptainer")
+
+
+@dataclass(frozen=True)
+class ContainerSettings:
+    """The image every rank of the run runs in. The launchers (each job's batch step,
+    which submits, watches and starts the ranks with srun or MPICH's gforker) stay on
+    the host: ``slurm.python`` there needs pearl_hpc without its extras."""
+
+    runtime: str = spec_field(
+        "'' (none) | pyxis (srun --container-image: every step of the run's ranks) | "
+        "apptainer (apptainer exec --nv IMAGE: every rank's command)",
+        default="",
+    )
+    image: str = spec_field(
+        "pyxis: an image enroot imports (/shared/pearl.sqsh, nvcr.io#nvidia/pytorch:25.01-py3); "
+        "apptainer: a .sif file; pearl_hpc and its gpu extra installed in it",
+        default="",
+    )
+    mounts: list[str] = spec_field(
+        "SRC[:DST[:FLAGS]] each: what the ranks read and write (the runs directory, the "
+        "model, the shared filesystem)",
+        default=[],
+    )
+    options: list[str] = spec_field(
+        "further options of the runtime (pyxis: srun's, e.g. --container-writable; "
+        "apptainer: exec's, e.g. --cleanenv)",
+        default=[],
+    )
+    python: str = spec_field("the image's Python, which has pearl_hpc", default="python3")
 
 
 @dataclass(frozen=True)
@@ -92,6 +122,10 @@ class SlurmSettings:
         default=300,
         ge=1,
     )
+    container: ContainerSettings = spec_field(
+        "the image the ranks run in (pyxis or apptainer; runtime '': none)",
+        default=ContainerSettings(),
+    )
     poll_s: float = spec_field("squeue poll interval, seconds", default=1.0, gt=0)
     engine_interface: str = spec_field(
         "what engine and trainer sockets bind on each node: 'hostname' (what the node's "
@@ -134,7 +168,47 @@ def slurm_problem(s: SlurmSettings) -> str:
         for i, option in enumerate(getattr(s, key)):
             if not option.startswith("-") or "\n" in option:
                 return f"slurm.{key}[{i}] {option!r}: an option, e.g. --reservation=r1"
+    return container_problem(s.container)
+
+
+def container_problem(c: ContainerSettings) -> str:
+    """What is wrong with ``slurm.container`` ('' if nothing; pure)."""
+    where = "slurm.container"
+    if c.runtime not in CONTAINER_RUNTIMES:
+        return f"{where}.runtime {c.runtime!r}: use pyxis, apptainer or '' (none)"
+    if not c.runtime:
+        return ""
+    if not c.image or any(ch.isspace() for ch in c.image):
+        return f"{where}.image {c.image!r}: the image the ranks run in (no spaces)"
+    for i, mount in enumerate(c.mounts):
+        parts = mount.split(":")
+        if "," in mount or any(ch.isspace() for ch in mount) or not 1 <= len(parts) <= 3:
+            return f"{where}.mounts[{i}] {mount!r}: SRC[:DST[:FLAGS]], one mount an item"
+        if not all(p.startswith("/") for p in parts[:2]):
+            return f"{where}.mounts[{i}] {mount!r}: absolute paths, e.g. /scratch:/scratch"
+    for i, option in enumerate(c.options):
+        if not option.startswith("-") or "\n" in option:
+            return f"{where}.options[{i}] {option!r}: an option, e.g. --container-writable"
+    if not re.fullmatch(r"[A-Za-z0-9_./+-]+", c.python):
+        return f"{where}.python {c.python!r}: a command or a path in the image (python3)"
     return ""
+
+
+def container_srun_options(c: ContainerSettings) -> list[str]:
+    """What a step's ``srun`` needs to run in the image (pyxis; none otherwise; pure)."""
+    if c.runtime != "pyxis":
+        return []
+    mounts = [f"--container-mounts={','.join(c.mounts)}"] if c.mounts else []
+    return [f"--container-image={c.image}", *mounts, *c.options]
+
+
+def in_container(c: ContainerSettings, argv: list[str]) -> list[str]:
+    """``argv`` as it runs in the image: apptainer wraps it; under pyxis (or with no
+    container) it is unchanged, srun's options do it (pure)."""
+    if c.runtime != "apptainer":
+        return list(argv)
+    binds = [word for mount in c.mounts for word in ("--bind", mount)]
+    return ["apptainer", "exec", "--nv", *binds, *c.options, c.image, *argv]
 
 
 TEMPLATE_KEYS = ("options", "setup", "command")
