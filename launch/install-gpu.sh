@@ -5,7 +5,7 @@
 #   bash launch/install-gpu.sh /shared/$USER/pearl-venv
 #
 # 1. a venv there (PYTHON, default python3, >= 3.11), unless it exists;
-# 2. this checkout, editable, with the `gpu` (CUDA vLLM 0.32.x and its CUDA torch),
+# 2. this checkout, editable, with the `gpu` (CUDA vLLM 0.31.x or 0.32.x, its CUDA torch),
 #    `dist`, `slurm` (submitit, mpi4py, MPICH) and `data` extras;
 # 3. NIXL (the engines' prefill -> decode KV transfer; its CUDA wheel);
 # 4. the tiny model in VENV/share/pearl-tiny (a first run: model: that directory);

