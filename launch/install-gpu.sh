@@ -7,7 +7,8 @@
 # 1. a venv there (PYTHON, default python3, >= 3.11), unless it exists;
 # 2. this checkout, editable, with the `gpu` (CUDA vLLM 0.31.x or 0.32.x, its CUDA torch),
 #    `dist`, `slurm` (submitit, mpi4py, MPICH) and `data` extras;
-# 3. NIXL (the engines' prefill -> decode KV transfer; its CUDA wheel);
+# 3. (with gpu) NIXL, the engines' prefill -> decode KV transfer: the backend of torch's
+#    CUDA major (vLLM 0.32's wheel: CUDA 13, which needs an R580 or newer driver);
 # 4. the tiny model in VENV/share/pearl-tiny (a first run: model: that directory);
 # 5. an import check of vLLM, torch and mpi4py, and the lines for the cluster's file
 #    (slurm.setup, slurm.python: every job of a run then uses this venv).
@@ -29,12 +30,13 @@ pip_install() { "$VENV/bin/python" -m pip install --quiet --disable-pip-version-
 say "installing into $VENV (vLLM with CUDA torch: several GB)"
 pip_install -U pip
 pip_install -e "$REPO[gpu,dist,slurm,data]"
-pip_install --no-deps nixl==1.5.2 nixl-cu12==1.5.1
 "$VENV/bin/pearl-hpc" tiny-model "$VENV/share/pearl-tiny" >/dev/null
 "$VENV/bin/python" - <<'PY'
 import mpi4py, torch, vllm
+from pearl_hpc.engine.nixl import nixl_problem
 print(f"install-gpu: vLLM {vllm.__version__}, torch {torch.__version__} "
       f"(CUDA {torch.version.cuda}), mpi4py {mpi4py.__version__}")
+print(f"install-gpu: {nixl_problem() or 'NIXL loads (PD disaggregation)'}")
 PY
 cat <<EOT
 install-gpu: done. In the cluster's file (configs/clusters/NAME.yaml, docs/slurm.md):

@@ -24,13 +24,17 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from pearl_hpc.comm.mpiexec import die_with_parent
 from pearl_hpc.rundir import RunDir, RunDirBusy, private_files
+
+if TYPE_CHECKING:
+    from pearl_hpc.config.run import RunConfig
 
 STARTED_S = time.monotonic()  # this process's start, for the world's start latency
 
@@ -42,9 +46,8 @@ def _rank(args: argparse.Namespace) -> int:
     from pearl_hpc.backends.world import multi_node
     from pearl_hpc.comm.layout import MASTER, TRAINER, base_layout, cpu_threads
     from pearl_hpc.comm.mpi import MasterPlane, WorkerPlane
-    from pearl_hpc.comm.net import bind_address
     from pearl_hpc.engine.rpc import read_key
-    from pearl_hpc.engine.spec import check_vllm
+    from pearl_hpc.engine.spec import check_kv_transfer, check_vllm
     from pearl_hpc.errors import ConfigError
     from pearl_hpc.master.preflight import load_run_config
     from pearl_hpc.worker.placement import place_rank
@@ -67,6 +70,9 @@ def _rank(args: argparse.Namespace) -> int:
         placement = place_rank(me, cfg)
         if me.kind not in (MASTER, TRAINER):
             check_vllm()
+            check_kv_transfer(cfg)
+        # what this rank's sockets bind: loopback on one machine, the configured interface
+        host = _bind_host(cfg)
     except ConfigError as exc:
         print(f"pearl_hpc.rank: rank {me.rank}: {exc}", file=sys.stderr, flush=True)
         world.Abort(2)
@@ -81,8 +87,6 @@ def _rank(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     trainers = world.Split(0 if me.kind == TRAINER else MPI.UNDEFINED, world.Get_rank())
     key = read_key(run.rpc_key)
-    # what this rank's sockets bind: loopback on one machine, the configured interface
-    host = "127.0.0.1" if cfg.backend == "local" else bind_address(cfg.slurm.engine_interface)
     if me.kind == MASTER:
         plane = MasterPlane(run_dir, key, doorman=doorman)
         try:
@@ -101,6 +105,19 @@ def _rank(args: argparse.Namespace) -> int:
         sys.stderr.flush()
         world.Abort(1)
         return 1
+
+
+def _bind_host(cfg: RunConfig) -> str:
+    """The address this rank's sockets bind (engine RPC, the weight store, NIXL's side
+    channel): loopback on the local backend; on Slurm ``slurm.engine_interface``'s, which
+    other nodes must reach where the run spans them (several nodes, or elastic pools)."""
+    from pearl_hpc.backends.world import multi_node
+    from pearl_hpc.comm.net import bind_address
+
+    if cfg.backend == "local":
+        return "127.0.0.1"
+    spans = multi_node(cfg) or bool(cfg.elastic.pools and cfg.elastic.max_workers)
+    return bind_address(cfg.slurm.engine_interface, reachable=spans)
 
 
 def _compute_threads(threads: int) -> None:
@@ -164,9 +181,8 @@ def _join(args: argparse.Namespace) -> int:
     from pearl_hpc.backends.lease import lease_watcher
     from pearl_hpc.comm.layout import ENGINE
     from pearl_hpc.comm.mpi import WorkerPlane, member_info
-    from pearl_hpc.comm.net import bind_address
     from pearl_hpc.engine.rpc import read_key
-    from pearl_hpc.engine.spec import check_vllm, engine_spec
+    from pearl_hpc.engine.spec import check_kv_transfer, check_vllm, engine_spec
     from pearl_hpc.errors import ConfigError
     from pearl_hpc.master.preflight import load_run_config
     from pearl_hpc.slurm.capacity import gpu_ids_of
@@ -183,11 +199,14 @@ def _join(args: argparse.Namespace) -> int:
     else:  # a job component's: its node's GPUs, split by local id
         gpu_ids = tuple(gpu_ids_of(args.group, where.node, where.local_id, args.gpus))
     info = msgspec.structs.replace(where, gpu_ids=gpu_ids)
-    first = 0 if args.gpu_ids else info.local_id * args.gpus
-    try:  # the step's GPUs (Slurm's CUDA_VISIBLE_DEVICES), this rank's share of them
+    if args.devices:  # the local backend's: the node's GPUs it chose for this rank
+        devices: Sequence[int] = [int(d) for d in args.devices.split(",")]
+    else:  # a job component's step: its GPUs, this rank's share of them
+        devices = range(info.local_id * args.gpus, (info.local_id + 1) * args.gpus)
+    try:  # (Slurm's CUDA_VISIBLE_DEVICES, or the node's)
         check_vllm()
         placement = place(
-            range(first, first + args.gpus),
+            devices,
             gpus_seen(os.environ),
             cfg.engine.device,
             key="engine.device",
@@ -195,11 +214,12 @@ def _join(args: argparse.Namespace) -> int:
         )
         os.environ["CUDA_VISIBLE_DEVICES"] = placement.visible
         placement = usable(placement, cfg.engine.device, "engine.device", cuda_works)
+        check_kv_transfer(cfg)
+        host = _bind_host(cfg)
     except ConfigError as exc:
         print(f"pearl_hpc.rank: {exc}", file=sys.stderr, flush=True)
         return 2
     _compute_threads(1)
-    host = "127.0.0.1" if cfg.backend == "local" else bind_address(cfg.slurm.engine_interface)
 
     def connect() -> WorkerPlane:
         key = read_key(run.rpc_key)
@@ -326,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     join.add_argument("--group", required=True, help="JOB+K: this rank's job component")
     join.add_argument("--gpu-ids", help="comma-separated: its GPUs' names (else from Slurm's)")
     join.add_argument("--gpus", type=int, default=1, help="GPUs of its worker (from Slurm's)")
+    join.add_argument("--devices", help="comma-separated: the node's GPU numbers it runs on")
     join.set_defaults(func=_join)
     args = parser.parse_args(argv)
     private_files()

@@ -30,7 +30,7 @@ import submitit
 from pearl_hpc.backends.world import base_job_spec, run_world
 from pearl_hpc.config.cluster import run_config_text
 from pearl_hpc.config.run import RunConfig
-from pearl_hpc.config.slurm import gpu_request, slurm_minutes
+from pearl_hpc.config.slurm import gpu_request, job_env, slurm_minutes
 from pearl_hpc.errors import ConfigError
 from pearl_hpc.master.preflight import load_run_config
 from pearl_hpc.rundir import RunDir, RunStatus, private_files, read_journal
@@ -105,7 +105,7 @@ def submitit_parameters(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
     shape = job.components[0]
     s = cfg.slurm
     cpus = shape.ntasks_per_node * shape.cpus_per_task
-    setup = [f"export {k}={shlex.quote(v)}" for k, v in s.env.items()] + list(s.setup)
+    setup = [f"export {k}={shlex.quote(v)}" for k, v in job_env(s).items()] + list(s.setup)
     sbatch = {}  # the site's sbatch options (account, qos, gres...): submitit writes them
     for option in [*shape.extra, *gpu_request(s, shape.gpus_per_node)]:
         key, eq, value = option.removeprefix("--").partition("=")

@@ -415,6 +415,17 @@ def test_release_and_restore_return_memory_and_keep_weights_version(fleet: Fleet
         f"\nrelease {release.wall_s:.2f} s, activate {activate.wall_s:.2f} s, "
         f"RSS serving {rss_serving / 2**30:.2f} GiB -> released {released.rss_bytes / 2**30:.2f}"
     )
+    # a PD hand-off to the restored engine reads the prefill engine's KV: the colocated
+    # tokens (a CPU release shuts the engine down; on cuda it sleeps, and a woken engine
+    # restarts for a PD role so NIXL registers its re-mapped KV: tests/test_gpu_mode.py)
+    before = fleet.run(dec.stats()).kv_bytes_received
+    roles = {"pre": Role.PREFILL, "dec": Role.DECODE}
+    pd = _trajectories(fleet, _router(fleet, roles, Mode.DISAGGREGATED), chat, [4])
+    colocated = _trajectories(
+        fleet, _router(fleet, {"col": Role.COLOCATED}, Mode.COLOCATED), chat, [4]
+    )
+    assert [t.token_ids() for t in pd] == [t.token_ids() for t in colocated]
+    assert fleet.run(dec.stats()).kv_bytes_received > before
     assert os.getpid() != fleet.workers["dec"].proc.pid
     # the restart did not redo the process's NUMA memory binding (it stalled CI for
     # minutes: vllm_engine._bind_memory_once)

@@ -228,6 +228,19 @@ def test_the_vllm_version_outside_the_tested_release_is_refused() -> None:
         assert "tested against vLLM 0.31.x and 0.32.x" in vllm_version_problem(other), other
 
 
+def test_a_run_that_may_disaggregate_needs_nixl(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pearl_hpc.engine.spec import check_kv_transfer
+
+    cfg = load_run_config(_config(tmp_path))  # pd_policy adaptive: PD may be chosen
+    check_kv_transfer(cfg)  # NIXL loads here (tests/run-all.sh installs it)
+    monkeypatch.setitem(sys.modules, "nixl", None)  # as where no backend of it loads
+    with pytest.raises(ConfigError, match=r"NIXL does not load .*pip install nixl==1\.5\.1"):
+        check_kv_transfer(cfg)
+    check_kv_transfer(load_run_config(_config(tmp_path, policy={"pd_policy": "colocated"})))
+
+
 def test_vllm_args_names_are_vllms_own() -> None:
     known = {"enforce_eager", "kv_cache_memory_bytes", "quantization"}
     assert vllm_args_problem({"enforce_eager": True}, known) == ""
@@ -459,3 +472,48 @@ def test_an_engine_takes_what_is_free_of_its_gpu_up_to_its_setting() -> None:
     assert beside == round(110 / 141, 4) and beside * 141 * gib <= 110 * gib
     with pytest.raises(EngineError, match=r"only 9\.0 of 141\.0 GiB free on the GPU"):
         fitted_utilization(0.85, 9 * gib, 141 * gib)
+
+
+def test_local_elastic_ranks_take_the_nodes_free_gpus() -> None:
+    """The local backend's elastic ranks each run on GPUs of the node no base rank and no
+    other elastic rank holds (they all took GPU 0, the first trainer's)."""
+    from pearl_hpc.backends.local import free_devices, join_argv
+
+    assert free_devices(8, {0, 1, 2}, 1) == (3,)
+    assert free_devices(8, {0, 1, 2, 3}, 2) == (4, 5)
+    assert free_devices(8, {0, 2}, 2) == (1, 3)
+    assert free_devices(4, {0, 1, 2, 3}, 1) == (4,)  # none free: the rank names its node's
+    assert free_devices(2, {0, 1, 5}, 2) == (6, 7)
+    argv = join_argv(Path("/r"), "/m", "el1+0", ("el1+0:gpu0",), (3,), "gforker")
+    assert argv[argv.index("--devices") + 1] == "3"
+    # the rank narrows itself to that GPU of the node's
+    assert place([3], ["0", "1", "2", "3"], "auto", key="engine.device", who="el1").visible == "3"
+
+
+def test_a_woken_engine_restarts_for_a_role_that_moves_kv() -> None:
+    """vLLM's sleep (level 1, cuda) unmaps the KV cache and wake maps new memory in its
+    place, which NIXL registered once, at the engine's start: a woken engine serves
+    colocated turns in place, and restarts (a fresh registration) to prefill or decode.
+    (On CPU a release shuts the engine down: tests/test_engine_vllm.py hands off KV to a
+    restored one.)"""
+    from pearl_hpc.engine.vllm_engine import EngineRunner
+
+    class Slept:  # vLLM's engine, as far as sleep and wake go
+        def sleep(self, level: int) -> None:
+            assert level == 1
+
+        def wake_up(self) -> None:
+            pass
+
+    runner = EngineRunner(EngineSpec("/m", device="cuda"), "w")
+    try:
+        runner._engine, runner.role = Slept(), Role.PREFILL
+        runner._kv_both = runner._kv_connector = True
+        assert runner.takes_in_place(Role.DECODE) and runner.takes_in_place(Role.PREFILL)
+        runner._sleep()
+        runner._wake()
+        assert runner.takes_in_place(Role.COLOCATED)
+        assert not runner.takes_in_place(Role.PREFILL) and not runner.takes_in_place(Role.DECODE)
+    finally:
+        runner._engine = None
+        runner.close()

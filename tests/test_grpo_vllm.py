@@ -94,6 +94,11 @@ def test_trained_weights_reach_engines_and_match_the_trainer(setup, chat, tiny_m
     fleet.run(sync.catch_up("late", late))
     assert fleet.run(late.stats()).weight_version == 1
     assert sync.versions.stale() == []
+    # caught up again (a re-activation within the version): nothing is sent
+    loads = len([t for t in fleet.run(late.stats()).timings if t.op == "weights"])
+    fleet.run(sync.catch_up("late", late))
+    assert sync.timings[-1] == ("held", 1, 0.0)
+    assert len([t for t in fleet.run(late.stats()).timings if t.op == "weights"]) == loads
     late_out = fleet.run(late.generate(TurnRequest("late", prompt, 16)))
     assert late_out.token_ids == after.token_ids
     # a restarted engine (a role change) starts from the model directory and re-applies

@@ -215,3 +215,21 @@ def test_the_bind_address_is_one_interface_never_all() -> None:
     assert bind_address("hostname") not in ("0.0.0.0", "")
     with pytest.raises(ConfigError, match="no such interface"):
         bind_address("no-such-if0")
+
+
+def test_a_hostname_that_resolves_to_loopback_is_refused_where_nodes_must_reach_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Debian-style hosts map their name to 127.0.1.1: a run over several nodes would
+    advertise an address no other node reaches. Loopback named outright is taken (a
+    cluster whose nodes are one host: configs/clusters/local.yaml)."""
+    import socket
+
+    from pearl_hpc.comm.net import bind_address
+    from pearl_hpc.errors import ConfigError
+
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")
+    assert bind_address("hostname") == "127.0.1.1"  # one node: nobody else to reach it
+    with pytest.raises(ConfigError, match=r"resolves to 127\.0\.1\.1, a loopback address"):
+        bind_address("hostname", reachable=True)
+    assert bind_address("127.0.0.1", reachable=True) == bind_address("lo", reachable=True)

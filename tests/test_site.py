@@ -348,6 +348,17 @@ def test_a_bad_template_is_one_line(site: Path, text: str, message: str) -> None
         read_run_config(_write(site, RUN, cluster))
 
 
+def test_the_interface_the_run_binds_is_gloo_and_nccls_too() -> None:
+    from pearl_hpc.config.slurm import SlurmSettings, job_env
+
+    both = {"GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "ib0"}
+    assert job_env(SlurmSettings(engine_interface="ib0")) == both
+    mine = SlurmSettings(engine_interface="ib0", env={"NCCL_SOCKET_IFNAME": "=ib0,ib1", "X": "1"})
+    assert job_env(mine) == {**both, "NCCL_SOCKET_IFNAME": "=ib0,ib1", "X": "1"}  # env wins
+    for unnamed in ("hostname", "10.1.2.3"):  # no interface named: NCCL and gloo pick
+        assert job_env(SlurmSettings(engine_interface=unnamed, env={"X": "1"})) == {"X": "1"}
+
+
 def test_the_ranks_run_in_the_sites_image(site: Path) -> None:
     """slurm.container: pyxis puts the image on every step's srun (a one-node world's
     gforker in a one-task step), apptainer wraps every rank's command; the launchers

@@ -128,7 +128,8 @@ def test_dry_run_of_pearl_32gpu_matches_the_golden_file() -> None:
     assert "#SBATCH --partition=preemptible" in proc.stdout and "--gres=gpu:h800:2" in proc.stdout
     # the cluster's site section, on the base job and the elastic one
     for line in ("#SBATCH --account=pearl", "#SBATCH --gres=gpu:h800:8", "--mpi=pmix",
-                 "module load cuda/12.4", "export NCCL_SOCKET_IFNAME=ib0"):  # fmt: skip
+                 "module load cuda/12.4", "export NCCL_SOCKET_IFNAME=ib0",
+                 "export GLOO_SOCKET_IFNAME=ib0"):  # fmt: skip
         assert line in proc.stdout
     assert "#SBATCH hetjob" not in proc.stdout  # request: single
     assert "target 5P5D" in proc.stdout

@@ -35,6 +35,7 @@ from typing import Any
 from pearl_hpc.backends.lease import MasterLease
 from pearl_hpc.backends.ranks import RankWorker, attach_rank
 from pearl_hpc.backends.trace import TraceDriver
+from pearl_hpc.comm.layout import base_layout
 from pearl_hpc.comm.members import LEAVE_TIMEOUT_S
 from pearl_hpc.comm.membership import MemberState
 from pearl_hpc.comm.mpiexec import gforker_path, one_node
@@ -53,6 +54,7 @@ class _Launch:
 
     source: ElasticSource
     gpu_ids: tuple[str, ...]
+    devices: tuple[int, ...]  # the node's GPU numbers it runs on
     proc: subprocess.Popen[bytes]
     log_path: Path
     counted: bool = True  # available (not reclaimed, not given back)
@@ -64,17 +66,30 @@ def join_argv(
     model_dir: str,
     group: str,
     gpu_ids: tuple[str, ...],
+    devices: tuple[int, ...],
     gforker: str,
     setpriv: str | None = None,
 ) -> list[str]:
-    """The launch of one local elastic rank (pure); with util-linux's ``setpriv`` it is
-    SIGTERMed when the master dies (else its rank ends on the stale lease)."""
+    """The launch of one local elastic rank on the node's GPUs ``devices`` (pure); with
+    util-linux's ``setpriv`` it is SIGTERMed when the master dies (else its rank ends on
+    the stale lease)."""
     return [
         *([setpriv, "--pdeathsig", "SIGTERM"] if setpriv else []),
         *one_node(1, gforker),
         sys.executable, "-m", "pearl_hpc.rank", "join", "--run-dir", str(run_dir),
         "--model-dir", model_dir, "--group", group, "--gpu-ids", ",".join(gpu_ids),
+        "--devices", ",".join(map(str, devices)),
     ]  # fmt: skip
+
+
+def free_devices(gpus: int, taken: set[int], count: int) -> tuple[int, ...]:
+    """The lowest ``count`` GPU numbers of a node of ``gpus`` that are not ``taken``
+    (pure); past the node's GPUs when it has too few free (such a rank refuses to start
+    where the node has GPUs, naming them; on a CPU device it takes none)."""
+    free = [d for d in range(gpus) if d not in taken]
+    beyond = max([gpus - 1, *taken]) + 1
+    free += range(beyond, beyond + count)
+    return tuple(free[:count])
 
 
 class LocalBackend:
@@ -108,6 +123,12 @@ class LocalBackend:
         self.offered = 0  # elastic workers the trace makes available
         self.wanted = 0  # ... and the controller's demand (the expansion gate)
         self.counts = {"granted": 0, "reclaimed": 0}
+        self.gpus = ctx.cfg.layout.gpus_per_node  # this node's, the base ranks' first
+        self.gpus_per_worker = ctx.cfg.layout.gpus_per_worker
+        self.base_devices = {
+            d for r in base_layout(ctx.cfg.workers, ctx.cfg.layout) for d in r.devices
+        }
+        self._ending: list[_Launch] = []  # given back, their processes not yet gone
         self._jobs = 0
         self._tasks: set[asyncio.Task[None]] = set()  # launches ending, replacements
 
@@ -167,7 +188,7 @@ class LocalBackend:
         grants = []
         for k in range(workers):
             source = ElasticSource(f"el{self._jobs}", k)
-            gpu_ids = (f"{source.tag}:gpu0",)
+            gpu_ids = tuple(f"{source.tag}:gpu{i}" for i in range(self.gpus_per_worker))
             self.launches[source.tag] = self._launch(source, gpu_ids)
             grants.append(CapacityGranted(source, (gpu_ids,)))
         if growth:
@@ -177,15 +198,22 @@ class LocalBackend:
         await self.queue.put(CapacityGranted(first.source, first.gpu_sets, also=tuple(rest)))
 
     def _launch(self, source: ElasticSource, gpu_ids: tuple[str, ...]) -> _Launch:
+        """One rank's launch, on GPUs of this node that neither a base rank nor another
+        elastic rank (live, or given back and not yet ended) holds."""
         log_path = self.dir / f"{source.tag}.out"
+        self._ending = [x for x in self._ending if x.proc.poll() is None]
+        held = [*self.launches.values(), *self._ending]
+        taken = self.base_devices | {d for x in held for d in x.devices}
+        devices = free_devices(self.gpus, taken, len(gpu_ids))
         argv = join_argv(
-            self.run_dir, self.model_dir, source.tag, gpu_ids, self.gforker, self.setpriv
-        )
+            self.run_dir, self.model_dir, source.tag, gpu_ids, devices, self.gforker,
+            self.setpriv,
+        )  # fmt: skip
         with log_path.open("ab") as out, FORK_LOCK:  # no fork while MPI accepts a join
             proc = subprocess.Popen(
                 argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
-        return _Launch(source, gpu_ids, proc, log_path)
+        return _Launch(source, gpu_ids, devices, proc, log_path)
 
     def release(self, source: ElasticSource) -> None:
         """Given back: its rank leaves the world, then its launch ends. A component whose
@@ -200,6 +228,7 @@ class LocalBackend:
             or launch.proc.poll() is not None
         )
         self.members.leave(source.tag)
+        self._ending.append(launch)
         self._spawn(self._end(launch))
         missing = min(self.offered, self.wanted) - len(self._counted())
         if died and launch.counted and not launch.ended_early and missing > 0:

@@ -52,6 +52,7 @@ from pearl_hpc.config.slurm import (
     SlurmSettings,
     container_srun_options,
     in_container,
+    job_env,
     site_options,
 )
 from pearl_hpc.core.controller import CapacityGranted, CapacityReclaimed
@@ -153,7 +154,7 @@ def elastic_job_spec(
         command=[python, "-m", "pearl_hpc.backends.slurm_job", *engine_args],
         signal=f"B:USR2@{min(p.signal_lead_s for p in chosen)}",
         output=str(elastic_dir / "job-%j.out"),
-        env=tuple(s.env.items()),
+        env=tuple(job_env(s).items()),
         setup=tuple(s.setup),
     )
 

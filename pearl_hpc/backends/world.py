@@ -44,6 +44,7 @@ from pearl_hpc.config.slurm import (
     ContainerSettings,
     container_srun_options,
     in_container,
+    job_env,
     site_options,
 )
 from pearl_hpc.errors import ConfigError, PearlError
@@ -167,7 +168,7 @@ def base_job_spec(cfg: RunConfig, run_dir: Path, python: str = "") -> JobSpec:
         command=[python, "-m", "pearl_hpc.cli", "run", "--resume", str(run_dir)],
         signal=f"B:USR2@{s.signal_lead_s}",
         output=str(run_dir / "batch-%j.out"),
-        env=tuple(s.env.items()),
+        env=tuple(job_env(s).items()),
         setup=tuple(s.setup),
         template=Path(s.template).read_text() if s.template else "",
     )

@@ -24,17 +24,27 @@ def _is_ipv4(text: str) -> bool:
         return False
 
 
-def bind_address(spec: str) -> str:
-    """The IPv4 address ``spec`` names on this node; one clear error if it names none."""
+def bind_address(spec: str, *, reachable: bool = False) -> str:
+    """The IPv4 address ``spec`` names on this node; one clear error if it names none, or
+    (``reachable``: other nodes must reach it) if 'hostname' resolves to loopback, as
+    Debian-style hosts map their name to 127.0.1.1. Loopback named outright (``lo``,
+    ``127.0.0.1``) is taken: a cluster whose nodes are all one host."""
     if spec == "hostname":
         name = socket.gethostname()
         try:
-            return socket.gethostbyname(name)
+            address = socket.gethostbyname(name)
         except OSError as exc:
             raise ConfigError(
                 f"slurm.engine_interface hostname: {name!r} does not resolve ({exc}); "
                 "name an interface (e.g. eth0) or an address"
             ) from None
+        if reachable and address.startswith("127."):
+            raise ConfigError(
+                f"slurm.engine_interface hostname: {name!r} resolves to {address}, a "
+                "loopback address the run's other nodes cannot reach; name the interface "
+                "they share (e.g. ib0, eth0) or its address"
+            )
+        return address
     if _is_ipv4(spec):
         return spec
     names = sorted(name for _, name in socket.if_nameindex())

@@ -95,8 +95,8 @@ class SlurmSettings:
         default=[],
     )
     env: dict[str, str] = spec_field(
-        "variables exported in every batch job of the run (NCCL_SOCKET_IFNAME, "
-        "HF_HUB_OFFLINE, ...), before setup",
+        "variables exported in every batch job of the run (HF_HUB_OFFLINE, NCCL_IB_HCA, "
+        "UCX_NET_DEVICES, ...), before setup",
         default={},
     )
     python: str = spec_field(
@@ -129,7 +129,9 @@ class SlurmSettings:
     poll_s: float = spec_field("squeue poll interval, seconds", default=1.0, gt=0)
     engine_interface: str = spec_field(
         "what engine and trainer sockets bind on each node: 'hostname' (what the node's "
-        "name resolves to), an interface (e.g. ib0, eth0) or an IPv4 address",
+        "name resolves to; refused if loopback where the run spans nodes), an interface "
+        "(e.g. ib0, eth0: also GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME unless env sets "
+        "them) or an IPv4 address",
         default="hostname",
     )
     lease_timeout_s: float = spec_field(
@@ -169,6 +171,19 @@ def slurm_problem(s: SlurmSettings) -> str:
             if not option.startswith("-") or "\n" in option:
                 return f"slurm.{key}[{i}] {option!r}: an option, e.g. --reservation=r1"
     return container_problem(s.container)
+
+
+def job_env(s: SlurmSettings) -> dict[str, str]:
+    """What every job of the run exports (pure): ``slurm.env``, after what
+    ``slurm.engine_interface`` implies when it names an interface -- gloo's and NCCL's
+    socket interface (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``: the weight groups'
+    traffic and NCCL's bootstrap on the network the run's sockets use, not whichever
+    interface comes first). UCX's devices (``UCX_NET_DEVICES``, NIXL's KV path) are left
+    to ``slurm.env``: naming an IP interface there would keep UCX off the RDMA devices."""
+    iface = s.engine_interface
+    named = iface != "hostname" and not re.fullmatch(r"[0-9.]+", iface)
+    implied = {"GLOO_SOCKET_IFNAME": iface, "NCCL_SOCKET_IFNAME": iface} if named else {}
+    return {**implied, **s.env}
 
 
 def container_problem(c: ContainerSettings) -> str:

