@@ -490,6 +490,45 @@ def test_local_elastic_ranks_take_the_nodes_free_gpus() -> None:
     assert place([3], ["0", "1", "2", "3"], "auto", key="engine.device", who="el1").visible == "3"
 
 
+def test_a_trained_version_sleeps_at_level_2_and_wakes_from_the_host_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Once the runner holds a trained version on the host, the engine sleeps at level 2
+    (vLLM keeps no second pinned copy) and wakes weights first, loaded from that copy
+    (the latest: one that arrived asleep too), then its KV cache; version 0 (the model
+    directory's) sleeps at level 1 and wakes whole."""
+    import pearl_hpc.engine.vllm_engine as vllm_engine
+    from pearl_hpc.engine.vllm_engine import EngineRunner
+
+    calls: list[tuple[str, object]] = []
+
+    class Engine:  # vLLM's engine, as far as sleep, wake and reload go
+        def sleep(self, level: int) -> None:
+            calls.append(("sleep", level))
+
+        def wake_up(self, tags: list[str] | None = None) -> None:
+            calls.append(("wake", tags))
+
+    monkeypatch.setattr(vllm_engine, "_reload", lambda e, w, f: calls.append(("reload", w)))
+    runner = EngineRunner(EngineSpec("/m", device="cuda"), "w")
+    try:
+        runner._engine, runner.role = Engine(), Role.COLOCATED
+        runner._sleep()
+        runner._wake()
+        assert calls == [("sleep", 1), ("wake", None)]
+        calls.clear()
+        runner.weight_version, runner._host_weights = 3, {"w": 3}
+        runner._sleep()
+        runner._host_weights, runner._load_on_wake = {"w": 4}, True  # v4 arrived asleep
+        runner._wake()
+        assert calls == [("sleep", 2), ("wake", ["weights"]), ("reload", {"w": 4}),
+                         ("wake", ["kv_cache"])]  # fmt: skip
+        assert not runner.asleep and not runner._load_on_wake
+    finally:
+        runner._engine = None
+        runner.close()
+
+
 def test_a_woken_engine_restarts_for_a_role_that_moves_kv() -> None:
     """vLLM's sleep (level 1, cuda) unmaps the KV cache and wake maps new memory in its
     place, which NIXL registered once, at the engine's start: a woken engine serves
@@ -507,7 +546,7 @@ def test_a_woken_engine_restarts_for_a_role_that_moves_kv() -> None:
 
     runner = EngineRunner(EngineSpec("/m", device="cuda"), "w")
     try:
-        runner._engine, runner.role = Slept(), Role.PREFILL
+        runner._engine, runner.role = Slept(), Role.PREFILL  # (version 0: sleep level 1)
         runner._kv_both = runner._kv_connector = True
         assert runner.takes_in_place(Role.DECODE) and runner.takes_in_place(Role.PREFILL)
         runner._sleep()

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 from pearl_hpc.core.tracker import IterationRecord
 from pearl_hpc.core.types import Role
 from pearl_hpc.engine.nixl import nixl_listener_that_survives, nixl_without_progress_thread
-from pearl_hpc.engine.spec import EngineSpec, engine_args
+from pearl_hpc.engine.spec import EngineSpec, engine_arg_names, engine_args
 from pearl_hpc.engine.types import EngineError, TurnRequest, TurnResult
 
 if TYPE_CHECKING:
@@ -224,7 +224,11 @@ class EngineRunner:
         self._host_weights: dict[str, Any] = {}
         self._host_file: WeightFile | None = None  # the same, as a file (TP > 1 only)
         self._cache_stale_at: float | None = None  # a refused prefix-cache reset, when
-        self.asleep = False  # cuda: vLLM sleep level 1 (weights in host memory, KV freed)
+        # cuda: vLLM's sleep: level 2 (weights and KV dropped; the weights come back from
+        # this runner's host copy at wake) once it holds a trained version, else level 1
+        # (vLLM keeps the model directory's weights in pinned host memory)
+        self.asleep = False
+        self.sleep_level = 0
         self._kv_both = False  # the engine serves any role (started with kv_both)
         self._kv_connector = False  # the engine moves KV (NIXL registered its KV cache)
         # its KV registration predates a sleep: level 1 unmaps the KV cache and wake maps
@@ -383,6 +387,10 @@ class EngineRunner:
         if spec.device == "cpu":
             _cpu_setup_once()
         args = engine_args(spec, role)
+        if spec.device == "cuda" and "sleep_mode_offload_cudagraph" in engine_arg_names():
+            # (vLLM >= 0.32) the CUDA graphs' memory leaves the GPU while the engine
+            # sleeps, for the trainer it lends the GPU back to
+            args.setdefault("sleep_mode_offload_cudagraph", True)
         memory = device_memory(spec.device)
         if memory is not None:  # an overlap engine gets what the trainer's offload freed
             args["gpu_memory_utilization"] = fitted_utilization(
@@ -431,15 +439,30 @@ class EngineRunner:
         return time.perf_counter() - t0
 
     def _sleep(self) -> None:
+        """Level 2 where this runner holds the weights on the host (every trained
+        version): vLLM's own pinned copy at level 1 would be a second one (16.4 GB more
+        per 8B engine), and restoring it at wake a copy of weights a newer version
+        replaces. Version 0 (the model directory's) sleeps at level 1."""
         if self._engine is None or self.asleep:
             raise EngineError(f"{self.worker_id}: no awake engine to put to sleep")
-        self._engine.sleep(level=1)
+        held = self.weight_version > 0 and bool(self._host_weights or self._host_file)
+        self.sleep_level = 2 if held else 1
+        self._engine.sleep(level=self.sleep_level)
         self.asleep = True
         self._kv_stale = self._kv_connector
 
     def _wake(self) -> None:
+        """Level 2: the weights' memory first, filled from the host copy (the latest
+        version, whether it arrived before or during the sleep), then the KV cache's --
+        the engine is fully awake, and scheduling resumes, only then."""
         if self._engine is None or not self.asleep:
             raise EngineError(f"{self.worker_id}: no sleeping engine to wake")
+        if self.sleep_level == 2:
+            self._engine.wake_up(tags=["weights"])
+            _reload(self._engine, self._host_weights, self._host_file)
+            self._engine.wake_up(tags=["kv_cache"])
+            self.asleep = self._load_on_wake = False
+            return
         self._engine.wake_up()
         self.asleep = False
         if self._load_on_wake:  # the version that arrived while it slept

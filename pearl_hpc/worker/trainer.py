@@ -96,9 +96,7 @@ class TrainerRank:
                 SharedStore.create(_file_name(run_dir.name)) if cfg.train.shared_memory else None
             )
             t = cfg.train
-            self.sync = WeightSync(
-                key, host, t.weight_sync, cfg.run.max_staleness, shared=shared
-            )
+            self.sync = WeightSync(key, host, t.weight_sync, cfg.run.max_staleness, shared=shared)
         addr = comm.bcast(
             (self.sync.store.host, self.sync.store.port) if self.sync is not None else None, 0
         )
@@ -374,15 +372,19 @@ def grpo_config(cfg: RunConfig, device: str = "cpu") -> Any:
 
 def _join_fsdp_world(store: Any, index: int, size: int, backend: str) -> None:
     """torch.distributed's default group over the trainer ranks (FSDP2 shards over it):
-    no engine lives in a trainer rank's process, so the default group is theirs."""
+    no engine lives in a trainer rank's process, so the default group is theirs. On NCCL
+    its communicator is made now (bound to the rank's GPU), not at the first step's
+    collective: its buffers are on the GPU before an overlap engine sizes itself to what
+    is free there."""
     from datetime import timedelta
 
+    import torch
     import torch.distributed as dist
 
     timeout = timedelta(seconds=120)
     dist.init_process_group(
         backend, store=dist.PrefixStore("fsdp/", store), rank=index, world_size=size,
-        timeout=timeout,
+        timeout=timeout, device_id=torch.device("cuda", 0) if backend == "nccl" else None,
     )  # fmt: skip
 
 
