@@ -404,3 +404,26 @@ def test_a_bad_container_is_one_line(site: Path, item: str, message: str) -> Non
     image = ["slurm.container.runtime=pyxis", "slurm.container.image=/i.sqsh"]
     with pytest.raises(ConfigError, match=re.escape(message)):
         read_run_config(_write(site, RUN), [*image, item])
+
+
+def test_the_tool_sandbox_is_checked_before_the_queue(
+    site: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An environment that runs the policy's code needs bubblewrap: where it cannot start
+    a sandbox, a local run is refused with the fix, a Slurm run warned (this node is not
+    the run's); an environment that runs no code is not asked."""
+    import pearl_hpc.rollout.sandbox as sandbox
+    from pearl_hpc.backends.checks import prequeue_checks
+
+    def check(backend: str, env: str) -> Any:
+        doc = {**RUN, "backend": backend, "model": "tiny", "run": {"env": env}}
+        cfg = read_run_config(_write(site, doc))
+        return prequeue_checks(cfg, slurm=False)
+
+    assert "the tool sandbox of run.env calc starts here" in check("local", "calc").done
+    why = "bubblewrap could not start a sandbox here (...); sysctl user.max_user_namespaces"
+    monkeypatch.setattr(sandbox, "sandbox_problem", lambda: why)
+    assert f"run.env calc: {why}" in check("local", "calc").problems
+    slurm = check("slurm", "code")
+    assert not slurm.problems and any(why in w for w in slurm.warnings)
+    assert not any("sandbox" in line for line in check("local", "synthetic").lines())

@@ -71,6 +71,28 @@ def _has_pyxis(run: Runner) -> bool:
     return "--container-image" in run(["srun", "--help"], None).stdout
 
 
+SANDBOXED_ENVS = ("calc", "code")  # their tool calls run in rollout.sandbox
+
+
+def _sandbox_check(cfg: RunConfig, checks: Checks) -> None:
+    """The tool sandbox (bubblewrap) of an environment that runs the policy's code: a
+    problem where the run is local; on Slurm what this node says is a warning (the
+    run's nodes need it, and may differ)."""
+    if cfg.run.env not in SANDBOXED_ENVS:
+        return
+    from pearl_hpc.rollout.sandbox import sandbox_problem
+
+    problem = sandbox_problem()
+    if problem is None:
+        checks.done.append(f"the tool sandbox of run.env {cfg.run.env} starts here")
+    elif cfg.backend == "local":
+        checks.problems.append(f"run.env {cfg.run.env}: {problem}")
+    else:
+        checks.warnings.append(
+            f"run.env {cfg.run.env}: on this node, {problem}; the run's nodes need it"
+        )
+
+
 def prequeue_checks(
     cfg: RunConfig,
     *,
@@ -88,6 +110,7 @@ def prequeue_checks(
         return checks
     problem = model_problem(cfg.model)
     (checks.problems if problem else checks.done).append(problem or f"model {cfg.model}")
+    _sandbox_check(cfg, checks)
     if not slurm:
         return checks
     if shutil.which("sinfo") is None:  # a description away from any cluster

@@ -238,7 +238,9 @@ def sandbox_problem() -> str | None:
         said = (probe.stderr.strip().splitlines() or ["no output"])[-1]
         return (
             f"bubblewrap could not start a sandbox here ({said}); it needs root or "
-            "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1)"
+            "unprivileged user namespaces: sysctl user.max_user_namespaces=15000 "
+            "(RHEL-family), kernel.unprivileged_userns_clone=1 (Debian), "
+            "kernel.apparmor_restrict_unprivileged_userns=0 (Ubuntu 24.04)"
         )
     return None
 
