@@ -435,7 +435,6 @@ class EngineService:
             "host": bound_host,
             "port": bound_port,
             "pid": os.getpid(),
-            "kv_port": self.spec.kv_side_channel_port,
             "start_s": start.wall_s if start else None,
         }
 
