@@ -239,7 +239,9 @@ def counterfactual(record: RunRecord) -> dict[str, Any]:
 NOT_MODELLED = (
     "per-token effects inside a turn (the iteration is linear in sequences), CPU contention "
     "between engines, trainers and the master on shared cores, a distinct cost for each "
-    "engine start (all take the run's mean), the master's own latency per event"
+    "engine start (all take the run's mean), the master's own latency per event, a borrow "
+    "cancelled before its engine was up (the run gives its GPU back at once; the twin pays "
+    "the measured deactivation)"
 )
 
 
