@@ -47,7 +47,7 @@ def parse_sinfo(text: str) -> list[NodeGroup]:
         if len(parts) != 6:
             continue
         name, nodes, gres, cpus, mem, avail = parts
-        gpus = [(m.group(1) or "", int(m.group(2))) for m in _GPU.finditer(gres)]
+        gpus = gres_gpus(gres)
         groups.append(
             NodeGroup(
                 partition=name.rstrip("*"),
@@ -61,6 +61,12 @@ def parse_sinfo(text: str) -> list[NodeGroup]:
             )
         )
     return groups
+
+
+def gres_gpus(gres: str) -> list[tuple[str, int]]:
+    """The GPUs of a node's GRES as sinfo prints it (``gpu:a100:8(S:0-1),gpu:v100:4``):
+    ``(type, count)`` each, type '' where untyped (pure)."""
+    return [(m.group(1) or "", int(m.group(2))) for m in _GPU.finditer(gres)]
 
 
 def _number(text: str) -> int:

@@ -26,12 +26,12 @@ from datetime import datetime
 
 from pearl_hpc.config.traces import AvailabilityTrace
 from pearl_hpc.slurm.client import CommandResult, Runner, run_command
+from pearl_hpc.slurm.cluster import gres_gpus
 from pearl_hpc.slurm.parse import expand_hostlist, slurm_time
 
 SACCT_FIELDS = ("JobID", "JobName", "Start", "End", "NodeList", "NCPUS", "AllocTRES")
 NODE_FORMAT = "%N|%c|%G"
 OWN_JOB_NAME = "pearl-elastic"
-_GPU = re.compile(r"gpu(?::[A-Za-z0-9_.-]+)?:(\d+)")
 _TRES_GPU = re.compile(r"(?:^|,)gres/gpu=(\d+)")
 
 
@@ -76,7 +76,7 @@ def parse_nodes(text: str) -> dict[str, Node]:
         if len(parts) != 3 or not parts[1].isdigit():
             continue
         name, cpus, gres = parts
-        nodes[name] = Node(int(cpus), sum(int(m.group(1)) for m in _GPU.finditer(gres)))
+        nodes[name] = Node(int(cpus), sum(n for _, n in gres_gpus(gres)))
     return nodes
 
 
