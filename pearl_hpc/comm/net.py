@@ -12,16 +12,10 @@ import fcntl
 import socket
 import struct
 
+from pearl_hpc.config.slurm import is_ipv4
 from pearl_hpc.errors import ConfigError
 
 _SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
-
-
-def _is_ipv4(text: str) -> bool:
-    try:
-        return socket.inet_aton(text) is not None and text.count(".") == 3
-    except OSError:
-        return False
 
 
 def bind_address(spec: str, *, reachable: bool = False) -> str:
@@ -45,7 +39,7 @@ def bind_address(spec: str, *, reachable: bool = False) -> str:
                 "they share (e.g. ib0, eth0) or its address"
             )
         return address
-    if _is_ipv4(spec):
+    if is_ipv4(spec):
         return spec
     names = sorted(name for _, name in socket.if_nameindex())
     if spec not in names:

@@ -173,6 +173,17 @@ def slurm_problem(s: SlurmSettings) -> str:
     return container_problem(s.container)
 
 
+def is_ipv4(text: str) -> bool:
+    """``text`` is a dotted IPv4 address (what ``slurm.engine_interface`` may name
+    besides 'hostname' and an interface; pure)."""
+    import socket
+
+    try:
+        return socket.inet_aton(text) is not None and text.count(".") == 3
+    except OSError:
+        return False
+
+
 def job_env(s: SlurmSettings) -> dict[str, str]:
     """What every job of the run exports (pure): ``slurm.env``, after what
     ``slurm.engine_interface`` implies when it names an interface -- gloo's and NCCL's
@@ -181,7 +192,7 @@ def job_env(s: SlurmSettings) -> dict[str, str]:
     interface comes first). UCX's devices (``UCX_NET_DEVICES``, NIXL's KV path) are left
     to ``slurm.env``: naming an IP interface there would keep UCX off the RDMA devices."""
     iface = s.engine_interface
-    named = iface != "hostname" and not re.fullmatch(r"[0-9.]+", iface)
+    named = iface != "hostname" and not is_ipv4(iface)
     implied = {"GLOO_SOCKET_IFNAME": iface, "NCCL_SOCKET_IFNAME": iface} if named else {}
     return {**implied, **s.env}
 
