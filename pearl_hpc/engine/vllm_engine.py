@@ -82,8 +82,6 @@ def configure_process_env(spec: EngineSpec) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if spec.device == "cpu":
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_cache_gb)
-    if spec.kv_side_channel_port:
-        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.kv_side_channel_port)
 
 
 def _side_channel_port(fixed: int) -> None:
