@@ -1,18 +1,22 @@
 """The entry of every process of a run's MPI world.
 
     mpiexec -n N python -m pearl_hpc.rank rank --run-dir RUN_DIR --model-dir M [--resume]
+    mpiexec -n 1 python -m pearl_hpc.rank engine --run-dir RUN_DIR --model-dir M --rank R
     srun --mpi=pmi2 python -m pearl_hpc.rank join --run-dir RUN_DIR --model-dir M --group JOB+K
     mpiexec -n 1 python -m pearl_hpc.rank join ... --group elJ+K --gpu-ids elJ+K:gpu0   (local)
 
 Every rank reads ``RUN_DIR/config.yaml`` and finds what it runs by its rank in the base
-layout (:func:`pearl_hpc.comm.layout.base_layout`): rank 0 the master (its loop:
-:mod:`pearl_hpc.master.loop`, with the backend :func:`pearl_hpc.backends.backend_factory`
-names), then the trainer ranks (:mod:`pearl_hpc.worker.trainer`), then the engine ranks
-(:mod:`pearl_hpc.worker.engine`). This module is the top of the house: it may import
-every layer, and none imports it. Start-up is two collectives over the world, in this order
-on every rank: one ``Split`` that gives the trainer ranks their own communicator, and the
-control plane's ``Dup``. mpi4py is imported before torch or vLLM; rank 0 starts its
-doorman (:mod:`pearl_hpc.comm.doorman`) before either.
+layout (:func:`pearl_hpc.comm.layout.base_layout`). The world (``rank``) is the master and
+the trainer ranks: its rank 0 the master (its loop: :mod:`pearl_hpc.master.loop`, with
+the backend :func:`pearl_hpc.backends.backend_factory` names), then the trainer ranks
+(:mod:`pearl_hpc.worker.trainer`). Each base engine rank (``engine``,
+:mod:`pearl_hpc.worker.engine`) is a launch of its own that joins the master like an
+elastic rank (``join``): a failure domain apart (:mod:`pearl_hpc.backends.domains`). This
+module is the top of the house: it may import every layer, and none imports it. Start-up
+is two collectives over the world, in this order on every rank: one ``Split`` that gives
+the trainer ranks their own communicator, and the control plane's ``Dup``. mpi4py is
+imported before torch or vLLM; rank 0 starts its doorman (:mod:`pearl_hpc.comm.doorman`)
+before either.
 """
 
 from __future__ import annotations
@@ -44,10 +48,9 @@ def _rank(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     from pearl_hpc.backends.world import multi_node
-    from pearl_hpc.comm.layout import MASTER, TRAINER, base_layout, cpu_threads
+    from pearl_hpc.comm.layout import MASTER, TRAINER, base_layout, cpu_threads, world_of
     from pearl_hpc.comm.mpi import MasterPlane, WorkerPlane
     from pearl_hpc.engine.rpc import read_key
-    from pearl_hpc.engine.spec import check_kv_transfer, check_vllm
     from pearl_hpc.errors import ConfigError
     from pearl_hpc.master.preflight import load_run_config
     from pearl_hpc.worker.placement import place_rank
@@ -56,21 +59,19 @@ def _rank(args: argparse.Namespace) -> int:
     run = RunDir(run_dir)
     cfg = load_run_config(run.config)
     layout = base_layout(cfg.workers, cfg.layout)
+    ranks = world_of(layout)
     world = MPI.COMM_WORLD
-    if world.Get_size() != len(layout):
+    if world.Get_size() != len(ranks):
         if world.Get_rank() == 0:
             print(
                 f"pearl_hpc.rank: the world has {world.Get_size()} ranks, the run's layout "
-                f"{len(layout)}; start it with `pearl-hpc run`",
+                f"{len(ranks)}; start it with `pearl-hpc run`",
                 file=sys.stderr,
             )
         return 2
-    me = layout[world.Get_rank()]
+    me = ranks[world.Get_rank()]
     try:
         placement = place_rank(me, cfg)
-        if me.kind not in (MASTER, TRAINER):
-            check_vllm()
-            check_kv_transfer(cfg)
         # what this rank's sockets bind: loopback on one machine, the configured interface
         host = _bind_host(cfg)
     except ConfigError as exc:
@@ -139,26 +140,80 @@ def _member(
     cfg: Any, run: RunDir, me: Any, plane_w: Any, trainers: Any, args: argparse.Namespace,
     key: str, host: str, device: str,
 ) -> int:  # fmt: skip
-    """A trainer or engine rank of the base world, served to its end."""
-    from pearl_hpc.comm.layout import TRAINER
+    """A trainer rank of the base world, served to its end."""
     from pearl_hpc.comm.mpi import member_info
+    from pearl_hpc.worker.trainer import TrainerRank
 
     hello = member_info(me.kind, gpu_ids=me.gpu_ids, rank=me.rank)
-    if me.kind == TRAINER:
-        from pearl_hpc.worker.trainer import TrainerRank
+    rank = TrainerRank(
+        plane_w, trainers, cfg, me, run.path, args.model_dir, key, host, args.resume,
+        device=device,
+    )  # fmt: skip
+    return rank.serve(hello)
 
-        rank = TrainerRank(
-            plane_w, trainers, cfg, me, run.path, args.model_dir, key, host, args.resume,
-            device=device,
-        )  # fmt: skip
-        return rank.serve(hello)
-    from pearl_hpc.engine.spec import engine_spec
+
+def _engine(args: argparse.Namespace) -> int:
+    """A base engine rank: a launch of its own (started again by the launcher when it
+    dies: :mod:`pearl_hpc.backends.domains`), joined to the master like an elastic rank
+    (group ``rankR-A``), served until the master's LEAVE at the run's end. A first
+    launch that fails before it joined records the run's failure (nothing relaunched
+    would start either)."""
+    from mpi4py import MPI  # noqa: F401  (MPI before torch and vLLM)
+
+    from pearl_hpc.comm.layout import ENGINE, base_layout, domain_group
+    from pearl_hpc.comm.mpi import WorkerPlane, member_info
+    from pearl_hpc.engine.rpc import read_key
+    from pearl_hpc.engine.spec import check_kv_transfer, check_vllm, engine_spec
+    from pearl_hpc.errors import ConfigError
+    from pearl_hpc.master.preflight import load_run_config
     from pearl_hpc.worker.engine import engine_rank_id, serve_engine
+    from pearl_hpc.worker.placement import place_rank
 
-    spec = engine_spec(cfg, args.model_dir, device=device, gpus=len(me.devices), host=host)
-    worker_id = engine_rank_id(me)
-    ready_file = run.engine_ready(worker_id)
-    return serve_engine(lambda: plane_w, spec, worker_id, ready_file, key, hello, host)
+    run = RunDir(args.run_dir)
+    cfg = load_run_config(run.config)
+    me = next((r for r in base_layout(cfg.workers, cfg.layout) if r.rank == args.rank), None)
+    if me is None or me.kind != ENGINE:
+        print(f"pearl_hpc.rank: rank {args.rank} is no engine rank of the run", file=sys.stderr)
+        return 2
+    first = args.attempt == 0
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # the launcher's to pass to the master
+    try:
+        placement = place_rank(me, cfg)
+        check_vllm()
+        check_kv_transfer(cfg)
+        host = _bind_host(cfg)
+    except ConfigError as exc:  # one line on the launcher's output
+        print(f"pearl_hpc.rank: rank {me.rank}: {exc}", file=sys.stderr, flush=True)
+        if first:
+            run.record_failure(me.rank, me.kind, _error_line(exc), joined=False)
+        return 2
+    _log_to(run.rank_log(me.rank, me.kind))
+    _compute_threads(1)
+    planes: list[WorkerPlane] = []
+    try:
+        group = domain_group(me.rank, args.attempt)
+        hello = member_info(me.kind, gpu_ids=me.gpu_ids, rank=me.rank, group=group)
+        key = read_key(run.rpc_key)
+        spec = engine_spec(cfg, args.model_dir, device=placement.device, gpus=len(me.devices),
+                           host=host)  # fmt: skip
+
+        def connect() -> WorkerPlane:
+            planes.append(WorkerPlane.join(run.path, group, key, timeout_s=600.0))
+            return planes[-1]
+
+        worker_id = engine_rank_id(me)
+        ready = run.engine_ready(worker_id)
+        return serve_engine(
+            connect, spec, worker_id, ready, key, hello, host,
+            left_mark=lambda group: run.domain_note(group, "left"),
+        )  # fmt: skip
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt):
+            return 130
+        traceback.print_exc()
+        if first and not (planes and planes[-1].joined):
+            run.record_failure(me.rank, me.kind, _error_line(exc), joined=False)
+        return 1
 
 
 def _doorman(run_dir: Path) -> Any:
@@ -340,6 +395,12 @@ def main(argv: list[str] | None = None) -> int:
     rank.add_argument("--resume", action="store_true")
     rank.add_argument("--live", action="store_true", help="rank 0: a live line (a terminal)")
     rank.set_defaults(func=_rank)
+    engine = sub.add_parser("engine", help="a base engine rank (pearl-hpc run starts them)")
+    engine.add_argument("--run-dir", type=Path, required=True)
+    engine.add_argument("--model-dir", required=True)
+    engine.add_argument("--rank", type=int, required=True, help="its rank in the base layout")
+    engine.add_argument("--attempt", type=int, default=0, help="its launch: 0 the first")
+    engine.set_defaults(func=_engine)
     join = sub.add_parser("join", help="a rank of an elastic job: joins the run's world")
     join.add_argument("--run-dir", type=Path, required=True)
     join.add_argument("--model-dir", required=True)

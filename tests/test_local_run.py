@@ -205,15 +205,15 @@ def test_local_run_grows_reclaims_borrows_and_loses_nothing(tmp_path: Path, monk
     groups = [p["groups"] for p in partitions]
     assert [p["epoch"] for p in partitions] == list(range(1, len(partitions) + 1))
     assert all(a != b for a, b in itertools.pairwise(groups))
-    base, elastic = ["base:3", "base:4"], ["base:3", "base:4", "el1+0:0"]
-    for group in groups:  # ranks 1-2 train; engine ranks 3-4 (and the elastic rank, once
-        # it joined) serve in a role or idle
+    base, elastic = ["rank3-0:0", "rank4-0:0"], ["el1+0:0", "rank3-0:0", "rank4-0:0"]
+    for group in groups:  # ranks 1-2 train; engine ranks 3-4 (launches of their own) and
+        # the elastic rank, once it joined, serve in a role or idle
         assert group["training"] == ["base:1", "base:2"]
         engines = sorted(m for role, ids in group.items() if role != "training" for m in ids)
         assert engines in (base, elastic), group
     assert any("el1+0:0" in ids for g in groups for ids in g.values())  # it joined
     joined = [e for e in events if e["kind"] == "joined"]
-    assert [e["group"] for e in joined] == ["el1+0"]
+    assert sorted(e["group"] for e in joined) == ["el1+0", "rank3-0", "rank4-0"]
     assert "leave" in kinds  # given back: it left the world
     assert {"prefill", "decode"} <= set(groups[0])  # the disaggregated start
     assert len(list(run_dir.glob("rank*-trainer.log"))) == 2  # two trainer processes
@@ -682,11 +682,13 @@ def test_a_master_killed_mid_step_resumes_without_losing_anything(
 
 @pytest.mark.vllm
 @pytest.mark.skipif(vllm_skip_reason() is not None, reason=str(vllm_skip_reason()))
-def test_a_worker_killed_mid_rollout_loses_no_trajectory(tmp_path: Path, monkeypatch):
-    """SIGKILL the elastic rank while step 1's turns run on it: the router reports it
-    once, the controller drops it and gives its capacity back, its turns are re-sent to
-    the reserved worker, the backend launches a new rank (the trace still wants one), it
-    joins and serves, and every trajectory of every step is trained."""
+def test_workers_killed_mid_rollout_lose_no_trajectory(tmp_path: Path, monkeypatch):
+    """SIGKILL both engine ranks while step 1's turns run on them, the elastic one and
+    the reserved (base) one: the router reports each once, the controller drops their
+    slots and gives the elastic capacity back; the backend launches a new elastic rank
+    (the trace still wants one), and the reserved rank -- a failure domain of its own --
+    is started again by the launcher, no restart of the run. Both join and serve, the
+    turns in flight are re-sent to them, and every trajectory of every step is trained."""
     monkeypatch.setenv("PEARL_HPC_CACHE", str(tmp_path / "cache"))
     config = {
         **CONFIG,
@@ -699,7 +701,7 @@ def test_a_worker_killed_mid_rollout_loses_no_trajectory(tmp_path: Path, monkeyp
     run_dir = tmp_path / "runs" / "t"
     killed: list[int] = []
 
-    def kill_elastic_mid_step_1() -> None:
+    def kill_both_mid_step_1() -> None:
         """Once the elastic worker serves (both workers' ready events), in the first
         rollout (step >= 1) that has started: a few turns logged, the rest in flight."""
         deadline = time.monotonic() + 600
@@ -709,29 +711,44 @@ def test_a_worker_killed_mid_rollout_loses_no_trajectory(tmp_path: Path, monkeyp
             events = (run_dir / "events.jsonl").read_text() if ready else ""
             serving = events.count('"kind": "ready"') >= 2
             if serving and logs and len(logs[-1].read_text().splitlines()) >= 4:
-                pid = json.loads(ready[0].read_text())["pid"]
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
+                for path in [ready[0], run_dir / "rank2-rsv:0.ready.json"]:
+                    pid = json.loads(path.read_text())["pid"]
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
                 return
             time.sleep(0.02)
 
-    killer = threading.Thread(target=kill_elastic_mid_step_1, daemon=True)
+    killer = threading.Thread(target=kill_both_mid_step_1, daemon=True)
     killer.start()
     summary = run_to_summary(cfg, run_dir)
     killer.join(timeout=5)
-    assert killed, "the elastic worker was never killed"
+    assert len(killed) == 2, "the engine ranks were never killed"
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["trajectories"] for m in metrics] == [16] * 4  # nothing lost
     assert summary["steps"] == 4
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     failed = [e for e in events if e.get("event") == "WorkerFailed"]
-    assert len(failed) == 1, failed  # one death, one failure event
-    # the trace still wants one: a new launch replaces it, joins the world and serves
+    assert len(failed) == 2, failed  # two deaths, one failure event each
+    # the reserved rank's death ended its own launch: started again, joined, served
+    output = (run_dir / "world.log").read_text()
+    assert "run.max_restarts): resuming" not in output, output[-3000:]
+    assert not [e for e in events if e["kind"] == "resumed"]
+    assert "pearl-hpc run: engine rank 2 " in output, output[-3000:]
+    assert "starting it again (1 of 3, run.max_restarts)" in output, output[-3000:]
+    back = [e for e in events if e["kind"] == "engine_back"]
+    assert [e["member"] for e in back] == ["rank2-1:0"], back
+    assert any(
+        e["kind"] == "ready" and e["gpus"] == ["rsv:0"] and e["t_s"] > back[0]["t_s"]
+        for e in events
+    ), "the reserved rank, started again, never served"
+    # the trace still wants one: a new launch replaces the elastic rank, joins and serves
     assert [e["component"] for e in events if e["kind"] == "replace"] == ["el1+0"]
     after = [e for e in events if e.get("t_s", 0) >= failed[0]["t_s"]]
     granted = [e for e in after if e.get("event") == "CapacityGranted"]
     assert granted and granted[0]["source"] == "el2+0", granted
-    assert [e["group"] for e in events if e["kind"] == "joined"] == ["el1+0", "el2+0"]
-    plan = next(e for e in after if e["kind"] == "reconfigure" and e["add"] == 1)
-    assert plan["cause"].startswith("capacity"), plan
+    joined = [e["group"] for e in events if e["kind"] == "joined"]
+    assert joined[:2] == ["rank2-0", "el1+0"] and sorted(joined[2:]) == ["el2+0", "rank2-1"]
+    assert any(e["kind"] == "ready" and e["source"] == "el2+0" for e in after), (
+        "the new elastic rank never served"
+    )
     assert all(m["elastic_workers"] == 1 for m in metrics)

@@ -273,7 +273,8 @@ def test_slurm_run_harvests_a_standing_request_master_killed_and_resumed(
         def rejoined() -> bool:
             events = read_jsonl(run_dir / "events.jsonl")
             at = [i for i, e in enumerate(events) if e["kind"] == "adopted"]
-            return bool(at) and len([e for e in events[at[0] :] if e["kind"] == "joined"]) == 2
+            joined = [e for e in events[at[0] :] if e["kind"] == "joined" and "+" in e["group"]]
+            return bool(at) and len(joined) == 2
 
         _wait("the adopted ranks to join the resumed world", rejoined, 600, first_log)
         assert "restart 1 of 3 (run.max_restarts)" in first_log.read_text()
@@ -299,8 +300,9 @@ def test_slurm_run_harvests_a_standing_request_master_killed_and_resumed(
     job = next(e["job"] for e in events if e["kind"] == "submitted")
     assert events[at]["jobs"] == [job]
     assert events[at]["components"] == [f"{job}+0", f"{job}+1"]
-    before = {e["group"] for e in events[:at] if e["kind"] == "joined"}
-    after = sorted(e["group"] for e in events[at:] if e["kind"] == "joined")
+    elastic = [e for e in events if e["kind"] == "joined" and "+" in e["group"]]
+    before = {e["group"] for e in elastic if events.index(e) < at}
+    after = sorted(e["group"] for e in elastic if events.index(e) > at)
     assert before and after == [f"{job}+0", f"{job}+1"], (before, after)
     # one heterogeneous request of two components, granted in one decision
     submitted = [e for e in events if e["kind"] == "submitted"]
@@ -402,7 +404,8 @@ def test_slurm_run_survives_a_slurmctld_outage_and_a_killed_elastic_rank(
         resume_drained_nodes()
         assert _in_squeue(master), f"the master did not survive the outage\n{log.read_text()}"
         assert during > 0, "the master's rollout stood still during the outage"
-        (joined,) = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "joined"]
+        events = read_jsonl(run_dir / "events.jsonl")
+        (joined,) = [e for e in events if e["kind"] == "joined" and "+" in e["group"]]
         member, pid = next(iter(joined["members"].items()))
         # no collective spans the members: killed whenever, mid-rollout
         os.kill(int(pid), signal.SIGKILL)
@@ -525,10 +528,10 @@ def test_a_base_job_over_two_nodes_trains_on_one_and_serves_on_the_other(
     """`pearl-hpc run CONFIG --sbatch` with a full site section: Slurm holds the job
     with the site's account, qos, time, constraint and typed GPUs; its setup lines and
     env reach every rank, each started in the site's apptainer image (a stand-in); the
-    world is one srun step over two nodes of the base job
-    (Slurm's pmi2 for the ranks' PMI, placed by RUN_DIR/hostfile), the master and the
-    trainer and overlap ranks on the training node, the reserved engine rank on the
-    rollout node; elastic workers are asked for as a 2-component hetjob; every step
+    world is one srun step of the base job (Slurm's pmi2 for the ranks' PMI, placed by
+    RUN_DIR/hostfile), the master and the trainer ranks on the training node; each
+    engine rank a step of its own on its node, the overlap rank on the training node, the
+    reserved engine rank on the rollout node; elastic workers are asked for as a 2-component hetjob; every step
     trains its whole batch."""
     config = tmp_path / "run.yaml"
     slurm = {**MULTI_NODE["slurm"], **IN_IMAGE}
@@ -570,7 +573,11 @@ def test_a_base_job_over_two_nodes_trains_on_one_and_serves_on_the_other(
     assert nodes["2"] == nodes["3"] == training_node  # trainer 2, overlap engine 3
     assert nodes["4"] != training_node  # the reserved engine rank: the rollout node
     hostfile = (run_dir / "hostfile").read_text().split()
-    assert hostfile == [training_node] * 4 + [nodes["4"]]  # a line a rank
+    assert hostfile == [training_node] * 3  # a line a rank of the world (master, trainers)
+    # each engine rank ran in a step of its own, on its node, and left at the end
+    assert sorted(p.name for p in (run_dir / "domains").iterdir()) == [
+        "rank3-0.left", "rank4-0.left"
+    ]  # fmt: skip
     partitions = [e for e in events if e["kind"] == "partition"]
     assert partitions and all(p["groups"]["training"] == ["base:1", "base:2"] for p in partitions)
     submitted = [e for e in events if e["kind"] == "submitted"]

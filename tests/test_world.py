@@ -13,14 +13,23 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pearl_hpc.backends.world import base_job_spec, hostfile_text, world_argv, world_env
+from pearl_hpc.backends.world import (
+    base_job_spec,
+    domain_argv,
+    hostfile_text,
+    world_argv,
+    world_env,
+)
 from pearl_hpc.comm.layout import (
     ENGINE,
     MASTER,
     TRAINER,
     base_layout,
     cpu_threads,
+    domain_group,
+    domain_rank,
     ranks_per_node,
+    world_of,
 )
 from pearl_hpc.config.run import LayoutConfig, WorkersConfig, layout_problem
 from pearl_hpc.errors import ConfigError
@@ -41,7 +50,14 @@ def test_the_default_world_is_master_two_trainers_and_two_engines() -> None:
     assert [r.gpu_ids for r in layout[3:]] == [("rsv:0",), ("train:0",)]
     assert not layout[3].overlap and layout[4].overlap
     argv = world_argv(cfg, Path("R"), "M")
-    assert argv[:3] == ["mpiexec.gforker", "-n", "5"]  # one node: gforker, no port
+    assert argv[:3] == ["mpiexec.gforker", "-n", "3"]  # one node: gforker, no port
+    # the world: the master and the trainers; each engine rank a launch of its own
+    assert [(r.rank, r.kind) for r in world_of(layout)] == [(0, MASTER), (1, TRAINER), (2, TRAINER)]
+    assert domain_argv(cfg, Path("R"), "M", layout[4], 1) == [
+        "mpiexec.gforker", "-n", "1", sys.executable, "-m", "pearl_hpc.rank", "engine",
+        "--run-dir", "R", "--model-dir", "M", "--rank", "4", "--attempt", "1",
+    ]  # fmt: skip
+    assert [domain_group(4, 1), domain_rank("rank4-1"), domain_rank("12+0")] == ["rank4-1", 4, None]
     assert world_env(cfg, Path("R")) == {"UCX_NET_DEVICES": "lo"}  # a local run: UCX on loopback
 
 
@@ -69,13 +85,21 @@ def test_pearl_32_gpu_layout_places_every_rank() -> None:
     assert (job.nodes, job.ntasks_per_node, job.gpus_per_node) == (3, 13, 8)
     # ranks numbered node by node: the hostfile gives each rank its node
     assert [r.node for r in layout] == sorted(r.node for r in layout)
-    argv = world_argv(cfg, Path("R"), "M")  # one srun step; Slurm's pmi2 for the ranks
+    # the world (master + trainers) is one srun step; Slurm's pmi2 for the ranks
+    argv = world_argv(cfg, Path("R"), "M")
     assert argv[:9] == [
-        "srun", "--mpi=pmi2", "--kill-on-bad-exit=1", "--quit-on-interrupt", "--nodes=3",
-        "--ntasks=27", "--cpus-per-task=4", "--distribution=arbitrary", sys.executable,
+        "srun", "--mpi=pmi2", "--kill-on-bad-exit=1", "--quit-on-interrupt", "--nodes=2",
+        "--distribution=arbitrary", "--ntasks=17", "--cpus-per-task=4", sys.executable,
     ]  # fmt: skip
     hosts = hostfile_text(layout, ["a", "b", "c", "d"]).split()
-    assert hosts == ["a"] * 13 + ["b"] * 12 + ["c"] * 2  # a line a rank
+    assert hosts == ["a"] * 9 + ["b"] * 8  # a line a rank of the world
+    # each engine rank: a one-task step of its own, beside the world's, on its node
+    argv = domain_argv(cfg, Path("R"), "M", reserved[0], 0, node="c")
+    assert argv[:10] == [
+        "srun", "--mpi=pmi2", "--kill-on-bad-exit=1", "--quit-on-interrupt", "--overlap",
+        "--nodes=1", "--nodelist=c", "--distribution=block", "--ntasks=1", "--cpus-per-task=4",
+    ]  # fmt: skip
+    assert argv[argv.index("engine") :][-4:] == ["--rank", str(reserved[0].rank), "--attempt", "0"]
     env = {"SLURM_HOSTFILE": str(Path("R") / "hostfile")}
     assert world_env(cfg, Path("R")) == env
     assert world_env(cfg, Path("R"), in_step=True) == {**env, "SLURM_OVERLAP": "1"}

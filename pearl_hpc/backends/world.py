@@ -1,8 +1,10 @@
-"""Starting a run's MPI world: the run directory made ready, then its launcher.
+"""Starting a run's MPI world: the run directory made ready, then its launchers.
 
     pearl-hpc run CONFIG ──prepare_run──> RUN_DIR (key, model, checkpoints a resume trusts)
                           ──mpiexec.gforker | srun  python -m pearl_hpc.rank rank──> the world:
-                             rank 0 master, trainer ranks, engine ranks (base_layout)
+                             rank 0 master, the trainer ranks (world_of(base_layout))
+                          ──a launch per engine rank (domain_argv; backends/domains.py)──>
+                             each joins the master like an elastic rank; relaunched if it dies
 
 Where the world runs:
 - a layout of one node (the local backend always): this node, started by MPICH's
@@ -10,8 +12,9 @@ Where the world runs:
   inside a Slurm batch job;
 - a layout over several nodes (backend slurm, inside the base job's allocation): one
   ``srun --mpi=pmi2`` step (Slurm starts every rank and carries their PMI; any rank's
-  death ends the step) and ``RUN_DIR/hostfile`` giving each rank its node (trainer ranks
-  on the training nodes, reserved engine ranks on the rollout nodes);
+  death ends the step) and ``RUN_DIR/hostfile`` giving each rank its node; each engine
+  rank an ``srun --overlap`` step of one task on its node (reserved engine ranks on the
+  rollout nodes, overlap ones on the training nodes);
   :func:`base_job_spec` is the batch job that asks for it (``pearl-hpc run CONFIG
   --sbatch`` submits it, ``--dry-run`` prints it).
 Elastic capacity of the Slurm backend comes as heterogeneous jobs (:mod:`.slurm`).
@@ -19,9 +22,11 @@ With ``slurm.container`` the ranks run in an image: under pyxis the step's ``sru
 carries the image (a one-node world's gforker runs in an ``srun -n1`` step), under
 apptainer each command runs in ``apptainer exec``; the launcher stays on the host.
 
-A base rank that fails ends the world (rank 0 calls ``Abort``; gforker and srun end
-every rank when one dies, and a rank dies with its launcher), so nothing of a run
-outlives its master. The launcher then starts a new world with ``--resume`` by itself,
+A rank of the world that fails ends the world (rank 0 calls ``Abort``; gforker and srun
+end every rank when one dies, and a rank dies with its launcher), so nothing of a run
+outlives its master; an engine rank's death ends only its own launch, which is started
+again (:class:`~pearl_hpc.backends.domains.EngineDomains`). When the world ends, the
+launcher ends the engine ranks' launches, then starts a new world with ``--resume`` by itself,
 up to ``run.max_restarts`` times (:func:`with_restarts`): the journal, the newest
 checkpoint and the trajectory log carry the run on; elastic jobs are adopted.
 """
@@ -33,11 +38,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pearl_hpc.comm.layout import RankSpec, base_layout, ranks_per_node
+from pearl_hpc.comm.layout import RankSpec, base_layout, ranks_per_node, world_of
 from pearl_hpc.comm.mpiexec import die_with_parent, gforker_path, one_node
 from pearl_hpc.config.run import RunConfig
 from pearl_hpc.config.slurm import (
@@ -51,6 +57,8 @@ from pearl_hpc.errors import ConfigError, PearlError
 from pearl_hpc.rundir import RunDir, RunStatus, read_journal
 from pearl_hpc.slurm.scripts import HetComponent, JobSpec
 from pearl_hpc.weights.leftovers import sweep
+
+TEND_S = 0.25  # the launcher looks at the engine ranks' launches this often
 
 
 def multi_node(cfg: RunConfig) -> bool:
@@ -68,28 +76,73 @@ def world_argv(
     launcher: str = "",
     python: str = sys.executable,
 ) -> list[str]:
-    """The command that starts the run's world (``launcher``: :func:`launcher_path`'s,
-    Slurm's ``srun`` over several nodes, MPICH's gforker on one -- or what runs it in the
-    run's container; the bare name for a description)."""
-    ranks = len(base_layout(cfg.workers, cfg.layout))
-    image = container(cfg)
+    """The command that starts the run's world, the master and the trainer ranks
+    (``launcher``: :func:`launcher_path`'s, Slurm's ``srun`` over several nodes, MPICH's
+    gforker on one -- or what runs it in the run's container; the bare name for a
+    description)."""
+    world = world_of(base_layout(cfg.workers, cfg.layout))
     rank = [
-        image.python if image.runtime else python, "-m", "pearl_hpc.rank", "rank",
+        _python(cfg, python), "-m", "pearl_hpc.rank", "rank",
         "--run-dir", str(run_dir), "--model-dir", model_dir,
         *(["--resume"] if resume else []), *(["--live"] if live else []),
     ]  # fmt: skip
-    if multi_node(cfg):  # one job step: Slurm starts each rank where the hostfile says;
-        # its PMI is Slurm's pmi2 plugin (the MPICH wheel speaks PMI-1/2, not PMIx)
+    # over several nodes one job step: Slurm starts each rank where the hostfile says
+    step = [f"--nodes={len({r.node for r in world})}", "--distribution=arbitrary"]
+    return _launched(cfg, rank, len(world), launcher, step)
+
+
+def domain_argv(
+    cfg: RunConfig,
+    run_dir: Path,
+    model_dir: str,
+    spec: RankSpec,
+    attempt: int,
+    *,
+    node: str = "",
+    launcher: str = "",
+    python: str = sys.executable,
+) -> list[str]:
+    """The command that starts base engine rank ``spec`` (launch ``attempt``), a failure
+    domain of its own: one process, by the world's kind of launcher (over several nodes
+    an ``srun --overlap`` step of one task on ``node``, its node's name)."""
+    rank = [
+        _python(cfg, python), "-m", "pearl_hpc.rank", "engine", "--run-dir", str(run_dir),
+        "--model-dir", model_dir, "--rank", str(spec.rank), "--attempt", str(attempt),
+    ]  # fmt: skip
+    step = ["--overlap", "--nodes=1", f"--nodelist={node}", "--distribution=block"]
+    return _launched(cfg, rank, 1, launcher, step, overlap=True)
+
+
+def _python(cfg: RunConfig, python: str) -> str:
+    image = container(cfg)
+    return image.python if image.runtime else python
+
+
+def _launched(
+    cfg: RunConfig,
+    rank: list[str],
+    ranks: int,
+    launcher: str,
+    step: list[str],
+    *,
+    overlap: bool = False,
+) -> list[str]:
+    """``ranks`` processes running ``rank``, as :func:`launcher_path` starts them (pure):
+    over several nodes an ``srun`` step placed by ``step``'s options; on one node
+    gforker, in the run's container (pyxis: in a one-task step; ``overlap``: beside the
+    world's)."""
+    image = container(cfg)
+    if multi_node(cfg):  # its PMI is Slurm's pmi2 plugin (the MPICH wheel: PMI-1/2, no PMIx)
         head = [
-            launcher or "srun", "--mpi=pmi2", "--kill-on-bad-exit=1",
-            "--quit-on-interrupt", f"--nodes={cfg.layout.nodes}", f"--ntasks={ranks}",
-            f"--cpus-per-task={cfg.layout.cpus_per_rank}", "--distribution=arbitrary",
+            launcher or "srun", "--mpi=pmi2", "--kill-on-bad-exit=1", "--quit-on-interrupt",
+            *step, f"--ntasks={ranks}", f"--cpus-per-task={cfg.layout.cpus_per_rank}",
             *cfg.slurm.srun_extra, *container_srun_options(image),
         ]  # fmt: skip
         return [*head, *in_container(image, rank)]
     if image.runtime == "pyxis":  # the image's gforker, in a one-task step that has it
-        step = [launcher or "srun", "-n1", "--mpi=none", *cfg.slurm.srun_extra]
-        return [*step, *container_srun_options(image), *one_node(ranks, "mpiexec.gforker"), *rank]
+        beside = ["--overlap"] if overlap else []
+        head = [launcher or "srun", "-n1", "--mpi=none", *beside, *cfg.slurm.srun_extra]
+        return [*head, *container_srun_options(image), *one_node(ranks, "mpiexec.gforker"), *rank]
     if image.runtime == "apptainer":
         world = [*one_node(ranks, "mpiexec.gforker"), *rank]
         return [launcher or "apptainer", *in_container(image, world)[1:]]
@@ -175,13 +228,14 @@ def base_job_spec(cfg: RunConfig, run_dir: Path, python: str = "") -> JobSpec:
 
 
 def hostfile_text(layout: list[RankSpec], nodes: list[str]) -> str:
-    """Slurm's hostfile (pure): each rank's node, a line a rank, in rank order."""
-    return "".join(f"{nodes[r.node]}\n" for r in layout)
+    """Slurm's hostfile of the world (pure): each of its ranks' node, a line a rank, in
+    its rank order."""
+    return "".join(f"{nodes[r.node]}\n" for r in world_of(layout))
 
 
-def _write_hostfile(cfg: RunConfig, run_dir: Path) -> Path:
-    """The allocation's nodes, one line per rank; a job without enough nodes is one
-    clear error naming the sbatch options it needs."""
+def job_nodes(cfg: RunConfig) -> list[str]:
+    """The allocation's nodes, in order; a job without enough nodes is one clear error
+    naming how to submit it."""
     from pearl_hpc.slurm.parse import expand_hostlist
 
     nodes = expand_hostlist(os.environ.get("SLURM_JOB_NODELIST", ""))
@@ -191,8 +245,12 @@ def _write_hostfile(cfg: RunConfig, run_dir: Path) -> Path:
             + (f"a job of {len(nodes)}" if "SLURM_JOB_ID" in os.environ else "not a Slurm job")
             + "; submit the run as its batch job: pearl-hpc run CONFIG --sbatch"
         )
+    return nodes
+
+
+def _write_hostfile(cfg: RunConfig, run_dir: Path) -> Path:
     path = RunDir(run_dir).hostfile
-    path.write_text(hostfile_text(base_layout(cfg.workers, cfg.layout), nodes))
+    path.write_text(hostfile_text(base_layout(cfg.workers, cfg.layout), job_nodes(cfg)))
     return path
 
 
@@ -206,6 +264,7 @@ def prepare_run(cfg: RunConfig, run_dir: Path, *, resume: bool) -> str:
     run = RunDir(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     run.failure.unlink(missing_ok=True)  # the last world's: this one's is its own
+    run.mpi_port.unlink(missing_ok=True)  # a killed master's: its ranks would Connect to it
     run.stop_request.unlink(missing_ok=True)  # a cancel before: this start continues it
     write_key(run.rpc_key, new_key())
     if cfg.model == "tiny":
@@ -328,15 +387,50 @@ def launch_world(cfg: RunConfig, run_dir: Path, *, resume: bool, live: bool) -> 
 
     def start(resume: bool) -> int:
         model_dir = prepare_run(cfg, run_dir, resume=resume)
-        argv = world_argv(
-            cfg, run_dir, model_dir, resume=resume, live=live, launcher=launcher_path(cfg)
-        )
+        launcher = launcher_path(cfg)
+        argv = world_argv(cfg, run_dir, model_dir, resume=resume, live=live, launcher=launcher)
         env = {**os.environ, **world_env(cfg, run_dir)}
         world.append(subprocess.Popen(argv, env=env, preexec_fn=_world_child))
-        rc = world[-1].wait()
-        return rc if rc >= 0 else 128 - rc  # killed by a signal: the shell's convention
+        return _beside_domains(cfg, run_dir, model_dir, world[-1], env, launcher=launcher)
 
     return with_restarts(cfg, run_dir, resume, start, stopped=lambda: bool(stops))
+
+
+def _beside_domains(
+    cfg: RunConfig,
+    run_dir: Path,
+    model_dir: str,
+    world: subprocess.Popen[bytes],
+    env: dict[str, str],
+    *,
+    launcher: str,
+    output: Any = None,
+) -> int:
+    """Wait for ``world`` to end, the engine ranks' launches started beside it and
+    kept (:class:`~pearl_hpc.backends.domains.EngineDomains`), then ended; the world's
+    exit status (a first launch whose rank failed before joining ends the world)."""
+    from pearl_hpc.backends.domains import EngineDomains
+
+    nodes = job_nodes(cfg) if multi_node(cfg) else []
+
+    def argv(spec: RankSpec, attempt: int) -> list[str]:
+        node = nodes[spec.node] if nodes else ""
+        return domain_argv(cfg, run_dir, model_dir, spec, attempt, node=node, launcher=launcher)
+
+    domains = EngineDomains(cfg, run_dir, argv, env=env, output=output, child=_world_child)
+    domains.start()
+    try:
+        while world.poll() is None:
+            failed = domains.tend()
+            if failed is not None:  # (its failure record names it)
+                world.terminate()
+                world.wait()
+                return failed
+            time.sleep(TEND_S)
+        rc = world.wait()
+    finally:
+        domains.stop()
+    return rc if rc >= 0 else 128 - rc  # killed by a signal: the shell's convention
 
 
 def _world_child() -> None:
@@ -364,10 +458,13 @@ def run_world(cfg: RunConfig, run_dir: Path, *, resume: bool = False, **popen: A
 
     def start(resume: bool) -> int:
         model_dir = prepare_run(cfg, run_dir, resume=resume)
-        argv = world_argv(cfg, run_dir, model_dir, resume=resume, launcher=launcher_path(cfg))
-        return subprocess.run(
-            argv, check=False, env=env, preexec_fn=_survive_warning, **popen
-        ).returncode
+        launcher = launcher_path(cfg)
+        argv = world_argv(cfg, run_dir, model_dir, resume=resume, launcher=launcher)
+        world = subprocess.Popen(argv, env=env, preexec_fn=_survive_warning, **popen)
+        output = popen.get("stdout")
+        return _beside_domains(
+            cfg, run_dir, model_dir, world, env, launcher=launcher, output=output
+        )
 
     return with_restarts(cfg, run_dir, resume, start)
 

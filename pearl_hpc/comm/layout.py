@@ -1,7 +1,11 @@
-"""The run's base MPI world (pure): which rank runs what, on which node and GPUs.
+"""The run's base ranks (pure): which rank runs what, on which node and GPUs, and which
+die together.
 
 Computed once per launch from the run config (:func:`base_layout`); every rank, the
-launcher and the master read the same list.
+launcher and the master read the same list. Failure domains: the master and the trainer
+ranks are one MPI world (:func:`world_of`: they die together); every engine rank is a
+launch of its own that joins the master like an elastic rank, as group
+:func:`domain_group` (its rank, and which launch of it).
 """
 
 from __future__ import annotations
@@ -55,6 +59,26 @@ def base_layout(workers: WorkersConfig, layout: LayoutConfig = _ONE_NODE) -> lis
         ranks.append(RankSpec(len(ranks), ENGINE, gpu_ids, index, node, devices, overlap=True))
     by_node = sorted(ranks, key=lambda r: r.node)  # stable: rank 0 stays first
     return [replace(r, rank=i) for i, r in enumerate(by_node)]
+
+
+def world_of(layout: list[RankSpec]) -> list[RankSpec]:
+    """The ranks of the base MPI world, in its rank order (pure): the master and the
+    trainer ranks. The engine ranks are launched apart (one failure domain each)."""
+    return [r for r in layout if r.kind != ENGINE]
+
+
+def domain_group(rank: int, attempt: int) -> str:
+    """The control plane's group of launch ``attempt`` (0: the first) of base engine rank
+    ``rank`` (pure): ``rank3-0``."""
+    return f"rank{rank}-{attempt}"
+
+
+def domain_rank(group: str) -> int | None:
+    """The base engine rank a group is a launch of (None: not one; pure)."""
+    head, _, attempt = group.partition("-")
+    if head.startswith("rank") and head[4:].isdigit() and attempt.isdigit():
+        return int(head[4:])
+    return None
 
 
 def ranks_per_node(layout: list[RankSpec]) -> list[int]:

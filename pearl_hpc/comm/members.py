@@ -36,6 +36,7 @@ from typing import TypeVar
 
 import msgspec
 
+from pearl_hpc.comm.layout import domain_rank
 from pearl_hpc.comm.membership import Member, Membership, MemberState
 from pearl_hpc.comm.messages import (
     Ack,
@@ -85,17 +86,19 @@ class Members:
         *,
         roles: Callable[[], Mapping[str, str]] = dict,
         on_failed: Callable[[Member], None] = lambda member: None,
+        on_joined: Callable[[str], None] = lambda group: None,
         heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
     ) -> None:
         """``events(kind, **fields)`` logs; ``roles()`` is each member's group after
         the plan now applied; ``on_failed(member)`` is told of every member declared
-        failed."""
+        failed, ``on_joined(group)`` of every group that joined after the base world."""
         self.plane = plane
         self.events = events
         self.membership = Membership(heartbeat_timeout_s)
         self.hellos: dict[str, Hello] = {}  # member id -> what its hello said
         self.roles = roles
         self.on_failed = on_failed
+        self.on_joined = on_joined
         self._waiting: dict[int, tuple[str, asyncio.Future[ReportBody]]] = {}
         self._given_back: set[str] = set()  # groups told to leave (one joining late too)
         self._groups: dict[str, list[str]] = {}  # the last partition logged
@@ -104,18 +107,24 @@ class Members:
         self._shutdown: dict[int, str] = {}  # SHUTDOWN seq -> member, until acked
 
     def start(
-        self, since_s: float, timeout_s: float = 900.0, say: Callable[[str], None] | None = None
+        self,
+        since_s: float,
+        timeout_s: float = 900.0,
+        say: Callable[[str], None] | None = None,
+        *,
+        engines: int = 0,
     ) -> None:
-        """Every base rank said hello (blocking: before the loop serves anything);
+        """Every rank of the base world said hello and the ``engines`` base engine ranks
+        (each a launch of its own) joined (blocking: before the loop serves anything);
         ``since_s``: when this rank started (``time.monotonic``), for the world's start
         latency; ``say``: a line each time more ranks are up (a trainer once its weights
         are loaded, an engine once it serves)."""
         deadline = time.monotonic() + timeout_s
         seen: tuple[int, int] | None = None
         said_s = 0.0
-        while not self._base_joined:
+        while not self._base_joined or len(self.base_engines()) < engines:
             self.poll()
-            count = self.plane.base_hellos() if say is not None else None
+            count = self._up(engines) if say is not None else seen
             # a line when more are up, at most every SAY_EVERY_S (512 ranks: not 512 lines)
             if (
                 say is not None
@@ -126,7 +135,7 @@ class Members:
                 seen, said_s = count, time.monotonic()
                 say(f"starting: {count[0]}/{count[1]} ranks up ({said_s - since_s:.0f} s)")
             if time.monotonic() > deadline:
-                raise PlaneError(f"the base ranks did not all say hello in {timeout_s:g} s")
+                raise PlaneError(f"the base ranks did not all join in {timeout_s:g} s")
             time.sleep(POLL_S)
         self.events(
             "world",
@@ -139,12 +148,22 @@ class Members:
         if say is not None:
             say(f"started: {1 + len(self.hellos)} ranks up in {time.monotonic() - since_s:.0f} s")
 
+    def _up(self, engines: int) -> tuple[int, int]:
+        """(ranks up, ranks besides the master) while the run starts."""
+        world = self.plane.base_hellos() or (len(self.of_kind("trainer")),) * 2
+        return world[0] + len(self.base_engines()), world[1] + engines
+
     def of_kind(self, kind: str) -> list[str]:
         """Live members running ``kind`` (trainer, engine), in join order (the base
         job's in rank order)."""
         return [
             m.member_id for m in self.membership.live() if self.hellos[m.member_id].process == kind
         ]
+
+    def base_engines(self) -> list[str]:
+        """Live base engine ranks (launches of their own: :func:`domain_rank`)."""
+        members = self.membership.members
+        return [m for m in self.of_kind("engine") if domain_rank(members[m].group) is not None]
 
     def engine_on(self, gpu_ids: tuple[str, ...]) -> tuple[str, Hello] | None:
         """The live engine rank on ``gpu_ids``: its member id and hello (None: none
@@ -221,6 +240,8 @@ class Members:
         self.events("joined", group=joined.group, members=pids, s=round(joined.seconds, 4))
         if joined.group in self._given_back:  # its capacity went back before it joined
             self.leave(joined.group)
+            return
+        self.on_joined(joined.group)
 
     def _received(self, received: Received) -> None:
         try:

@@ -107,6 +107,15 @@ class WorkerFailed:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineRankBack:
+    """The base job's engine rank on ``gpu_ids`` was relaunched after its death and
+    serves again (an ``overlap`` one on a trainer's GPUs): its GPUs host a worker again."""
+
+    gpu_ids: tuple[str, ...]
+    overlap: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class StepTelemetry:
     """Telemetry of one finished rollout step."""
 
@@ -131,6 +140,7 @@ Event = (
     | WorkerReady
     | WorkerReleased
     | WorkerFailed
+    | EngineRankBack
     | StepTelemetry
 )
 
@@ -354,6 +364,8 @@ class Controller:
                 result = self._on_released(slot_id)
             case WorkerFailed(slot_id, reason):
                 result = self._on_failed(slot_id, reason)
+            case EngineRankBack(gpu_ids, overlap):
+                result = self._on_rank_back(gpu_ids, overlap)
             case StepTelemetry():
                 result = self._on_telemetry(event)
             case _:
@@ -471,6 +483,24 @@ class Controller:
         )
         self._maybe_start_training()
         return result
+
+    def _on_rank_back(self, gpu_ids: tuple[str, ...], overlap: bool) -> Reconfiguration | None:
+        """A base engine rank relaunched: its GPUs come back where its death took them
+        away (a failed slot was removed; a GPU set still held -- its rank died idle, and
+        nothing tried it since -- stays as it is)."""
+        held = any(s.gpu_ids == gpu_ids for s in self.table.rollout_slots()) or any(
+            u.gpu_ids == gpu_ids for u in self.free_units
+        )
+        if held:
+            return None
+        if overlap:
+            now = self.clock()
+            self.table.add_worker(
+                gpu_ids, zone=Zone.OVERLAP, role=Role.COLOCATED, status=Status.INACTIVE, now_s=now
+            )
+        else:
+            self.free_units.append(CapacityUnit(gpu_ids))
+        return self._reconfigure(f"engine rank on {','.join(gpu_ids)} back", gate_expansion=False)
 
     def _on_telemetry(self, event: StepTelemetry) -> Reconfiguration | None:
         self.tracker.observe_step(event.turns, event.iterations, batch_size=event.batch_size)

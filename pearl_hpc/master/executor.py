@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,17 +86,22 @@ class _Worker:
 
 @dataclass
 class RankEngine:
-    """The engine socket of an engine rank (the rank lives as long as the world)."""
+    """The engine socket of a base engine rank (kept while the rank lives)."""
 
     member_id: str
     client: EngineClient
     address: tuple[str, int]  # its engine socket
+    failed: Callable[[str], None] = lambda member_id: None
 
     async def stop(self, timeout_s: float = 60.0) -> None:
         await self.client.close()
 
     def kill(self) -> None:
-        """A rank is not killed from here: its slot is dropped, the world ends it."""
+        """Its worker died (its socket, a turn, a start): the rank is declared failed
+        (its launch is started again) and its engine client closed."""
+        self.failed(self.member_id)
+        with contextlib.suppress(RuntimeError):  # (no loop: nothing to close on)
+            asyncio.get_running_loop().create_task(self.client.close())
 
 
 def router_id(slot_id: int) -> str:
@@ -121,8 +126,12 @@ class WorkerExecutor:
         events: EventLog,
         key: str,
         table: RoleTable,
+        *,
+        rank_failed: Callable[[str], None] = lambda member_id: None,
     ) -> None:
-        """``table``: the controller's role table (read, never changed, here)."""
+        """``table``: the controller's role table (read, never changed, here);
+        ``rank_failed(member_id)``: a base engine rank whose worker died (the master
+        declares it failed)."""
         self.queue = queue
         self.router = router
         self.weights = weights
@@ -141,6 +150,7 @@ class WorkerExecutor:
         self.counters = Counters()
         self.borrowed_turns_unrecorded = 0  # served by borrowed workers since the last step
         self.start_timeout_s = START_TIMEOUT_S
+        self.rank_failed = rank_failed
 
     def router_failed(self, worker_id: str, reason: str) -> None:
         """A worker the router sent turns to failed: reported once (every turn in flight
@@ -235,7 +245,7 @@ class WorkerExecutor:
         connected, released (no engine) until the controller places a worker on its GPUs."""
         client = EngineClient("rank-" + "-".join(gpu_ids))
         await client.connect(*address, self.key)
-        rank = RankEngine(member_id, client, address)
+        rank = RankEngine(member_id, client, address, self.rank_failed)
         self._keep(_Worker(rank, member_id, gpu_ids, persistent=True, overlap=overlap))
 
     def _keep(self, worker: _Worker) -> None:

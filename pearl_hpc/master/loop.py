@@ -39,13 +39,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from pearl_hpc.comm.layout import ENGINE, TRAINER, base_layout
+from pearl_hpc.comm.layout import ENGINE, TRAINER, base_layout, domain_rank
 from pearl_hpc.comm.members import Members
 from pearl_hpc.comm.membership import Member
 from pearl_hpc.comm.mpi import MasterPlane
 from pearl_hpc.config.files import REPO_CONFIGS, load_profile
 from pearl_hpc.config.run import DashboardSettings, RunConfig
-from pearl_hpc.core.controller import Controller, Event, mode_changes
+from pearl_hpc.core.controller import Controller, EngineRankBack, Event, mode_changes
 from pearl_hpc.core.policies import prefill_locally
 from pearl_hpc.core.table import IN_SERVICE, RoleTable
 from pearl_hpc.core.window import run_end_s
@@ -162,6 +162,7 @@ class MasterRun:
         self._last_table: list[list[Any]] = []
         self._pump_stop = asyncio.Event()
         self._demand = -1  # the elastic workers last asked of the backend
+        self._registered = False  # the base engine ranks' first launches registered
         config = json.loads(json.dumps(asdict(cfg), default=str))
         self.dashboards = Dashboards(cfg.dashboards, run_dir, cfg.name, config)
 
@@ -178,9 +179,12 @@ class MasterRun:
             self.events,
             roles=self._member_roles,
             on_failed=self._member_failed,
+            on_joined=self._member_joined,
             heartbeat_timeout_s=cfg.run.heartbeat_timeout_s,
         )
-        self.members.start(since_s=self.started_s, say=self.say)
+        layout = base_layout(cfg.workers, cfg.layout)
+        engines = sum(1 for r in layout if r.kind == ENGINE)
+        self.members.start(since_s=self.started_s, say=self.say, engines=engines)
         self.trainer = RemoteTrainer(self.members)
         # the weights of the recorded steps (the trainer may resume an older checkpoint:
         # the steps after it are trained again from their logs)
@@ -198,8 +202,9 @@ class MasterRun:
             on_failure=lambda worker_id, reason: executor.router_failed(worker_id, reason),
         )
         self.executor = executor = WorkerExecutor(
-            self.queue, self.router, self.trainer, self.backend, self.events, self.key, table
-        )
+            self.queue, self.router, self.trainer, self.backend, self.events, self.key, table,
+            rank_failed=lambda member_id: self.members.fail(member_id, "its engine died"),
+        )  # fmt: skip
         self.controller = controller = Controller(
             self._profile(),
             executor,
@@ -385,8 +390,57 @@ class MasterRun:
         return prefill_locally(self.controller.profile, uncached, prompt, decoding)
 
     def _member_failed(self, member: Member) -> None:
-        """A member declared failed: its engine slot (if any) is replaced."""
-        self.executor.member_failed(member.member_id, "rank failed")
+        """A member declared failed: its engine slot (if any) is replaced; a base engine
+        rank's launch is marked lost (its launcher ends it and starts it again)."""
+        if hasattr(self, "executor"):  # (else it failed while the world started)
+            self.executor.member_failed(member.member_id, "rank failed")
+        if domain_rank(member.group) is not None:
+            self.paths.domain_note(member.group, "lost").touch()
+
+    def _member_joined(self, group: str) -> None:
+        """A base engine rank started again after its death joined: the member it
+        replaces failed (if the master had not declared it yet), its engine registered,
+        its GPUs back to the controller. (The first launches are registered at start.)"""
+        rank = domain_rank(group)
+        if rank is None or not self._registered:
+            return
+        for member_id in self._older_launches():
+            self.members.fail(member_id, "its rank was started again")
+        for member in self.members.membership.group(group):
+            self.executor.spawn(self._engine_back(member.member_id))
+
+    def _older_launches(self) -> list[str]:
+        """Live base engine members of a rank with a newer launch joined (its relaunch
+        came in before its death was declared)."""
+        newest: dict[int, tuple[int, str]] = {}
+        older = []
+        for member_id in self.members.base_engines():
+            group = self.members.membership.members[member_id].group
+            rank, attempt = domain_rank(group), int(group.rsplit("-", 1)[1])
+            assert rank is not None
+            if rank in newest and newest[rank][0] > attempt:
+                older.append(member_id)
+                continue
+            if rank in newest:
+                older.append(newest[rank][1])
+            newest[rank] = (attempt, member_id)
+        return older
+
+    async def _engine_back(self, member_id: str) -> None:
+        hello = self.members.hellos[member_id]
+        overlap = self._overlap_sets()
+        try:
+            await self.executor.add_engine_rank(
+                member_id, hello.gpu_ids, (hello.host, hello.port), overlap=hello.gpu_ids in overlap
+            )
+        except Exception as exc:  # its socket is gone already: it fails by heartbeat
+            self.events("engine_back_failed", member=member_id, error=str(exc)[:200])
+            return
+        self.events("engine_back", member=member_id, gpus=list(hello.gpu_ids))
+        await self.queue.put(EngineRankBack(hello.gpu_ids, overlap=hello.gpu_ids in overlap))
+
+    def _overlap_sets(self) -> set[tuple[str, ...]]:
+        return {r.gpu_ids for r in base_layout(self.cfg.workers, self.cfg.layout) if r.overlap}
 
     def _restore(self) -> None:
         """A resumed master continues the dead one's tracker, toggle estimate, counters
@@ -416,8 +470,10 @@ class MasterRun:
         """The training GPUs (with their overlap engines, released) and the reserved
         rollout workers: the engine ranks of the world, connected, released."""
         layout = base_layout(self.cfg.workers, self.cfg.layout)
-        overlap = {r.gpu_ids for r in layout if r.overlap}
-        for member_id in self.members.of_kind(ENGINE):
+        overlap = self._overlap_sets()
+        for member_id in self._older_launches():
+            self.members.fail(member_id, "its rank was started again")
+        for member_id in self.members.base_engines():
             hello = self.members.hellos[member_id]
             await self.executor.add_engine_rank(
                 member_id, hello.gpu_ids, (hello.host, hello.port), overlap=hello.gpu_ids in overlap
@@ -429,6 +485,7 @@ class MasterRun:
             [r.gpu_ids for r in layout if r.kind == ENGINE and not r.overlap]
         )
         self.executor.sync_router()
+        self._registered = True
 
     # ------------------------------------------------------------------ the pump
     async def _pump(self) -> None:

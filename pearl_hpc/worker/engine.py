@@ -9,9 +9,10 @@ The master reaches the engine on two channels:
 
 The rank announces the socket's address in its hello (and in its ready file,
 :meth:`pearl_hpc.rundir.RunDir.engine_ready`).
-A base rank is a member from the world's start; an elastic rank (a component of an
-elastic job) joins with Connect + Merge and a signed hello, and leaves with LEAVE +
-Disconnect.
+Every engine rank joins the master with Connect + Merge and a signed hello, and leaves
+with LEAVE + Disconnect: an elastic rank (a component of an elastic job) when its
+capacity goes back, a base engine rank (a launch of its own, started again if it dies)
+at the run's end.
 """
 
 from __future__ import annotations
@@ -47,12 +48,16 @@ def serve_engine(
     hello: Hello,
     host: str,
     master_alive: Callable[[], bool] = lambda: True,
+    *,
+    left_mark: Callable[[str], Path] | None = None,
 ) -> int:
     """Serve until the master's SHUTDOWN (or LEAVE): the engine socket on this thread's
     asyncio loop, the control plane on a thread of its own. ``connect`` gives the plane
     once the socket listens (an elastic rank Connects only then, so that the master,
     which Accepts it between two polls, has its hello at once). ``master_alive`` false:
-    the master is gone (an elastic rank outlives it otherwise): the rank ends."""
+    the master is gone (an elastic rank outlives it otherwise): the rank ends.
+    ``left_mark(group)``: a base engine rank's, whose LEAVE comes at the run's end: the
+    file it writes then (its launcher does not start it again) before it ends."""
 
     async def serve() -> int:
         service = EngineService(spec, worker_id)
@@ -64,7 +69,10 @@ def serve_engine(
         plane.report(msgspec.structs.replace(hello, host=ready["host"], port=int(ready["port"])))
         loop = asyncio.get_running_loop()
         control = threading.Thread(
-            target=_control, args=(plane, loop, service, master_alive), name="control", daemon=True
+            target=_control,
+            args=(plane, loop, service, master_alive, left_mark),
+            name="control",
+            daemon=True,
         )
         control.start()
         await service.serve_until_stopped()
@@ -79,9 +87,10 @@ def _control(
     loop: asyncio.AbstractEventLoop,
     service: EngineService,
     master_alive: Callable[[], bool],
+    left_mark: Callable[[str], Path] | None = None,
 ) -> None:
     """The rank's MPI side: heartbeats, LEAVE and SHUTDOWN (the only thread that calls
-    MPI)."""
+    MPI). ``left_mark``: see :func:`serve_engine`."""
     checked = time.monotonic()
     while True:
         cmd = plane.next_command(0.02)
@@ -98,6 +107,9 @@ def _control(
             # master drains it, and the job's end (scancel) ends the process
             plane.report(Ack(cmd.op), cmd.seq)
             plane.disconnect()
+            if left_mark is not None:
+                left_mark(plane.member_id.rsplit(":", 1)[0]).touch()
+                loop.call_soon_threadsafe(service.stop)
             return
         elif cmd.op is Op.SHUTDOWN:
             plane.report(Ack(cmd.op), cmd.seq)
