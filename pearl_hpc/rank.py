@@ -1,22 +1,21 @@
 """The entry of every process of a run's MPI world.
 
-    mpiexec -n N python -m pearl_hpc.rank rank --run-dir RUN_DIR --model-dir M [--resume]
+    mpiexec -n 1 python -m pearl_hpc.rank rank --run-dir RUN_DIR --model-dir M [--resume]
+    mpiexec -n T python -m pearl_hpc.rank trainers --run-dir RUN_DIR --model-dir M --attempt 0
     mpiexec -n 1 python -m pearl_hpc.rank engine --run-dir RUN_DIR --model-dir M --rank R
     srun --mpi=pmi2 python -m pearl_hpc.rank join --run-dir RUN_DIR --model-dir M --group JOB+K
     mpiexec -n 1 python -m pearl_hpc.rank join ... --group elJ+K --gpu-ids elJ+K:gpu0   (local)
 
 Every rank reads ``RUN_DIR/config.yaml`` and finds what it runs by its rank in the base
-layout (:func:`pearl_hpc.comm.layout.base_layout`). The world (``rank``) is the master and
-the trainer ranks: its rank 0 the master (its loop: :mod:`pearl_hpc.master.loop`, with
-the backend :func:`pearl_hpc.backends.backend_factory` names), then the trainer ranks
-(:mod:`pearl_hpc.worker.trainer`). Each base engine rank (``engine``,
-:mod:`pearl_hpc.worker.engine`) is a launch of its own that joins the master like an
-elastic rank (``join``): a failure domain apart (:mod:`pearl_hpc.backends.domains`). This
-module is the top of the house: it may import every layer, and none imports it. Start-up
-is two collectives over the world, in this order on every rank: one ``Split`` that gives
-the trainer ranks their own communicator, and the control plane's ``Dup``. mpi4py is
-imported before torch or vLLM; rank 0 starts its doorman (:mod:`pearl_hpc.comm.doorman`)
-before either.
+layout (:func:`pearl_hpc.comm.layout.base_layout`). The world (``rank``) is the master
+alone (its loop: :mod:`pearl_hpc.master.loop`, with the backend
+:func:`pearl_hpc.backends.backend_factory` names). The trainer ranks (``trainers``,
+:mod:`pearl_hpc.worker.trainer`; their launch's world is their communicator) and each
+base engine rank (``engine``, :mod:`pearl_hpc.worker.engine`) are launches of their own,
+failure domains apart (:mod:`pearl_hpc.backends.domains`), that join the master like an
+elastic component (``join``). This module is the top of the house: it may import every
+layer, and none imports it. mpi4py is imported before torch or vLLM; the master starts
+its doorman (:mod:`pearl_hpc.comm.doorman`) before either.
 """
 
 from __future__ import annotations
@@ -44,12 +43,13 @@ STARTED_S = time.monotonic()  # this process's start, for the world's start late
 
 
 def _rank(args: argparse.Namespace) -> int:
+    """The base world: the master alone (the trainer ranks and each engine rank are
+    launches of their own that join it: :mod:`pearl_hpc.backends.domains`)."""
     doorman = _doorman(args.run_dir)  # before MPI_Init: it forks
     from mpi4py import MPI
 
-    from pearl_hpc.backends.world import multi_node
-    from pearl_hpc.comm.layout import MASTER, TRAINER, base_layout, cpu_threads, world_of
-    from pearl_hpc.comm.mpi import MasterPlane, WorkerPlane
+    from pearl_hpc.comm.layout import base_layout, world_of
+    from pearl_hpc.comm.mpi import MasterPlane
     from pearl_hpc.engine.rpc import read_key
     from pearl_hpc.errors import ConfigError
     from pearl_hpc.master.preflight import load_run_config
@@ -58,8 +58,7 @@ def _rank(args: argparse.Namespace) -> int:
     run_dir: Path = args.run_dir
     run = RunDir(run_dir)
     cfg = load_run_config(run.config)
-    layout = base_layout(cfg.workers, cfg.layout)
-    ranks = world_of(layout)
+    ranks = world_of(base_layout(cfg.workers, cfg.layout))
     world = MPI.COMM_WORLD
     if world.Get_size() != len(ranks):
         if world.Get_rank() == 0:
@@ -69,42 +68,87 @@ def _rank(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         return 2
-    me = ranks[world.Get_rank()]
     try:
-        placement = place_rank(me, cfg)
-        # what this rank's sockets bind: loopback on one machine, the configured interface
-        host = _bind_host(cfg)
+        place_rank(ranks[0], cfg)
     except ConfigError as exc:
-        print(f"pearl_hpc.rank: rank {me.rank}: {exc}", file=sys.stderr, flush=True)
-        world.Abort(2)
+        print(f"pearl_hpc.rank: the master: {exc}", file=sys.stderr, flush=True)
         return 2
-    cpus = len(os.sched_getaffinity(0))  # (a srun step's task: what Slurm bound it to)
-    share = min(cpus, cfg.layout.cpus_per_rank) if multi_node(cfg) else None
-    _compute_threads((share or cpu_threads(layout, me.rank, cpus)) if me.kind == TRAINER else 1)
-    if me.kind != MASTER:  # the terminal is the master's: a member logs to the run directory
-        _log_to(run.rank_log(me.rank, me.kind))
+    _compute_threads(1)
     # Slurm's --signal without B: (submitit's USR2 before a time-out) reaches every process
     # of the job step: the job's own handler acts on it, the ranks carry on
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-    trainers = world.Split(0 if me.kind == TRAINER else MPI.UNDEFINED, world.Get_rank())
     key = read_key(run.rpc_key)
-    if me.kind == MASTER:
-        plane = MasterPlane(run_dir, key, doorman=doorman)
-        try:
-            return _master(cfg, run_dir, plane, args, key, world)
-        finally:
-            if doorman is not None:
-                doorman.close()
-    plane_w = WorkerPlane.base(heartbeat_interval_s=1.0)
+    plane = MasterPlane(run_dir, key, doorman=doorman)
     try:
-        return _member(cfg, run, me, plane_w, trainers, args, key, host, placement.device)
-    except BaseException as exc:  # the run cannot go on without this rank: end the world
-        if isinstance(exc, KeyboardInterrupt):  # (a terminal's Ctrl-C reaches every rank)
+        return _master(cfg, run_dir, plane, args, key, world)
+    finally:
+        if doorman is not None:
+            doorman.close()
+
+
+def _trainers(args: argparse.Namespace) -> int:
+    """The trainer ranks: one launch of their own (started again from the newest
+    checkpoint when one of them dies: :mod:`pearl_hpc.backends.domains`), its world their
+    communicator, joined to the master together as group ``trainers-A``. A first launch
+    that fails before it joined records the run's failure (a relaunch would fail too).
+    A trainer that ends cleanly left at the run's end (``GROUP.left``)."""
+    from mpi4py import MPI
+
+    from pearl_hpc.backends.world import multi_node
+    from pearl_hpc.comm.layout import TRAINERS, base_layout, cpu_threads, domain_group, trainers_of
+    from pearl_hpc.comm.mpi import WorkerPlane, member_info
+    from pearl_hpc.engine.rpc import read_key
+    from pearl_hpc.errors import ConfigError
+    from pearl_hpc.master.preflight import load_run_config
+    from pearl_hpc.worker.placement import place_rank
+
+    run = RunDir(args.run_dir)
+    cfg = load_run_config(run.config)
+    layout = base_layout(cfg.workers, cfg.layout)
+    ranks, comm = trainers_of(layout), MPI.COMM_WORLD
+    if comm.Get_size() != len(ranks):
+        print(f"pearl_hpc.rank: {comm.Get_size()} trainer ranks, the layout's {len(ranks)}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    me, first = ranks[comm.Get_rank()], args.attempt == 0
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # the launcher's to pass to the master
+    try:
+        placement = place_rank(me, cfg)
+        host = _bind_host(cfg)
+    except ConfigError as exc:  # one line on the launcher's output
+        print(f"pearl_hpc.rank: rank {me.rank}: {exc}", file=sys.stderr, flush=True)
+        if first:
+            run.record_failure(me.rank, me.kind, _error_line(exc), joined=False)
+        comm.Abort(2)
+        return 2
+    cpus = len(os.sched_getaffinity(0))  # (a srun step's task: what Slurm bound it to)
+    share = min(cpus, cfg.layout.cpus_per_rank) if multi_node(cfg) else None
+    _compute_threads(share or cpu_threads(layout, me.rank, cpus))
+    _log_to(run.rank_log(me.rank, me.kind))
+    group = domain_group(TRAINERS, args.attempt)
+    planes: list[WorkerPlane] = []
+    try:
+        from pearl_hpc.worker.trainer import TrainerRank
+
+        key = read_key(run.rpc_key)
+        hello = member_info(me.kind, gpu_ids=me.gpu_ids, rank=me.rank, group=group)
+        trainer = TrainerRank(
+            comm, cfg, me, run.path, args.model_dir, key, host, args.resume,
+            device=placement.device,
+        )  # fmt: skip
+        planes.append(WorkerPlane.join(run.path, group, key, timeout_s=600.0))
+        code = trainer.serve(planes[-1], hello)
+        if code == 0 and comm.Get_rank() == 0:
+            run.domain_note(group, "left").touch()
+        return code
+    except BaseException as exc:  # its launch ends: the other ranks with it
+        if isinstance(exc, KeyboardInterrupt):
             return 130
         traceback.print_exc()
-        run.record_failure(me.rank, me.kind, _error_line(exc), joined=plane_w.joined)
+        if first and not (planes and planes[-1].joined):
+            run.record_failure(me.rank, me.kind, _error_line(exc), joined=False)
         sys.stderr.flush()
-        world.Abort(1)
+        comm.Abort(1)
         return 1
 
 
@@ -136,22 +180,6 @@ def _error_line(exc: BaseException) -> str:
     return (f"{type(exc).__name__}: {exc}".splitlines() or ["?"])[0][:500]
 
 
-def _member(
-    cfg: Any, run: RunDir, me: Any, plane_w: Any, trainers: Any, args: argparse.Namespace,
-    key: str, host: str, device: str,
-) -> int:  # fmt: skip
-    """A trainer rank of the base world, served to its end."""
-    from pearl_hpc.comm.mpi import member_info
-    from pearl_hpc.worker.trainer import TrainerRank
-
-    hello = member_info(me.kind, gpu_ids=me.gpu_ids, rank=me.rank)
-    rank = TrainerRank(
-        plane_w, trainers, cfg, me, run.path, args.model_dir, key, host, args.resume,
-        device=device,
-    )  # fmt: skip
-    return rank.serve(hello)
-
-
 def _engine(args: argparse.Namespace) -> int:
     """A base engine rank: a launch of its own (started again by the launcher when it
     dies: :mod:`pearl_hpc.backends.domains`), joined to the master like an elastic rank
@@ -160,7 +188,7 @@ def _engine(args: argparse.Namespace) -> int:
     would start either)."""
     from mpi4py import MPI  # noqa: F401  (MPI before torch and vLLM)
 
-    from pearl_hpc.comm.layout import ENGINE, base_layout, domain_group
+    from pearl_hpc.comm.layout import ENGINE, base_layout, domain_group, domain_name
     from pearl_hpc.comm.mpi import WorkerPlane, member_info
     from pearl_hpc.engine.rpc import read_key
     from pearl_hpc.engine.spec import check_kv_transfer, check_vllm, engine_spec
@@ -191,7 +219,7 @@ def _engine(args: argparse.Namespace) -> int:
     _compute_threads(1)
     planes: list[WorkerPlane] = []
     try:
-        group = domain_group(me.rank, args.attempt)
+        group = domain_group(domain_name(me), args.attempt)
         hello = member_info(me.kind, gpu_ids=me.gpu_ids, rank=me.rank, group=group)
         key = read_key(run.rpc_key)
         spec = engine_spec(cfg, args.model_dir, device=placement.device, gpus=len(me.devices),
@@ -395,6 +423,12 @@ def main(argv: list[str] | None = None) -> int:
     rank.add_argument("--resume", action="store_true")
     rank.add_argument("--live", action="store_true", help="rank 0: a live line (a terminal)")
     rank.set_defaults(func=_rank)
+    trainers = sub.add_parser("trainers", help="the trainer ranks (pearl-hpc run starts them)")
+    trainers.add_argument("--run-dir", type=Path, required=True)
+    trainers.add_argument("--model-dir", required=True)
+    trainers.add_argument("--attempt", type=int, default=0, help="their launch: 0 the first")
+    trainers.add_argument("--resume", action="store_true", help="from the newest checkpoint")
+    trainers.set_defaults(func=_trainers)
     engine = sub.add_parser("engine", help="a base engine rank (pearl-hpc run starts them)")
     engine.add_argument("--run-dir", type=Path, required=True)
     engine.add_argument("--model-dir", required=True)

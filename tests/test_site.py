@@ -364,16 +364,16 @@ def test_the_ranks_run_in_the_sites_image(site: Path) -> None:
     gforker in a one-task step), apptainer wraps every rank's command; the launchers
     stay on the host. (The Slurm run tests run ranks through an apptainer stand-in.)"""
     from pearl_hpc.backends.world import domain_argv, world_argv, world_env
-    from pearl_hpc.comm.layout import base_layout
+    from pearl_hpc.comm.layout import base_layout, domains_of
 
     image = ["slurm.container.image=/shared/pearl.sqsh", "slurm.container.mounts=[/scratch]"]
     rank = ["python3", "-m", "pearl_hpc.rank", "rank", "--run-dir", "/r", "--model-dir", "/m"]
     pyxis = read_run_config(_write(site, RUN), ["slurm.container.runtime=pyxis", *image])
     assert world_argv(pyxis, Path("/r"), "/m", python="py") == [
         "srun", "-n1", "--mpi=none", "--container-image=/shared/pearl.sqsh",
-        "--container-mounts=/scratch", "mpiexec.gforker", "-n", "2", *rank,
+        "--container-mounts=/scratch", "mpiexec.gforker", "-n", "1", *rank,
     ]  # fmt: skip
-    engine = next(r for r in base_layout(pyxis.workers, pyxis.layout) if r.kind == "engine")
+    engine = domains_of(base_layout(pyxis.workers, pyxis.layout))[-1]
     assert domain_argv(pyxis, Path("/r"), "/m", engine, 0, python="py")[:8] == [
         "srun", "-n1", "--mpi=none", "--overlap", "--container-image=/shared/pearl.sqsh",
         "--container-mounts=/scratch", "mpiexec.gforker", "-n",

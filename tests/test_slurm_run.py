@@ -528,11 +528,11 @@ def test_a_base_job_over_two_nodes_trains_on_one_and_serves_on_the_other(
     """`pearl-hpc run CONFIG --sbatch` with a full site section: Slurm holds the job
     with the site's account, qos, time, constraint and typed GPUs; its setup lines and
     env reach every rank, each started in the site's apptainer image (a stand-in); the
-    world is one srun step of the base job (Slurm's pmi2 for the ranks' PMI, placed by
-    RUN_DIR/hostfile), the master and the trainer ranks on the training node; each
+    world (the master) is one srun step of the base job (Slurm's pmi2 for the ranks'
+    PMI), the trainer ranks another, placed by RUN_DIR/hostfile on the training node; each
     engine rank a step of its own on its node, the overlap rank on the training node, the
-    reserved engine rank on the rollout node; elastic workers are asked for as a 2-component hetjob; every step
-    trains its whole batch."""
+    reserved engine rank on the rollout node; elastic workers are asked for as a
+    2-component hetjob; every step trains its whole batch."""
     config = tmp_path / "run.yaml"
     slurm = {**MULTI_NODE["slurm"], **IN_IMAGE}
     config.write_text(
@@ -573,13 +573,14 @@ def test_a_base_job_over_two_nodes_trains_on_one_and_serves_on_the_other(
     assert nodes["2"] == nodes["3"] == training_node  # trainer 2, overlap engine 3
     assert nodes["4"] != training_node  # the reserved engine rank: the rollout node
     hostfile = (run_dir / "hostfile").read_text().split()
-    assert hostfile == [training_node] * 3  # a line a rank of the world (master, trainers)
-    # each engine rank ran in a step of its own, on its node, and left at the end
+    assert hostfile == [training_node] * 2  # a line a trainer rank
+    # the trainer ranks and each engine rank ran in a step of their own, and left at the end
     assert sorted(p.name for p in (run_dir / "domains").iterdir()) == [
-        "rank3-0.left", "rank4-0.left"
+        "rank3-0.left", "rank4-0.left", "trainers-0.left"
     ]  # fmt: skip
     partitions = [e for e in events if e["kind"] == "partition"]
-    assert partitions and all(p["groups"]["training"] == ["base:1", "base:2"] for p in partitions)
+    training = ["trainers-0:0", "trainers-0:1"]
+    assert partitions and all(p["groups"]["training"] == training for p in partitions)
     submitted = [e for e in events if e["kind"] == "submitted"]
     assert submitted and submitted[0]["components"] == 2  # (serving them: the test above)
     tag = run_tag_of(run_dir)

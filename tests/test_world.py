@@ -27,7 +27,8 @@ from pearl_hpc.comm.layout import (
     base_layout,
     cpu_threads,
     domain_group,
-    domain_rank,
+    domain_of,
+    domains_of,
     ranks_per_node,
     world_of,
 )
@@ -50,14 +51,24 @@ def test_the_default_world_is_master_two_trainers_and_two_engines() -> None:
     assert [r.gpu_ids for r in layout[3:]] == [("rsv:0",), ("train:0",)]
     assert not layout[3].overlap and layout[4].overlap
     argv = world_argv(cfg, Path("R"), "M")
-    assert argv[:3] == ["mpiexec.gforker", "-n", "3"]  # one node: gforker, no port
-    # the world: the master and the trainers; each engine rank a launch of its own
-    assert [(r.rank, r.kind) for r in world_of(layout)] == [(0, MASTER), (1, TRAINER), (2, TRAINER)]
-    assert domain_argv(cfg, Path("R"), "M", layout[4], 1) == [
-        "mpiexec.gforker", "-n", "1", sys.executable, "-m", "pearl_hpc.rank", "engine",
-        "--run-dir", "R", "--model-dir", "M", "--rank", "4", "--attempt", "1",
+    assert argv[:3] == ["mpiexec.gforker", "-n", "1"]  # one node: gforker, no port
+    # the world: the master; the trainer ranks one launch, each engine rank another
+    assert [(r.rank, r.kind) for r in world_of(layout)] == [(0, MASTER)]
+    trainers, *engines = domains_of(layout)
+    assert [r.rank for r in trainers.ranks] == [1, 2] and trainers.vital
+    assert [d.name for d in engines] == ["rank3", "rank4"]
+    assert domain_argv(cfg, Path("R"), "M", trainers, 1, resume=True) == [
+        "mpiexec.gforker", "-n", "2", sys.executable, "-m", "pearl_hpc.rank", "trainers",
+        "--run-dir", "R", "--model-dir", "M", "--attempt", "1", "--resume",
     ]  # fmt: skip
-    assert [domain_group(4, 1), domain_rank("rank4-1"), domain_rank("12+0")] == ["rank4-1", 4, None]
+    assert domain_argv(cfg, Path("R"), "M", engines[1], 1) == [
+        "mpiexec.gforker", "-n", "1", sys.executable, "-m", "pearl_hpc.rank", "engine",
+        "--run-dir", "R", "--model-dir", "M", "--attempt", "1", "--rank", "4",
+    ]  # fmt: skip
+    assert [domain_group("rank4", 1), domain_of("rank4-1"), domain_of("trainers-2")] == [
+        "rank4-1", ("rank4", 1), ("trainers", 2)
+    ]  # fmt: skip
+    assert domain_of("12+0") is None and domain_of("el1+0") is None
     assert world_env(cfg, Path("R")) == {"UCX_NET_DEVICES": "lo"}  # a local run: UCX on loopback
 
 
@@ -85,21 +96,30 @@ def test_pearl_32_gpu_layout_places_every_rank() -> None:
     assert (job.nodes, job.ntasks_per_node, job.gpus_per_node) == (3, 13, 8)
     # ranks numbered node by node: the hostfile gives each rank its node
     assert [r.node for r in layout] == sorted(r.node for r in layout)
-    # the world (master + trainers) is one srun step; Slurm's pmi2 for the ranks
-    argv = world_argv(cfg, Path("R"), "M")
+    # the world (the master) is a one-task srun step on the first node; Slurm's pmi2
+    argv = world_argv(cfg, Path("R"), "M", node="a")
+    assert argv[:10] == [
+        "srun", "--mpi=pmi2", "--kill-on-bad-exit=1", "--quit-on-interrupt", "--nodes=1",
+        "--nodelist=a", "--distribution=block", "--ntasks=1", "--cpus-per-task=4",
+        sys.executable,
+    ]  # fmt: skip
+    # the trainer ranks: one step beside it, placed by the hostfile
+    domains = domains_of(layout)
+    argv = domain_argv(cfg, Path("R"), "M", domains[0], 0)
     assert argv[:9] == [
-        "srun", "--mpi=pmi2", "--kill-on-bad-exit=1", "--quit-on-interrupt", "--nodes=2",
-        "--distribution=arbitrary", "--ntasks=17", "--cpus-per-task=4", sys.executable,
+        "srun", "--mpi=pmi2", "--kill-on-bad-exit=1", "--quit-on-interrupt", "--overlap",
+        "--nodes=2", "--distribution=arbitrary", "--ntasks=16", "--cpus-per-task=4",
     ]  # fmt: skip
     hosts = hostfile_text(layout, ["a", "b", "c", "d"]).split()
-    assert hosts == ["a"] * 9 + ["b"] * 8  # a line a rank of the world
-    # each engine rank: a one-task step of its own, beside the world's, on its node
-    argv = domain_argv(cfg, Path("R"), "M", reserved[0], 0, node="c")
+    assert hosts == ["a"] * 8 + ["b"] * 8  # a line a trainer rank
+    # each engine rank: a one-task step of its own on its node
+    (engine,) = [d for d in domains if d.ranks == (reserved[0],)]
+    argv = domain_argv(cfg, Path("R"), "M", engine, 0, nodes=["a", "b", "c"])
     assert argv[:10] == [
         "srun", "--mpi=pmi2", "--kill-on-bad-exit=1", "--quit-on-interrupt", "--overlap",
         "--nodes=1", "--nodelist=c", "--distribution=block", "--ntasks=1", "--cpus-per-task=4",
     ]  # fmt: skip
-    assert argv[argv.index("engine") :][-4:] == ["--rank", str(reserved[0].rank), "--attempt", "0"]
+    assert argv[-2:] == ["--rank", str(reserved[0].rank)]
     env = {"SLURM_HOSTFILE": str(Path("R") / "hostfile")}
     assert world_env(cfg, Path("R")) == env
     assert world_env(cfg, Path("R"), in_step=True) == {**env, "SLURM_OVERLAP": "1"}

@@ -39,11 +39,17 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pearl_hpc.comm.layout import RankSpec, base_layout, ranks_per_node, world_of
+from pearl_hpc.comm.layout import (
+    Domain,
+    RankSpec,
+    base_layout,
+    ranks_per_node,
+    trainers_of,
+)
 from pearl_hpc.comm.mpiexec import die_with_parent, gforker_path, one_node
 from pearl_hpc.config.run import RunConfig
 from pearl_hpc.config.slurm import (
@@ -74,41 +80,49 @@ def world_argv(
     resume: bool = False,
     live: bool = False,
     launcher: str = "",
+    node: str = "",
     python: str = sys.executable,
 ) -> list[str]:
-    """The command that starts the run's world, the master and the trainer ranks
-    (``launcher``: :func:`launcher_path`'s, Slurm's ``srun`` over several nodes, MPICH's
-    gforker on one -- or what runs it in the run's container; the bare name for a
-    description)."""
-    world = world_of(base_layout(cfg.workers, cfg.layout))
+    """The command that starts the run's world: the master alone (``launcher``:
+    :func:`launcher_path`'s, Slurm's ``srun`` over several nodes -- a step of one task
+    on ``node``, the job's first --, MPICH's gforker on one; or what runs it in the
+    run's container; the bare name for a description)."""
     rank = [
         _python(cfg, python), "-m", "pearl_hpc.rank", "rank",
         "--run-dir", str(run_dir), "--model-dir", model_dir,
         *(["--resume"] if resume else []), *(["--live"] if live else []),
     ]  # fmt: skip
-    # over several nodes one job step: Slurm starts each rank where the hostfile says
-    step = [f"--nodes={len({r.node for r in world})}", "--distribution=arbitrary"]
-    return _launched(cfg, rank, len(world), launcher, step)
+    step = ["--nodes=1", f"--nodelist={node}", "--distribution=block"]
+    return _launched(cfg, rank, 1, launcher, step)
 
 
 def domain_argv(
     cfg: RunConfig,
     run_dir: Path,
     model_dir: str,
-    spec: RankSpec,
+    domain: Domain,
     attempt: int,
     *,
-    node: str = "",
+    resume: bool = False,
+    nodes: Sequence[str] = (),
     launcher: str = "",
     python: str = sys.executable,
 ) -> list[str]:
-    """The command that starts base engine rank ``spec`` (launch ``attempt``), a failure
-    domain of its own: one process, by the world's kind of launcher (over several nodes
-    an ``srun --overlap`` step of one task on ``node``, its node's name)."""
-    rank = [
-        _python(cfg, python), "-m", "pearl_hpc.rank", "engine", "--run-dir", str(run_dir),
-        "--model-dir", model_dir, "--rank", str(spec.rank), "--attempt", str(attempt),
-    ]  # fmt: skip
+    """The command that starts launch ``attempt`` of a failure domain, by the world's
+    kind of launcher, beside the world: the trainer ranks (``resume``: from the newest
+    checkpoint; over several nodes one ``srun --overlap`` step placed by the hostfile),
+    or one engine rank (over several nodes an ``srun --overlap`` step of one task on its
+    node; ``nodes``: the job's node names)."""
+    head = [_python(cfg, python), "-m", "pearl_hpc.rank"]
+    tail = ["--run-dir", str(run_dir), "--model-dir", model_dir, "--attempt", str(attempt)]
+    if domain.vital:  # the trainer ranks
+        rank = [*head, "trainers", *tail, *(["--resume"] if resume else [])]
+        count = len({r.node for r in domain.ranks})
+        step = ["--overlap", f"--nodes={count}", "--distribution=arbitrary"]
+        return _launched(cfg, rank, len(domain.ranks), launcher, step, overlap=True)
+    (spec,) = domain.ranks
+    rank = [*head, "engine", *tail, "--rank", str(spec.rank)]
+    node = nodes[spec.node] if nodes else f"NODE{spec.node}"
     step = ["--overlap", "--nodes=1", f"--nodelist={node}", "--distribution=block"]
     return _launched(cfg, rank, 1, launcher, step, overlap=True)
 
@@ -175,8 +189,9 @@ def launcher_path(cfg: RunConfig) -> str:
 
 
 def world_env(cfg: RunConfig, run_dir: Path, *, in_step: bool = False) -> dict[str, str]:
-    """What the launcher's environment adds (pure): on several nodes, where each rank
-    runs (``SLURM_HOSTFILE``, one node a rank, for ``--distribution=arbitrary``) and,
+    """What the launchers' environment adds (pure): on several nodes, where each
+    trainer rank runs (``SLURM_HOSTFILE``, one node a rank, for
+    ``--distribution=arbitrary``) and,
     ``in_step`` (the launcher is itself a task of a job step: a submitit job), a step
     that shares that step's resources (``SLURM_OVERLAP``). A local run's UCX (MPI's
     transport, the engines' NIXL) stays on loopback: no port of it is reachable from
@@ -228,9 +243,9 @@ def base_job_spec(cfg: RunConfig, run_dir: Path, python: str = "") -> JobSpec:
 
 
 def hostfile_text(layout: list[RankSpec], nodes: list[str]) -> str:
-    """Slurm's hostfile of the world (pure): each of its ranks' node, a line a rank, in
-    its rank order."""
-    return "".join(f"{nodes[r.node]}\n" for r in world_of(layout))
+    """Slurm's hostfile of the trainer ranks' step (pure): each one's node, a line a
+    rank, in their rank order."""
+    return "".join(f"{nodes[r.node]}\n" for r in trainers_of(layout))
 
 
 def job_nodes(cfg: RunConfig) -> list[str]:
@@ -388,10 +403,15 @@ def launch_world(cfg: RunConfig, run_dir: Path, *, resume: bool, live: bool) -> 
     def start(resume: bool) -> int:
         model_dir = prepare_run(cfg, run_dir, resume=resume)
         launcher = launcher_path(cfg)
-        argv = world_argv(cfg, run_dir, model_dir, resume=resume, live=live, launcher=launcher)
+        node = (job_nodes(cfg) or [""])[0] if multi_node(cfg) else ""
+        argv = world_argv(
+            cfg, run_dir, model_dir, resume=resume, live=live, launcher=launcher, node=node
+        )
         env = {**os.environ, **world_env(cfg, run_dir)}
         world.append(subprocess.Popen(argv, env=env, preexec_fn=_world_child))
-        return _beside_domains(cfg, run_dir, model_dir, world[-1], env, launcher=launcher)
+        return _beside_domains(
+            cfg, run_dir, model_dir, world[-1], env, launcher=launcher, resume=resume
+        )
 
     return with_restarts(cfg, run_dir, resume, start, stopped=lambda: bool(stops))
 
@@ -404,20 +424,25 @@ def _beside_domains(
     env: dict[str, str],
     *,
     launcher: str,
+    resume: bool,
     output: Any = None,
 ) -> int:
-    """Wait for ``world`` to end, the engine ranks' launches started beside it and
-    kept (:class:`~pearl_hpc.backends.domains.EngineDomains`), then ended; the world's
-    exit status (a first launch whose rank failed before joining ends the world)."""
-    from pearl_hpc.backends.domains import EngineDomains
+    """Wait for ``world`` to end, the failure domains' launches (the trainer ranks,
+    each engine rank) started beside it and kept (:class:`~.domains.Domains`), then
+    ended; the world's exit status (a first launch that failed before joining, or a
+    vital domain given up, ends the world)."""
+    from pearl_hpc.backends.domains import Domains
 
     nodes = job_nodes(cfg) if multi_node(cfg) else []
 
-    def argv(spec: RankSpec, attempt: int) -> list[str]:
-        node = nodes[spec.node] if nodes else ""
-        return domain_argv(cfg, run_dir, model_dir, spec, attempt, node=node, launcher=launcher)
+    def argv(domain: Domain, attempt: int) -> list[str]:
+        again = resume or attempt > 0  # a relaunch continues from the newest checkpoint
+        return domain_argv(
+            cfg, run_dir, model_dir, domain, attempt, resume=again, nodes=nodes,
+            launcher=launcher,
+        )  # fmt: skip
 
-    domains = EngineDomains(cfg, run_dir, argv, env=env, output=output, child=_world_child)
+    domains = Domains(cfg, run_dir, argv, env=env, output=output, child=_world_child)
     domains.start()
     try:
         while world.poll() is None:
@@ -459,11 +484,12 @@ def run_world(cfg: RunConfig, run_dir: Path, *, resume: bool = False, **popen: A
     def start(resume: bool) -> int:
         model_dir = prepare_run(cfg, run_dir, resume=resume)
         launcher = launcher_path(cfg)
-        argv = world_argv(cfg, run_dir, model_dir, resume=resume, launcher=launcher)
+        node = (job_nodes(cfg) or [""])[0] if multi_node(cfg) else ""
+        argv = world_argv(cfg, run_dir, model_dir, resume=resume, launcher=launcher, node=node)
         world = subprocess.Popen(argv, env=env, preexec_fn=_survive_warning, **popen)
         output = popen.get("stdout")
         return _beside_domains(
-            cfg, run_dir, model_dir, world, env, launcher=launcher, output=output
+            cfg, run_dir, model_dir, world, env, launcher=launcher, resume=resume, output=output
         )
 
     return with_restarts(cfg, run_dir, resume, start)

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pearl_hpc.comm.layout import ENGINE, TRAINER, base_layout, ranks_per_node, world_of
+from pearl_hpc.comm.layout import ENGINE, TRAINER, base_layout, domains_of, ranks_per_node
 from pearl_hpc.config.files import REPO_CONFIGS, load_profile
 from pearl_hpc.config.memory import run_plan
 from pearl_hpc.config.run import RunConfig
@@ -84,23 +84,22 @@ def dry_run(
     out.append(f"## base job ({where}: `pearl-hpc run {config_path} --sbatch` submits it)")
     python = cfg.slurm.python or "python3"
     out.append(render_sbatch(base_job_spec(cfg, RUN_DIR, python=python)).rstrip())
-    out += ["", "## the world (the master and the trainer ranks: they die together)"]
-    argv = world_argv(cfg, RUN_DIR, "MODEL_DIR", python="python3")
+    out += ["", "## the world: the master"]
+    node = "NODE0" if multi_node(cfg) else ""
+    argv = world_argv(cfg, RUN_DIR, "MODEL_DIR", node=node, python="python3")
     env = [f"{k}='{v}'" for k, v in world_env(cfg, RUN_DIR).items()]
     out.append(" ".join([*env, *argv]))
-    world = world_of(layout)
-    if multi_node(cfg):
-        counts = enumerate(ranks_per_node(world))
-        hosts = ", ".join(f"{count} x NODE{n}" for n, count in counts if count)
-        out.append(f"{RunDir(RUN_DIR).hostfile} (a line a rank, the job's nodes in order): {hosts}")
-    engines = [r for r in layout if r.kind == ENGINE]
-    if engines:
-        out += ["", "## each engine rank: a launch of its own (started again if it dies)"]
-        first = engines[0]
-        node = f"NODE{first.node}" if multi_node(cfg) else ""
-        argv = domain_argv(cfg, RUN_DIR, "MODEL_DIR", first, 0, node=node, python="python3")
+    domains = domains_of(layout)
+    out += ["", "## the failure domains beside it (each started again if it dies)"]
+    for domain in domains[:2]:
+        argv = domain_argv(cfg, RUN_DIR, "MODEL_DIR", domain, 0, python="python3")
         out.append(" ".join(argv))
-        out.append(f"(rank {first.rank}'s first launch; {len(engines)} engine ranks)")
+    if multi_node(cfg):
+        counts = enumerate(ranks_per_node(list(domains[0].ranks)))
+        hosts = ", ".join(f"{count} x NODE{n}" for n, count in counts if count)
+        out.append(f"{RunDir(RUN_DIR).hostfile} (the trainer ranks' step: a line a rank): {hosts}")
+    if len(domains) > 2:
+        out.append(f"(and so on: {len(domains) - 1} engine ranks, a launch each)")
     out.append(
         "each rank sets CUDA_VISIBLE_DEVICES to its devices of its node's GPUs (as Slurm "
         "gives them to the job); device auto: cuda where it is given GPUs, else cpu; tpN: "

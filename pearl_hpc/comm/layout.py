@@ -2,10 +2,11 @@
 die together.
 
 Computed once per launch from the run config (:func:`base_layout`); every rank, the
-launcher and the master read the same list. Failure domains: the master and the trainer
-ranks are one MPI world (:func:`world_of`: they die together); every engine rank is a
-launch of its own that joins the master like an elastic rank, as group
-:func:`domain_group` (its rank, and which launch of it).
+launcher and the master read the same list. Failure domains: the master alone is the
+base MPI world (:func:`world_of`); the trainer ranks are one launch (they die together:
+FSDP's collectives), every engine rank another, each joining the master like an
+elastic rank as group :func:`domain_group` (the domain, and which launch of it:
+``trainers-0``, ``rank3-1``).
 """
 
 from __future__ import annotations
@@ -61,23 +62,59 @@ def base_layout(workers: WorkersConfig, layout: LayoutConfig = _ONE_NODE) -> lis
     return [replace(r, rank=i) for i, r in enumerate(by_node)]
 
 
+TRAINERS = "trainers"  # the trainer ranks' failure domain
+
+
 def world_of(layout: list[RankSpec]) -> list[RankSpec]:
-    """The ranks of the base MPI world, in its rank order (pure): the master and the
-    trainer ranks. The engine ranks are launched apart (one failure domain each)."""
-    return [r for r in layout if r.kind != ENGINE]
+    """The ranks of the base MPI world (pure): the master alone. The trainer ranks and
+    each engine rank are launched apart (:func:`domains_of`)."""
+    return [r for r in layout if r.kind == MASTER]
 
 
-def domain_group(rank: int, attempt: int) -> str:
-    """The control plane's group of launch ``attempt`` (0: the first) of base engine rank
-    ``rank`` (pure): ``rank3-0``."""
-    return f"rank{rank}-{attempt}"
+def trainers_of(layout: list[RankSpec]) -> list[RankSpec]:
+    """The trainer ranks, in their launch's rank order (pure)."""
+    return [r for r in layout if r.kind == TRAINER]
 
 
-def domain_rank(group: str) -> int | None:
-    """The base engine rank a group is a launch of (None: not one; pure)."""
-    head, _, attempt = group.partition("-")
-    if head.startswith("rank") and head[4:].isdigit() and attempt.isdigit():
-        return int(head[4:])
+@dataclass(frozen=True)
+class Domain:
+    """Base ranks launched together, that die together: the trainer ranks, or one
+    engine rank."""
+
+    name: str  # trainers | rankR
+    ranks: tuple[RankSpec, ...]
+
+    @property
+    def vital(self) -> bool:
+        """The run cannot go on without it (the trainer ranks)."""
+        return self.name == TRAINERS
+
+
+def domains_of(layout: list[RankSpec]) -> list[Domain]:
+    """The launches besides the world's (pure): the trainer ranks, then each engine rank."""
+    engines = [Domain(domain_name(r), (r,)) for r in layout if r.kind == ENGINE]
+    return [Domain(TRAINERS, tuple(trainers_of(layout))), *engines]
+
+
+def domain_name(spec: RankSpec) -> str:
+    """The failure domain a base rank belongs to (pure): ``trainers``, or ``rankR`` for
+    engine rank R."""
+    return TRAINERS if spec.kind == TRAINER else f"rank{spec.rank}"
+
+
+def domain_group(name: str, attempt: int) -> str:
+    """The control plane's group of launch ``attempt`` (0: the first) of domain ``name``
+    (pure): ``trainers-0``, ``rank3-1``."""
+    return f"{name}-{attempt}"
+
+
+def domain_of(group: str) -> tuple[str, int] | None:
+    """The domain a group is a launch of, and which launch (None: not one -- an elastic
+    component's; pure)."""
+    name, _, attempt = group.rpartition("-")
+    is_rank = name.startswith("rank") and name[4:].isdigit()
+    if (is_rank or name == TRAINERS) and attempt.isdigit():
+        return name, int(attempt)
     return None
 
 

@@ -36,7 +36,7 @@ from typing import TypeVar
 
 import msgspec
 
-from pearl_hpc.comm.layout import domain_rank
+from pearl_hpc.comm.layout import domain_of
 from pearl_hpc.comm.membership import Member, Membership, MemberState
 from pearl_hpc.comm.messages import (
     Ack,
@@ -112,19 +112,25 @@ class Members:
         timeout_s: float = 900.0,
         say: Callable[[str], None] | None = None,
         *,
+        trainers: int = 0,
         engines: int = 0,
     ) -> None:
-        """Every rank of the base world said hello and the ``engines`` base engine ranks
-        (each a launch of its own) joined (blocking: before the loop serves anything);
+        """Every rank of the base world said hello, and the ``trainers`` trainer ranks
+        and ``engines`` base engine ranks (launches of their own) joined (blocking: before
+        the loop serves anything);
         ``since_s``: when this rank started (``time.monotonic``), for the world's start
         latency; ``say``: a line each time more ranks are up (a trainer once its weights
         are loaded, an engine once it serves)."""
         deadline = time.monotonic() + timeout_s
         seen: tuple[int, int] | None = None
         said_s = 0.0
-        while not self._base_joined or len(self.base_engines()) < engines:
+        while (
+            not self._base_joined
+            or len(self.of_kind("trainer")) < trainers
+            or len(self.base_engines()) < engines
+        ):
             self.poll()
-            count = self._up(engines) if say is not None else seen
+            count = self._up(trainers + engines) if say is not None else seen
             # a line when more are up, at most every SAY_EVERY_S (512 ranks: not 512 lines)
             if (
                 say is not None
@@ -148,10 +154,12 @@ class Members:
         if say is not None:
             say(f"started: {1 + len(self.hellos)} ranks up in {time.monotonic() - since_s:.0f} s")
 
-    def _up(self, engines: int) -> tuple[int, int]:
-        """(ranks up, ranks besides the master) while the run starts."""
-        world = self.plane.base_hellos() or (len(self.of_kind("trainer")),) * 2
-        return world[0] + len(self.base_engines()), world[1] + engines
+    def _up(self, launched: int) -> tuple[int, int]:
+        """(ranks up, ranks besides the master) while the run starts; ``launched``:
+        the ranks of the launches besides the master's world."""
+        world = self.plane.base_hellos() or (0, 0)
+        up = len(self.of_kind("trainer")) + len(self.base_engines())
+        return world[0] + up, world[1] + launched
 
     def of_kind(self, kind: str) -> list[str]:
         """Live members running ``kind`` (trainer, engine), in join order (the base
@@ -161,9 +169,9 @@ class Members:
         ]
 
     def base_engines(self) -> list[str]:
-        """Live base engine ranks (launches of their own: :func:`domain_rank`)."""
+        """Live base engine ranks (launches of their own: :func:`domain_of`)."""
         members = self.membership.members
-        return [m for m in self.of_kind("engine") if domain_rank(members[m].group) is not None]
+        return [m for m in self.of_kind("engine") if domain_of(members[m].group) is not None]
 
     def engine_on(self, gpu_ids: tuple[str, ...]) -> tuple[str, Hello] | None:
         """The live engine rank on ``gpu_ids``: its member id and hello (None: none

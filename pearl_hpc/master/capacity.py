@@ -84,9 +84,7 @@ class CapacityBackend(Protocol):
         :class:`~pearl_hpc.core.orchestrator.WorkerAdd`), once it joined (None: the
         backend holds no such component, e.g. given back already)."""
 
-    async def before_rollout(
-        self, step: int, spawn: Callable[[Awaitable[None]], None]
-    ) -> None:
+    async def before_rollout(self, step: int, spawn: Callable[[Awaitable[None]], None]) -> None:
         """Before ``step``'s rollout: capacity the backend itself makes available then
         (local: the run's trace point; ``spawn`` runs what comes later in the rollout)."""
 

@@ -39,7 +39,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from pearl_hpc.comm.layout import ENGINE, TRAINER, base_layout, domain_rank
+from pearl_hpc.comm.layout import ENGINE, TRAINER, TRAINERS, base_layout, domain_of
 from pearl_hpc.comm.members import Members
 from pearl_hpc.comm.membership import Member
 from pearl_hpc.comm.mpi import MasterPlane
@@ -62,7 +62,7 @@ from pearl_hpc.master.records import (
     undone_switches,
 )
 from pearl_hpc.master.steps import StepPipeline, Workload
-from pearl_hpc.master.trainer import RemoteTrainer
+from pearl_hpc.master.trainer import RemoteTrainer, TrainerLost
 from pearl_hpc.rollout.router import Router, RoutingTable
 from pearl_hpc.rundir import RunDir, RunStatus, write_journal, write_lines
 
@@ -184,7 +184,8 @@ class MasterRun:
         )
         layout = base_layout(cfg.workers, cfg.layout)
         engines = sum(1 for r in layout if r.kind == ENGINE)
-        self.members.start(since_s=self.started_s, say=self.say, engines=engines)
+        trainers = sum(1 for r in layout if r.kind == TRAINER)
+        self.members.start(since_s=self.started_s, say=self.say, trainers=trainers, engines=engines)
         self.trainer = RemoteTrainer(self.members)
         # the weights of the recorded steps (the trainer may resume an older checkpoint:
         # the steps after it are trained again from their logs)
@@ -280,7 +281,12 @@ class MasterRun:
         on; ``pearl-hpc cancel`` stops them), then the last step's checkpoint complete
         before the end and, unless stopped, the workers settled; True when stopped."""
         stopped = await _unless_failed(self._steps_or_stop(pipeline), guard)
-        await self.trainer.save()
+        while True:  # (trainer ranks lost at the end: the new ones trained up to it first)
+            try:
+                await self.trainer.save()
+                break
+            except TrainerLost:
+                await pipeline.publish(self.recorded_version)
         if not stopped:
             await self._settle(executor)
         return stopped
@@ -390,19 +396,39 @@ class MasterRun:
         return prefill_locally(self.controller.profile, uncached, prompt, decoding)
 
     def _member_failed(self, member: Member) -> None:
-        """A member declared failed: its engine slot (if any) is replaced; a base engine
-        rank's launch is marked lost (its launcher ends it and starts it again)."""
+        """A member declared failed: its engine slot (if any) is replaced; a failure
+        domain's launch is marked lost (its launcher ends it and starts it again). A
+        trainer rank's loss is every trainer rank's: they wait in each other's
+        collectives."""
         if hasattr(self, "executor"):  # (else it failed while the world started)
             self.executor.member_failed(member.member_id, "rank failed")
-        if domain_rank(member.group) is not None:
-            self.paths.domain_note(member.group, "lost").touch()
+        domain = domain_of(member.group)
+        if domain is None:
+            return
+        self.paths.domain_note(member.group, "lost").touch()
+        trainer = getattr(self, "trainer", None)
+        if domain[0] == TRAINERS and trainer is not None and member.member_id in trainer.ranks:
+            if trainer.ready.is_set():  # (once a loss: its other ranks fail next)
+                trainer.lost()
+                self.events("trainers_lost", group=member.group, member=member.member_id)
+            for other in self.members.membership.group(member.group):
+                self.members.fail(other.member_id, "a trainer rank of its launch failed")
 
     def _member_joined(self, group: str) -> None:
-        """A base engine rank started again after its death joined: the member it
-        replaces failed (if the master had not declared it yet), its engine registered,
-        its GPUs back to the controller. (The first launches are registered at start.)"""
-        rank = domain_rank(group)
-        if rank is None or not self._registered:
+        """A failure domain started again after a loss joined. Trainer ranks: the
+        trainer's ranks from now (the step pipeline trains the steps they lack again).
+        An engine rank: the member it replaces failed (if the master had not declared it
+        yet), its engine registered, its GPUs back to the controller. (The first launches
+        are registered at start.)"""
+        domain = domain_of(group)
+        if domain is None or not self._registered:
+            return
+        if domain[0] == TRAINERS:  # the old ranks (if not yet declared failed) fail first
+            for member_id in self.trainer.ranks:
+                self.members.fail(member_id, "its trainer ranks were started again")
+            ranks = [m.member_id for m in self.members.membership.group(group)]
+            self.trainer.adopt(ranks)
+            self.events("trainers_back", group=group, version=self.trainer.version)
             return
         for member_id in self._older_launches():
             self.members.fail(member_id, "its rank was started again")
@@ -412,18 +438,18 @@ class MasterRun:
     def _older_launches(self) -> list[str]:
         """Live base engine members of a rank with a newer launch joined (its relaunch
         came in before its death was declared)."""
-        newest: dict[int, tuple[int, str]] = {}
+        newest: dict[str, tuple[int, str]] = {}
         older = []
         for member_id in self.members.base_engines():
-            group = self.members.membership.members[member_id].group
-            rank, attempt = domain_rank(group), int(group.rsplit("-", 1)[1])
-            assert rank is not None
-            if rank in newest and newest[rank][0] > attempt:
+            domain = domain_of(self.members.membership.members[member_id].group)
+            assert domain is not None
+            name, attempt = domain
+            if name in newest and newest[name][0] > attempt:
                 older.append(member_id)
                 continue
-            if rank in newest:
-                older.append(newest[rank][1])
-            newest[rank] = (attempt, member_id)
+            if name in newest:
+                older.append(newest[name][1])
+            newest[name] = (attempt, member_id)
         return older
 
     async def _engine_back(self, member_id: str) -> None:

@@ -55,7 +55,7 @@ from pearl_hpc.master.capacity import CapacityBackend
 from pearl_hpc.master.executor import WorkerExecutor
 from pearl_hpc.master.journal import TrajectoryLog
 from pearl_hpc.master.records import StepMetrics
-from pearl_hpc.master.trainer import RemoteTrainer, TrainResult
+from pearl_hpc.master.trainer import RemoteTrainer, TrainerLost, TrainResult
 from pearl_hpc.rollout.agent import rollout_batch, tracker_turns, trajectory_ids
 from pearl_hpc.rollout.router import IdleTotals, Router
 from pearl_hpc.rollout.tasks import TaskSet
@@ -366,7 +366,39 @@ class StepPipeline:
         self, step: int, trajectories: list[Trajectory]
     ) -> tuple[TrainResult, float, float]:
         """Training Begin (borrowed GPUs come back), GRPO on the trainer ranks (and their
-        checkpoint, staged): (stats, train_s, return latency)."""
+        checkpoint, staged): (stats, train_s, return latency). Trainer ranks lost in it
+        (:class:`TrainerLost`): Training Finished, and once the new ranks joined, the
+        steps they lack are trained again (:meth:`_caught_up`) and the step sent again."""
+        while True:
+            await self._caught_up(step)
+            try:
+                return await self._train_once(step, trajectories)
+            except TrainerLost as exc:
+                self.events("train_interrupted", step=step, error=str(exc)[:200])
+                await self.queue.put(TrainingFinished(step))
+
+    async def _caught_up(self, version: int) -> None:
+        """The trainer holds ``version`` (every step before it trained). After a loss of
+        its ranks: once the new ones joined (from the newest checkpoint the journal
+        covers), the recorded steps they lack are trained again from their logs, as at a
+        resume (``replayed`` events)."""
+        await self.trainer.ready.wait()
+        if self.trainer.version > version:
+            raise RuntimeError(
+                f"the trainer ranks hold version {self.trainer.version}, past {version}"
+            )
+        while self.trainer.version < version:
+            step = self.trainer.version
+            stats, train_s, _ = await self.train(step, self.logged_batch(step))
+            await self.queue.put(TrainingFinished(step))
+            self.events(
+                "replayed", step=step, version=stats.version, loss=round(stats.lead.loss, 6),
+                train_s=round(train_s, 3),
+            )  # fmt: skip
+
+    async def _train_once(
+        self, step: int, trajectories: list[Trajectory]
+    ) -> tuple[TrainResult, float, float]:
         executor = self.executor
         executor.training_started.clear()
         t_begin = time.perf_counter()
@@ -400,10 +432,17 @@ class StepPipeline:
         """The trainer's weights to every serving engine (trainer 0 re-forms the group
         first if its members changed); returns the broadcast's seconds. With none serving
         (a replay before the engines start, a resumed step whose batch was all in its
-        log) trainer 0 keeps the version for the engines to catch up to as they start."""
-        async with self.executor.weights_lock:
-            serving = self.executor.serving_addresses()
-            seconds, dead = await self.trainer.publish(version, serving)
+        log) trainer 0 keeps the version for the engines to catch up to as they start.
+        Trainer ranks lost: the new ones trained up to ``version`` first."""
+        while True:
+            await self._caught_up(version)
+            try:
+                async with self.executor.weights_lock:
+                    serving = self.executor.serving_addresses()
+                    seconds, dead = await self.trainer.publish(version, serving)
+                break
+            except TrainerLost as exc:
+                self.events("publish_interrupted", version=version, error=str(exc)[:200])
         for name in dead:  # gone since it was listed: its failure, reported once
             self.executor.weights_unreachable(name)
         return seconds

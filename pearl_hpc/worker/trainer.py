@@ -62,8 +62,7 @@ class TrainerRank:
 
     def __init__(
         self,
-        plane: WorkerPlane,
-        comm: Any,  # the trainer ranks' own communicator (one Split at start)
+        comm: Any,  # the trainer ranks' communicator (their launch's world)
         cfg: RunConfig,
         me: RankSpec,
         run_dir: Path,
@@ -81,7 +80,7 @@ class TrainerRank:
         from pearl_hpc.weights.group import WeightGroup
         from pearl_hpc.weights.shm import SharedStore, Staged
 
-        self.plane, self.me, self.key = plane, me, key
+        self.me, self.key = me, key
         self.model_dir = Path(model_dir)
         self.index, size = comm.Get_rank(), comm.Get_size()
         self.run = RunDir(run_dir)
@@ -144,8 +143,10 @@ class TrainerRank:
         self.loop = asyncio.new_event_loop()  # engine clients and the weight sync
         threading.Thread(target=self.loop.run_forever, name="weights", daemon=True).start()
 
-    def serve(self, hello: Hello) -> int:
-        plane = self.plane
+    def serve(self, plane: WorkerPlane, hello: Hello) -> int:
+        """Serve the master over ``plane`` (joined once the model is loaded: a member
+        heartbeats from its hello on) until its LEAVE or SHUTDOWN; 0."""
+        self.plane = plane
         plane.report(msgspec.structs.replace(hello, version=self.trainer.version, index=self.index))
         while True:
             cmd = plane.next_command(0.02)
@@ -167,6 +168,8 @@ class TrainerRank:
                 self.pool.shutdown(wait=True)
                 self.checkpoints.close()  # the save in flight is finished first
                 plane.report(Ack(cmd.op), cmd.seq)
+                if isinstance(body, Leave):
+                    plane.disconnect()
                 asyncio.run_coroutine_threadsafe(self._close_clients(), self.loop).result(10)
                 self.loop.call_soon_threadsafe(self.loop.stop)
                 if self.sync is not None:
@@ -270,19 +273,19 @@ class TrainerRank:
                 log.warning("weights to %s: %s", name, exc)
                 self.clients.pop(name, None)
                 unreachable.append(name)
-        try:
-            out = await self._broadcast(members, cmd.version)
-        except EngineError as exc:  # one died during the broadcast: again without it
-            dead = next((n for n in members if str(exc).startswith(f"{n}:")), None)
-            if dead is None:
-                raise
-            log.warning("weights to %s: %s", dead, exc)
-            self.clients.pop(dead, None)
-            members.pop(dead)
-            unreachable.append(dead)
-            self.sync.members = {}  # re-formed without it
-            out = await self._broadcast(members, cmd.version)
-        return msgspec.structs.replace(out, unreachable=unreachable)
+        while True:
+            try:
+                out = await self._broadcast(members, cmd.version)
+                return msgspec.structs.replace(out, unreachable=unreachable)
+            except EngineError as exc:  # one died (before or during it): again without it
+                dead = next((n for n in members if str(exc).startswith(f"{n}:")), None)
+                if dead is None:
+                    raise
+                log.warning("weights to %s: %s", dead, exc)
+                self.clients.pop(dead, None)
+                members.pop(dead)
+                unreachable.append(dead)
+                self.sync.members = {}  # re-formed without it
 
     async def _broadcast(self, members: dict[str, Any], version: int) -> PublishAck:
         assert self.sync is not None
