@@ -71,9 +71,9 @@ FILES: tuple[tuple[str, str, str], ...] = (
     ("mpi_port", "mpi-port", "the master's MPI port name (0600): elastic ranks `Connect` to it"),
     ("joins", "joins/", "`GROUP.json`: an elastic component's announcement; `GROUP.go`: the "
      "master's go to `Connect` (one at a time)"),
-    ("domains", "domains/", "the engine ranks' launches (each a failure domain): "
-     "`GROUP.lost`, the master declared that launch failed (its launcher ends it and starts "
-     "the rank again); `GROUP.left`, the rank left at the run's end (not started again)"),
+    ("domains", "domains/", "the failure domains' launches (the trainer ranks, each engine "
+     "rank): `GROUP.lost`, the master declared that launch failed (its launcher ends it and "
+     "starts the domain again); `GROUP.left`, it left at the run's end (not started again)"),
     ("submitit", "submitit/", "the submitit job's folder (`pearl-hpc run --submit`)"),
     ("world_log", "world.log", "the world's output when a benchmark or test runs it"),
     ("stop_request", "stop", "`pearl-hpc cancel`'s request: the master checkpoints, drains "

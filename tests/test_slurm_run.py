@@ -273,8 +273,10 @@ def test_slurm_run_harvests_a_standing_request_master_killed_and_resumed(
         def rejoined() -> bool:
             events = read_jsonl(run_dir / "events.jsonl")
             at = [i for i, e in enumerate(events) if e["kind"] == "adopted"]
+            if not at:
+                return False
             joined = [e for e in events[at[0] :] if e["kind"] == "joined" and "+" in e["group"]]
-            return bool(at) and len(joined) == 2
+            return len(joined) == 2
 
         _wait("the adopted ranks to join the resumed world", rejoined, 600, first_log)
         assert "restart 1 of 3 (run.max_restarts)" in first_log.read_text()

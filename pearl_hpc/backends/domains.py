@@ -150,13 +150,7 @@ class Domains:
                 self._say(f"checkpoints newer than the journal dropped: {', '.join(dropped)}")
 
     def _say(self, line: str) -> None:
-        """A line on the launcher's output (the world's, where it is a file)."""
-        text = f"pearl-hpc run: {line}\n"
-        if self.output is None:
-            print(text, end="", file=sys.stderr, flush=True)
-        else:
-            self.output.write(text.encode())
-            self.output.flush()
+        say(self.output, line)
 
     @staticmethod
     def _status(launch: _Launch) -> str:
@@ -198,6 +192,16 @@ class Domains:
                 launch.proc.wait(max(0.0, deadline - time.monotonic()))
             _signal(launch.proc, signal.SIGKILL)  # (its group: what outlived the launcher)
             launch.proc.wait()
+
+
+def say(output: Any, line: str) -> None:
+    """A line on the launcher's output (``output``: the world's, where it is a file)."""
+    text = f"pearl-hpc run: {line}\n"
+    if output is None:
+        print(text, end="", file=sys.stderr, flush=True)
+    else:
+        output.write(text.encode())
+        output.flush()
 
 
 def _what(domain: Domain) -> str:

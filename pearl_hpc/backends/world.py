@@ -431,7 +431,7 @@ def _beside_domains(
     each engine rank) started beside it and kept (:class:`~.domains.Domains`), then
     ended; the world's exit status (a first launch that failed before joining, or a
     vital domain given up, ends the world)."""
-    from pearl_hpc.backends.domains import Domains
+    from pearl_hpc.backends.domains import Domains, say
 
     nodes = job_nodes(cfg) if multi_node(cfg) else []
 
@@ -444,6 +444,7 @@ def _beside_domains(
 
     domains = Domains(cfg, run_dir, argv, env=env, output=output, child=_world_child)
     domains.start()
+    started = time.time()
     try:
         while world.poll() is None:
             failed = domains.tend()
@@ -451,11 +452,38 @@ def _beside_domains(
                 world.terminate()
                 world.wait()
                 return failed
+            silent = _master_silent(RunDir(run_dir), started, cfg.run.heartbeat_timeout_s)
+            if silent is not None:  # a stopped master: nothing else would ever end it
+                say(output, f"the master is silent ({silent}); ending its world")
+                _end_world(world)
             time.sleep(TEND_S)
         rc = world.wait()
     finally:
         domains.stop()
     return rc if rc >= 0 else 128 - rc  # killed by a signal: the shell's convention
+
+
+def _master_silent(run: RunDir, since: float, timeout_s: float) -> str | None:
+    """Why this world's master counts as silent (its lease, touched every second by a
+    thread of its own once its backend runs, is older than ``timeout_s``), else None."""
+    try:
+        touched = run.lease.stat().st_mtime
+    except OSError:
+        return None  # not written yet (its ranks are still starting)
+    age = time.time() - touched
+    if touched < since or age <= timeout_s:
+        return None  # a previous world's, or fresh
+    return f"its lease not touched for {age:.0f} s, run.heartbeat_timeout_s {timeout_s:g}"
+
+
+def _end_world(world: subprocess.Popen[bytes]) -> None:
+    """SIGINT (srun ends its step; gforker passes it on), SIGKILL 5 s later (a rank dies
+    with its gforker)."""
+    world.send_signal(signal.SIGINT)
+    try:
+        world.wait(5.0)
+    except subprocess.TimeoutExpired:
+        world.kill()
 
 
 def _world_child() -> None:

@@ -1,0 +1,239 @@
+"""The fault-injection matrix of a local run: rank kind x point x fault, one run a cell.
+
+    python -m tests.fault_matrix [--kinds K ...] [--points P ...] [--faults F ...]
+
+Each cell runs ``pearl-hpc run`` on the local backend with real engines and the tiny
+model (a master, one trainer rank, a reserved and an overlap engine rank, one elastic
+rank; 4 steps, a checkpoint every 2) and, at the point, sends the fault to a rank of the
+kind:
+
+- kinds: ``elastic``, ``reserved``, ``overlap`` (engine ranks), ``trainer``, ``master``;
+- points: ``rollout`` (a rollout after the first, with turns in flight), ``train`` (step
+  1's Training Begin: the trainer ranks start it), ``idle`` (after step 0's record,
+  before the first turn of the next rollout is logged, or at once where none is left);
+- faults: ``kill`` (SIGKILL) and ``stop`` (SIGSTOP: a silent rank, left stopped).
+
+A cell passes when the run finishes with every step trained once on its whole batch and
+no restart of the run (the master row: one, by the launcher); it prints the seconds from
+the fault to the rank's declared failure (``member_failed``; the master: its
+successor's start) and to its recovery (the engine rank serving again, the trainer ranks
+back, the elastic rank replaced, the master resumed). The suite runs a representative
+row of each kind (tests/test_local_run.py); this runs them all. Not part of the suite:
+~50 s a cell on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pearl_hpc.rundir import RunDir
+
+KINDS = ("elastic", "reserved", "overlap", "trainer", "master")
+POINTS = ("rollout", "train", "idle")
+FAULTS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+STEPS, BATCH = 4, 16
+
+CONFIG: dict[str, Any] = {
+    "name": "t",
+    "profile": "profiles/tiny-cpu.yaml",
+    "policy": {
+        "borrowing": "ungated",
+        "expansion": "always",
+        "toggle_cost_s": 3.0,
+        "preparation_s": 10.0,
+        "finalisation_s": 0.1,
+        "expected_capacity_window_s": 120,
+    },
+    "workers": {"training_gpus": 1, "reserved_rollout": 1, "overlap": 1},
+    "elastic": {"grace_s": 30, "trace": [{"at_step": 0, "workers": 1}]},
+    "run": {
+        "steps": STEPS,
+        "env": "calc",
+        "max_turns": 2,
+        "num_groups": 4,
+        "group_size": 4,
+        "max_tokens_per_turn": 24,
+    },
+    "train": {"checkpoint_every": 2},
+}
+
+
+@dataclass
+class Cell:
+    kind: str
+    point: str
+    fault: str
+    passed: bool = False
+    why: str = ""
+    detected_s: float | None = None
+    recovered_s: float | None = None
+    restarts: int = 0
+    wall_s: float = 0.0
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    with contextlib.suppress(OSError):
+        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return []
+
+
+def _target(kind: str, run_dir: Path) -> int | None:
+    """The pid of a rank of ``kind`` in the run (None: not up)."""
+    ready = {
+        "elastic": sorted(run_dir.glob("elastic/el1+0-*.ready.json")),
+        "reserved": sorted(run_dir.glob("rank*-rsv:0.ready.json")),
+        "overlap": sorted(run_dir.glob("rank*-train:0.ready.json")),
+    }.get(kind)
+    if ready is not None:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            return int(json.loads(ready[0].read_text())["pid"])
+        return None
+    if kind == "master":
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            return int(RunDir(run_dir).lock_file.read_text().split()[0])
+        return None
+    out = subprocess.run(
+        ["pgrep", "-f", f"pearl_hpc.rank trainers --run-dir {run_dir}"],
+        capture_output=True, text=True,
+    ).stdout.split()  # fmt: skip
+    return int(out[0]) if out else None
+
+
+def _at(point: str, run_dir: Path) -> bool:
+    events = _jsonl(run_dir / "events.jsonl")
+    if point == "train":
+        return any(e.get("event") == "TrainingBegin" and e.get("step") == 1 for e in events)
+    logs = sorted((run_dir / "trajectories").glob("step-*.jsonl"))
+    if point == "rollout":
+        return len(logs) >= 2 and len(logs[-1].read_text().splitlines()) >= 4
+    return len(_jsonl(run_dir / "metrics.jsonl")) >= 1  # idle: step 0 recorded
+
+
+def _inject(cell: Cell, run_dir: Path, fired: list[float]) -> None:
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if (run_dir / "events.jsonl").exists() and _at(cell.point, run_dir):
+            pid = _target(cell.kind, run_dir)
+            if pid is not None:
+                os.kill(pid, FAULTS[cell.fault])
+                fired.append(time.time())
+                return
+        time.sleep(0.01)
+
+
+def _wall(events: list[dict[str, Any]]) -> Callable[[dict[str, Any]], float]:
+    """An event's wall time: each master's ``clock`` event lines its run clock up."""
+    clocks = [(e["t_s"], e["wall"]) for e in events if e["kind"] == "clock"]
+
+    def wall(e: dict[str, Any]) -> float:
+        t0, w0 = max((c for c in clocks if c[0] <= e["t_s"]), default=clocks[0])
+        return float(w0 + e["t_s"] - t0)
+
+    return wall
+
+
+def _judge(cell: Cell, run_dir: Path, fired: float, output: str) -> None:
+    metrics = _jsonl(run_dir / "metrics.jsonl")
+    events = _jsonl(run_dir / "events.jsonl")
+    cell.restarts = output.count("run.max_restarts): resuming")
+    problems = []
+    if [m["step"] for m in metrics] != list(range(STEPS)):
+        problems.append(f"steps {[m['step'] for m in metrics]}")
+    if any(m["trajectories"] != BATCH for m in metrics):
+        problems.append(f"trajectories {[m['trajectories'] for m in metrics]}")
+    if cell.restarts != (1 if cell.kind == "master" else 0):
+        problems.append(f"{cell.restarts} restarts")
+    wall = _wall(events)
+    after = [e for e in events if wall(e) >= fired - 0.5]
+    failed = next((e for e in after if e["kind"] in ("member_failed", "resumed")), None)
+    recovered = {
+        "elastic": lambda e: e["kind"] == "joined" and e["group"].startswith("el2"),
+        "reserved": lambda e: e["kind"] == "engine_back",
+        "overlap": lambda e: e["kind"] == "engine_back",
+        "trainer": lambda e: e["kind"] == "trainers_back",
+        "master": lambda e: e["kind"] == "resumed",
+    }[cell.kind]
+    back = next((e for e in after if recovered(e)), None)
+    cell.detected_s = None if failed is None else round(wall(failed) - fired, 2)
+    cell.recovered_s = None if back is None else round(wall(back) - fired, 2)
+    if back is None and cell.kind != "elastic":  # (an elastic rank may be given back)
+        problems.append("not recovered")
+    cell.passed, cell.why = not problems, "; ".join(problems)
+
+
+def run_cell(cell: Cell, root: Path) -> Cell:
+    import yaml
+
+    from pearl_hpc.backends.world import RunFailed, run_to_summary
+    from pearl_hpc.master.preflight import load_run_config
+
+    path = root / "run.yaml"
+    path.write_text(yaml.safe_dump({"runs_dir": str(root / "runs"), **CONFIG}))
+    cfg = load_run_config(path)
+    run_dir = root / "runs" / "t"
+    fired: list[float] = []
+    injector = threading.Thread(target=_inject, args=(cell, run_dir, fired), daemon=True)
+    t0 = time.monotonic()
+    injector.start()
+    try:
+        run_to_summary(cfg, run_dir)
+    except RunFailed as exc:
+        cell.why = str(exc).splitlines()[0][:200]
+    cell.wall_s = round(time.monotonic() - t0, 1)
+    output = (run_dir / "world.log").read_text(errors="replace")
+    if not fired:
+        cell.why = cell.why or "the point was never reached"
+        return cell
+    if not cell.why:
+        _judge(cell, run_dir, fired[0], output)
+    return cell
+
+
+def table(cells: list[Cell]) -> str:
+    head = "| rank | point | fault | result | detected s | recovered s | run restarts | run s |"
+    lines = [head, "|---|---|---|---|---:|---:|---:|---:|"]
+    for c in cells:
+        result = "pass" if c.passed else f"FAIL: {c.why}"
+        lines.append(
+            f"| {c.kind} | {c.point} | {c.fault} | {result} | {c.detected_s} | "
+            f"{c.recovered_s} | {c.restarts} | {c.wall_s} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.fault_matrix", description=__doc__)
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    parser.add_argument("--points", nargs="+", default=list(POINTS), choices=POINTS)
+    parser.add_argument("--faults", nargs="+", default=list(FAULTS), choices=list(FAULTS))
+    args = parser.parse_args()
+    cells = []
+    cache = tempfile.TemporaryDirectory(prefix="pearl-faults-cache-")
+    os.environ["PEARL_HPC_CACHE"] = cache.name  # (the tiny model, built once)
+    for kind in args.kinds:
+        for point in args.points:
+            for fault in args.faults:
+                with tempfile.TemporaryDirectory(prefix="pearl-faults-") as root:
+                    cell = run_cell(Cell(kind, point, fault), Path(root))
+                cells.append(cell)
+                print(table([cell]).splitlines()[-1], flush=True)
+    cache.cleanup()
+    print()
+    print(table(cells))
+    return 0 if all(c.passed for c in cells) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
