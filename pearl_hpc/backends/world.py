@@ -473,6 +473,8 @@ def _master_silent(run: RunDir, since: float, timeout_s: float) -> str | None:
     age = time.time() - touched
     if touched < since or age <= timeout_s:
         return None  # a previous world's, or fresh
+    if _journal_status(run.path) != RunStatus.RUNNING:
+        return None  # it stopped its lease: the run is ending (its members leaving)
     return f"its lease not touched for {age:.0f} s, run.heartbeat_timeout_s {timeout_s:g}"
 
 

@@ -172,20 +172,9 @@ class MasterRun:
 
     async def run(self, on_progress: Callable[..., None] | None = None) -> dict[str, Any]:
         cfg = self.cfg
-        # 1. the world's members said hello: trainer ranks (their resumed version) and
-        #    engine ranks (their sockets)
-        self.members = Members(
-            self.plane,
-            self.events,
-            roles=self._member_roles,
-            on_failed=self._member_failed,
-            on_joined=self._member_joined,
-            heartbeat_timeout_s=cfg.run.heartbeat_timeout_s,
-        )
-        layout = base_layout(cfg.workers, cfg.layout)
-        engines = sum(1 for r in layout if r.kind == ENGINE)
-        trainers = sum(1 for r in layout if r.kind == TRAINER)
-        self.members.start(since_s=self.started_s, say=self.say, trainers=trainers, engines=engines)
+        # 1. the members joined: trainer ranks (their resumed version) and engine ranks
+        #    (their sockets)
+        self.members = self._members_in()
         self.trainer = RemoteTrainer(self.members)
         # the weights of the recorded steps (the trainer may resume an older checkpoint:
         # the steps after it are trained again from their logs)
@@ -273,6 +262,23 @@ class MasterRun:
         summary = self._finish() if not stopped else self._stopped()
         self.members.shutdown()
         return summary
+
+    def _members_in(self) -> Members:
+        """The control plane's members once every base rank joined (the trainer ranks'
+        launch and each engine rank's; blocking: before the loop serves anything)."""
+        members = Members(
+            self.plane,
+            self.events,
+            roles=self._member_roles,
+            on_failed=self._member_failed,
+            on_joined=self._member_joined,
+            heartbeat_timeout_s=self.cfg.run.heartbeat_timeout_s,
+        )
+        layout = base_layout(self.cfg.workers, self.cfg.layout)
+        engines = sum(1 for r in layout if r.kind == ENGINE)
+        trainers = sum(1 for r in layout if r.kind == TRAINER)
+        members.start(since_s=self.started_s, say=self.say, trainers=trainers, engines=engines)
+        return members
 
     async def _run_steps(
         self, pipeline: StepPipeline, guard: asyncio.Task[None], executor: WorkerExecutor
