@@ -90,6 +90,31 @@ def test_typed_calls_round_trip_dataclasses_and_errors() -> None:
     asyncio.run(main())
 
 
+def test_a_peer_lost_while_a_call_is_written_fails_the_call_as_an_engine_error() -> None:
+    """The connection is reset under a call before the client's reader saw it (a SIGKILLed
+    engine): the caller gets an EngineError (the router fails the turn over), not the
+    stream's ConnectionResetError (which ended a rollout)."""
+
+    async def main() -> None:
+        key, calls = new_key(), []
+        server, port = await _server(calls, key)
+        client = RpcClient("w")
+        await client.connect("127.0.0.1", port, key)
+        assert client._channel is not None
+
+        async def reset() -> None:
+            raise ConnectionResetError("Connection lost")
+
+        client._channel.writer.drain = reset  # type: ignore[method-assign]
+        with pytest.raises(EngineError, match="w: connection lost"):
+            await client.call("echo", int, x=1)
+        assert not client._pending  # nothing left waiting for a reply
+        await client.close()
+        server.close()
+
+    asyncio.run(main())
+
+
 def test_a_pickled_payload_is_never_unpickled(tmp_path: Path) -> None:
     marker = tmp_path / "executed"
     payload = pickle.dumps(_Boom(marker))

@@ -288,8 +288,12 @@ class RpcClient:
         call_id = next(self._ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[call_id] = (fut, returns)
-        self._channel.send([call_id, op, kwargs])
-        await self._channel.writer.drain()
+        try:
+            self._channel.send([call_id, op, kwargs])
+            await self._channel.writer.drain()
+        except ConnectionError as exc:  # the peer died before the reader saw it
+            self._pending.pop(call_id, None)
+            raise EngineError(f"{self.name}: connection lost ({type(exc).__name__})") from exc
         return await fut
 
     async def close(self) -> None:
