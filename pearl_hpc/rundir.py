@@ -66,8 +66,8 @@ FILES: tuple[tuple[str, str, str], ...] = (
     ("elastic", "elastic/", "elastic launches: their logs (`job-J.out` on Slurm)"),
     ("lease", "elastic/master.lease", "`<host> <pid> <unix time>`, touched every second by "
      "the master: elastic ranks and batch steps end when it goes stale"),
-    ("hostfile", "hostfile", "a world over several nodes: each rank's node, a line a rank "
-     "(Slurm's `SLURM_HOSTFILE`)"),
+    ("hostfile", "hostfile", "a run over several nodes: the trainer ranks' step, each one's "
+     "node, a line a rank (Slurm's `SLURM_HOSTFILE`)"),
     ("mpi_port", "mpi-port", "the master's MPI port name (0600): elastic ranks `Connect` to it"),
     ("joins", "joins/", "`GROUP.json`: an elastic component's announcement; `GROUP.go`: the "
      "master's go to `Connect` (one at a time)"),
@@ -238,7 +238,7 @@ class RunDir:
         return self._named("domains")
 
     def domain_note(self, group: str, what: str) -> Path:
-        """An engine rank launch's ``lost`` or ``left`` mark."""
+        """A failure domain's launch's ``lost`` or ``left`` mark."""
         return self.domains / f"{group}.{what}"
 
     @property

@@ -2,19 +2,20 @@
 
     pearl-hpc run CONFIG ──prepare_run──> RUN_DIR (key, model, checkpoints a resume trusts)
                           ──mpiexec.gforker | srun  python -m pearl_hpc.rank rank──> the world:
-                             rank 0 master, the trainer ranks (world_of(base_layout))
-                          ──a launch per engine rank (domain_argv; backends/domains.py)──>
-                             each joins the master like an elastic rank; relaunched if it dies
+                             the master alone (world_of(base_layout))
+                          ──a launch per failure domain (domain_argv; backends/domains.py):
+                             the trainer ranks, each engine rank──> each joins the master
+                             like an elastic component; started again if it dies
 
 Where the world runs:
 - a layout of one node (the local backend always): this node, started by MPICH's
   ``mpiexec.gforker`` (the wheel beside this Python; it listens on no port) -- also
   inside a Slurm batch job;
-- a layout over several nodes (backend slurm, inside the base job's allocation): one
-  ``srun --mpi=pmi2`` step (Slurm starts every rank and carries their PMI; any rank's
-  death ends the step) and ``RUN_DIR/hostfile`` giving each rank its node; each engine
-  rank an ``srun --overlap`` step of one task on its node (reserved engine ranks on the
-  rollout nodes, overlap ones on the training nodes);
+- a layout over several nodes (backend slurm, inside the base job's allocation): the
+  master a one-task ``srun --mpi=pmi2`` step on the job's first node (Slurm carries the
+  PMI); the trainer ranks an ``srun --overlap`` step, ``RUN_DIR/hostfile`` giving each
+  its node; each engine rank an ``srun --overlap`` step of one task on its node
+  (reserved engine ranks on the rollout nodes, overlap ones on the training nodes);
   :func:`base_job_spec` is the batch job that asks for it (``pearl-hpc run CONFIG
   --sbatch`` submits it, ``--dry-run`` prints it).
 Elastic capacity of the Slurm backend comes as heterogeneous jobs (:mod:`.slurm`).
@@ -22,11 +23,10 @@ With ``slurm.container`` the ranks run in an image: under pyxis the step's ``sru
 carries the image (a one-node world's gforker runs in an ``srun -n1`` step), under
 apptainer each command runs in ``apptainer exec``; the launcher stays on the host.
 
-A rank of the world that fails ends the world (rank 0 calls ``Abort``; gforker and srun
-end every rank when one dies, and a rank dies with its launcher), so nothing of a run
-outlives its master; an engine rank's death ends only its own launch, which is started
-again (:class:`~pearl_hpc.backends.domains.EngineDomains`). When the world ends, the
-launcher ends the engine ranks' launches, then starts a new world with ``--resume`` by itself,
+The master's failure ends the world (it calls ``Abort``; a rank dies with its
+launcher); a trainer or engine rank's death ends only its own launch, which is started
+again (:class:`~pearl_hpc.backends.domains.Domains`). When the world ends, the launcher
+ends the domains' launches, then starts a new world with ``--resume`` by itself,
 up to ``run.max_restarts`` times (:func:`with_restarts`): the journal, the newest
 checkpoint and the trajectory log carry the run on; elastic jobs are adopted.
 """
@@ -64,7 +64,7 @@ from pearl_hpc.rundir import RunDir, RunStatus, read_journal
 from pearl_hpc.slurm.scripts import HetComponent, JobSpec
 from pearl_hpc.weights.leftovers import sweep
 
-TEND_S = 0.25  # the launcher looks at the engine ranks' launches this often
+TEND_S = 0.25  # the launcher looks at the failure domains' launches this often
 
 
 def multi_node(cfg: RunConfig) -> bool:
@@ -403,14 +403,15 @@ def launch_world(cfg: RunConfig, run_dir: Path, *, resume: bool, live: bool) -> 
     def start(resume: bool) -> int:
         model_dir = prepare_run(cfg, run_dir, resume=resume)
         launcher = launcher_path(cfg)
-        node = (job_nodes(cfg) or [""])[0] if multi_node(cfg) else ""
+        nodes = job_nodes(cfg) if multi_node(cfg) else []
         argv = world_argv(
-            cfg, run_dir, model_dir, resume=resume, live=live, launcher=launcher, node=node
-        )
+            cfg, run_dir, model_dir, resume=resume, live=live, launcher=launcher,
+            node=nodes[0] if nodes else "",
+        )  # fmt: skip
         env = {**os.environ, **world_env(cfg, run_dir)}
         world.append(subprocess.Popen(argv, env=env, preexec_fn=_world_child))
         return _beside_domains(
-            cfg, run_dir, model_dir, world[-1], env, launcher=launcher, resume=resume
+            cfg, run_dir, model_dir, world[-1], env, launcher=launcher, resume=resume, nodes=nodes
         )
 
     return with_restarts(cfg, run_dir, resume, start, stopped=lambda: bool(stops))
@@ -425,15 +426,14 @@ def _beside_domains(
     *,
     launcher: str,
     resume: bool,
+    nodes: list[str],
     output: Any = None,
 ) -> int:
     """Wait for ``world`` to end, the failure domains' launches (the trainer ranks,
     each engine rank) started beside it and kept (:class:`~.domains.Domains`), then
     ended; the world's exit status (a first launch that failed before joining, or a
-    vital domain given up, ends the world)."""
+    vital domain given up, ends the world). ``nodes``: the job's (several nodes)."""
     from pearl_hpc.backends.domains import Domains, say
-
-    nodes = job_nodes(cfg) if multi_node(cfg) else []
 
     def argv(domain: Domain, attempt: int) -> list[str]:
         again = resume or attempt > 0  # a relaunch continues from the newest checkpoint
@@ -514,13 +514,16 @@ def run_world(cfg: RunConfig, run_dir: Path, *, resume: bool = False, **popen: A
     def start(resume: bool) -> int:
         model_dir = prepare_run(cfg, run_dir, resume=resume)
         launcher = launcher_path(cfg)
-        node = (job_nodes(cfg) or [""])[0] if multi_node(cfg) else ""
-        argv = world_argv(cfg, run_dir, model_dir, resume=resume, launcher=launcher, node=node)
+        nodes = job_nodes(cfg) if multi_node(cfg) else []
+        argv = world_argv(
+            cfg, run_dir, model_dir, resume=resume, launcher=launcher,
+            node=nodes[0] if nodes else "",
+        )  # fmt: skip
         world = subprocess.Popen(argv, env=env, preexec_fn=_survive_warning, **popen)
-        output = popen.get("stdout")
         return _beside_domains(
-            cfg, run_dir, model_dir, world, env, launcher=launcher, resume=resume, output=output
-        )
+            cfg, run_dir, model_dir, world, env, launcher=launcher, resume=resume, nodes=nodes,
+            output=popen.get("stdout"),
+        )  # fmt: skip
 
     return with_restarts(cfg, run_dir, resume, start)
 

@@ -210,20 +210,10 @@ class StepPipeline:
         v..first_step-1 are trained again from their trajectory logs -- the batches they
         were trained on, in that order, so the same updates -- and not rolled out again;
         the engines get the result once. Their metrics lines stay as recorded; each is
-        journaled as a ``replayed`` event."""
+        journaled as a ``replayed`` event (:meth:`_caught_up`, as after a loss of the
+        trainer ranks)."""
         start = self.trainer.version
-        if start > first_step:
-            raise RuntimeError(
-                f"the trainer resumed version {start}, past the journal's step {first_step}"
-            )
-        for step in range(start, first_step):
-            batch = self.logged_batch(step)
-            stats, train_s, _ = await self.train(step, batch)
-            await self.queue.put(TrainingFinished(step))
-            self.events(
-                "replayed", step=step, version=stats.version, loss=round(stats.lead.loss, 6),
-                train_s=round(train_s, 3),
-            )  # fmt: skip
+        await self._caught_up(first_step)
         if start < first_step:
             self.last_sync_s = await self.publish(self.trainer.version)
 
@@ -385,7 +375,8 @@ class StepPipeline:
         await self.trainer.ready.wait()
         if self.trainer.version > version:
             raise RuntimeError(
-                f"the trainer ranks hold version {self.trainer.version}, past {version}"
+                f"the trainer ranks hold version {self.trainer.version}, past the journal's "
+                f"step {version}"
             )
         while self.trainer.version < version:
             step = self.trainer.version
