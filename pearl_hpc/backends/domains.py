@@ -160,11 +160,13 @@ class Domains:
         return f"signal {-code}" if code < 0 else f"exit {code}"
 
     def _end(self, launch: _Launch) -> None:
-        """SIGTERM its process group now (a rank that was stopped gets SIGKILL after
-        ``END_TIMEOUT_S``, from :meth:`tend`)."""
+        """SIGTERM its process group now, then SIGCONT (SIGKILL after ``END_TIMEOUT_S``,
+        from :meth:`tend`). SIGTERM first: a rank's default action ends a stopped process
+        at once, where SIGCONT first would let it run (and send on its old link) until
+        the SIGTERM arrives."""
         if launch.proc.poll() is None:
-            _signal(launch.proc, signal.SIGCONT)
             _signal(launch.proc, signal.SIGTERM)
+            _signal(launch.proc, signal.SIGCONT)
             launch.kill_at = time.monotonic() + END_TIMEOUT_S
             self._ending.append(launch)
         else:  # its ranks may outlive the launcher that died (gforker's other ranks)
