@@ -9,9 +9,21 @@ kind:
 
 - kinds: ``elastic``, ``reserved``, ``overlap`` (engine ranks), ``trainer``, ``master``;
 - points: ``rollout`` (a rollout after the first, with turns in flight), ``train`` (step
-  1's Training Begin: the trainer ranks start it), ``idle`` (after step 0's record,
-  before the first turn of the next rollout is logged, or at once where none is left);
-- faults: ``kill`` (SIGKILL) and ``stop`` (SIGSTOP: a silent rank, left stopped).
+  1's Training Begin: the trainer ranks start it and the borrowed GPU is being
+  returned), ``publish`` (step 1 trained: its weight broadcast to the engines is next,
+  and runs against the rank the fault hit unless the master saw it first),
+  ``repartition`` (step 1 finished: the overlap engine is being lent the GPU again),
+  ``leave`` (the elastic rank's LEAVE at step 2, its grant taken back), ``idle`` (after
+  step 0's record, before the first turn of the next rollout is logged, or at once where
+  none is left);
+- faults: ``kill`` (SIGKILL), ``stop`` (SIGSTOP: a silent rank, left stopped) and
+  ``term`` (SIGTERM, SIGKILL 5 s later if it lives: what Slurm's preemption does to a
+  step's tasks with a GraceTime of 5 s; preemption by a real Slurm is in
+  tests/test_slurm_run.py).
+
+Joining ranks that die after their announce, before their hello, or that are strangers
+are cells of the control plane's own test (tests/test_mpi_plane.py): the window is a few
+milliseconds in a run.
 
 A cell passes when the run finishes with every step trained once on its whole batch and
 no restart of the run (the master row: one, by the launcher); it prints the seconds from
@@ -44,9 +56,10 @@ from tests.test_local_run import CONFIG as LOCAL_RUN
 from tests.test_local_run import MEASURED
 
 KINDS = ("elastic", "reserved", "overlap", "trainer", "master")
-POINTS = ("rollout", "train", "idle")
-FAULTS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+POINTS = ("rollout", "train", "publish", "repartition", "leave", "idle")
+FAULTS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
 STEPS, BATCH = 4, 16
+GRACE_S = 5.0  # the term fault's SIGKILL
 
 CONFIG: dict[str, Any] = {  # the local run tests' (borrowing ungated), 4 steps
     **LOCAL_RUN,
@@ -106,6 +119,13 @@ def _at(point: str, run_dir: Path) -> bool:
     events = _jsonl(run_dir / "events.jsonl")
     if point == "train":
         return any(e.get("event") == "TrainingBegin" and e.get("step") == 1 for e in events)
+    if point == "publish":
+        return any(e["kind"] == "train" and e.get("step") == 1 for e in events)
+    if point == "repartition":
+        cause = "training step 1 finished"
+        return any(e["kind"] == "reconfigure" and e["cause"] == cause for e in events)
+    if point == "leave":
+        return any(e["kind"] == "leave" and e["group"] == "el1+0" for e in events)
     logs = sorted((run_dir / "trajectories").glob("step-*.jsonl"))
     if point == "rollout":
         return len(logs) >= 2 and len(logs[-1].read_text().splitlines()) >= 4
@@ -120,6 +140,10 @@ def _inject(cell: Cell, run_dir: Path, fired: list[float]) -> None:
             if pid is not None:
                 os.kill(pid, FAULTS[cell.fault])
                 fired.append(time.time())
+                if cell.fault == "term":
+                    time.sleep(GRACE_S)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
                 return
         time.sleep(0.01)
 
@@ -162,6 +186,8 @@ def _judge(cell: Cell, run_dir: Path, fired: float) -> None:
     ended = wall(events[-1]) if events else fired
     if back is None and cell.kind == "master":
         problems.append("not resumed")
+    elif back is None and cell.point == "leave" and cell.kind == "elastic":
+        cell.why = "it was leaving: nothing to replace"
     elif back is None:  # (an engine rank may still be starting when the run ends)
         cell.why = f"the run ended {ended - fired:.0f} s after the fault, the rank not back yet"
     cell.passed = not problems
@@ -175,7 +201,11 @@ def run_cell(cell: Cell, root: Path) -> Cell:
     from pearl_hpc.master.preflight import load_run_config
 
     path = root / "run.yaml"
-    path.write_text(yaml.safe_dump({"runs_dir": str(root / "runs"), **CONFIG}))
+    config = CONFIG
+    if cell.point == "leave":  # the grant taken back at step 2
+        trace = [{"at_step": 0, "workers": 1}, {"at_step": 2, "workers": 0}]
+        config = {**CONFIG, "elastic": {**CONFIG["elastic"], "trace": trace}}
+    path.write_text(yaml.safe_dump({"runs_dir": str(root / "runs"), **config}))
     cfg = load_run_config(path)
     run_dir = root / "runs" / "t"
     fired: list[float] = []

@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import os
 import pickle
+import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +115,58 @@ def test_a_peer_lost_while_a_call_is_written_fails_the_call_as_an_engine_error()
         server.close()
 
     asyncio.run(main())
+
+
+_SLOW_SERVER = """
+import asyncio, sys
+from pearl_hpc.engine.rpc import serve
+
+async def slow(s: float) -> float:
+    await asyncio.sleep(s)
+    return s
+
+async def main():
+    server = await serve({"slow": slow}, sys.argv[1])
+    print(server.sockets[0].getsockname()[1], flush=True)
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+def test_a_stopped_worker_fails_its_calls_and_a_slow_live_one_does_not() -> None:
+    """A call outlasting the liveness window on a live worker returns (its pings are
+    answered); the worker SIGSTOPped (a silent node: TCP still answers) fails the call in
+    flight after about ``liveness_s``, not never."""
+    key = new_key()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_SERVER, key], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+
+        async def main() -> float:
+            client = RpcClient("w", liveness_s=1.0)
+            await client.connect("127.0.0.1", port, key)
+            assert await client.call("slow", float, s=2.5) == 2.5  # 2.5 liveness windows
+            call = asyncio.create_task(client.call("slow", float, s=60.0))
+            await asyncio.sleep(0.3)
+            os.kill(proc.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(EngineError, match="w: no reply in 1 s with calls in flight"):
+                await call
+            waited = time.monotonic() - t0
+            with pytest.raises(EngineError, match="not connected"):
+                await client.call("slow", float, s=0.0)
+            await client.close()
+            return waited
+
+        waited = asyncio.run(main())
+        assert 0.7 < waited < 5.0, waited  # 1 s of silence, checked every 0.25 s
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_a_pickled_payload_is_never_unpickled(tmp_path: Path) -> None:

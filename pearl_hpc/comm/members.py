@@ -22,6 +22,8 @@ master (``on_failed``: an engine's slot is replaced).
     heartbeat silent past heartbeat_timeout_s     _failed    slot replaced / step fails
     a command undelivered in send_timeout_s       _failed    (same)
     its engine socket died (backends/ranks.py)    fail()     (same)
+    its engine socket silent 10 s, calls in        fail()     (same)
+      flight (engine/rpc.py's liveness pings)
     its Slurm job component ended (squeue)        fail()     (same)
 """
 

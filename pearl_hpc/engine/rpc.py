@@ -18,6 +18,13 @@ type on the client). Nothing received can name a type to build or code to run.
 
 Calls are multiplexed: ``[call_id, op, kwargs]`` goes out, ``[call_id, ok, value]`` comes
 back, in any order, so one connection carries every in-flight turn of a worker.
+
+A worker that stops answering fails its calls: while any is in flight the client sends a
+``ping`` (answered by the server's loop, not by a handler) every quarter of
+``liveness_s``; a connection that moved no byte either way for ``liveness_s`` (no frame
+in, nothing of what it writes taken by the peer) is closed, and every call in flight
+fails at once (the router fails its turns over). That catches a stopped process and a
+wedged loop, which TCP keepalive cannot see (the peer's kernel still answers).
 """
 
 from __future__ import annotations
@@ -51,6 +58,8 @@ _MAC_BYTES = 32
 _HANDSHAKE_TIMEOUT_S = 10.0
 KEEPALIVE_IDLE_S = 10  # seconds of silence before TCP probes the peer
 KEEPALIVE_INTERVAL_S = 2
+LIVENESS_S = 10.0  # a call's connection silent this long fails (run.heartbeat_timeout_s)
+PING = "ping"  # the op the server's loop answers itself
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder()  # plain values only: no extension types
 
@@ -180,10 +189,13 @@ async def serve(
     async def run_call(channel: _Channel, call_id: int, op: str, kwargs: dict[str, Any]) -> None:
         try:
             handler = handlers.get(op)
-            if handler is None:
+            if op == PING:
+                reply = [call_id, True, None]
+            elif handler is None:
                 raise EngineError(f"unknown rpc op {op!r}; known: {sorted(handlers)}")
-            args = {k: _typed(v, hints[op].get(k, Any)) for k, v in kwargs.items()}
-            reply = [call_id, True, await handler(**args)]
+            else:
+                args = {k: _typed(v, hints[op].get(k, Any)) for k, v in kwargs.items()}
+                reply = [call_id, True, await handler(**args)]
         except Exception as exc:
             reply = [call_id, False, [type(exc).__name__, str(exc)]]
         with contextlib.suppress(ConnectionError, RuntimeError):
@@ -230,12 +242,16 @@ def _keepalive(sock: Any) -> None:
 class RpcClient:
     """One connection to a worker; many concurrent calls."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, liveness_s: float = LIVENESS_S) -> None:
         self.name = name
+        self.liveness_s = liveness_s
         self._channel: _Channel | None = None
         self._pending: dict[int, tuple[asyncio.Future[Any], Any]] = {}
         self._ids = itertools.count()
         self._reader_task: asyncio.Task[None] | None = None
+        self._watch_task: asyncio.Task[None] | None = None
+        self._moved_s = 0.0  # when the connection last moved a byte (with calls in flight)
+        self._silent: EngineError | None = None
 
     async def connect(self, host: str, port: int, key: str) -> None:
         reader, writer = await asyncio.open_connection(host, port)
@@ -249,13 +265,38 @@ class RpcClient:
             writer.close()
             raise
         self._reader_task = asyncio.create_task(self._read_replies())
+        self._watch_task = asyncio.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        """While calls are in flight: a ping each quarter of ``liveness_s``; the
+        connection closed once it moved nothing for ``liveness_s``."""
+        assert self._channel is not None
+        transport = self._channel.writer.transport
+        buffered = transport.get_write_buffer_size()
+        while True:
+            await asyncio.sleep(self.liveness_s / 4)
+            now = asyncio.get_running_loop().time()
+            before, buffered = buffered, transport.get_write_buffer_size()
+            if not self._pending or buffered < before:  # idle, or the peer read bytes
+                self._moved_s = now
+            elif now - self._moved_s > self.liveness_s:
+                self._silent = EngineError(
+                    f"{self.name}: no reply in {self.liveness_s:g} s with calls in flight "
+                    "(the worker is stopped, wedged or unreachable)"
+                )
+                self._channel.writer.close()  # the reader ends: every call fails
+                return
+            if self._pending:
+                self._channel.send([next(self._ids), PING, {}])  # its reply: _moved_s
 
     async def _read_replies(self) -> None:
         assert self._channel is not None
         error: Exception = EngineError(f"{self.name}: connection closed")
         try:
             while True:
-                call_id, ok, value = _typed(await self._channel.recv(), tuple[int, bool, Any])
+                frame = await self._channel.recv()
+                self._moved_s = asyncio.get_running_loop().time()
+                call_id, ok, value = _typed(frame, tuple[int, bool, Any])
                 fut, returns = self._pending.pop(call_id, (None, Any))
                 if fut is None or fut.done():
                     continue
@@ -276,6 +317,7 @@ class RpcClient:
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             error = EngineError(f"{self.name}: connection lost ({exc.__class__.__name__})")
         finally:
+            error = self._silent or error
             for fut, _ in self._pending.values():
                 if not fut.done():
                     fut.set_exception(error)
@@ -286,7 +328,10 @@ class RpcClient:
         if self._channel is None or self._reader_task is None or self._reader_task.done():
             raise EngineError(f"{self.name}: not connected")
         call_id = next(self._ids)
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        if not self._pending:
+            self._moved_s = loop.time()  # (the first call in flight: silence counts now)
         self._pending[call_id] = (fut, returns)
         try:
             self._channel.send([call_id, op, kwargs])
@@ -301,7 +346,8 @@ class RpcClient:
             self._channel.writer.close()
             with contextlib.suppress(Exception):
                 await self._channel.writer.wait_closed()
-        if self._reader_task is not None:
-            self._reader_task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._reader_task
+        for task in (self._reader_task, self._watch_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
