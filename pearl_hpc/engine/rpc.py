@@ -187,6 +187,7 @@ async def serve(
     hints = {op: typing.get_type_hints(h) for op, h in handlers.items()}
 
     async def run_call(channel: _Channel, call_id: int, op: str, kwargs: dict[str, Any]) -> None:
+        reply: list[Any]
         try:
             handler = handlers.get(op)
             if op == PING:
