@@ -8,6 +8,8 @@ members, plus elastic members and strangers, each launched as its own ``mpiexec.
         whose first message is a pickle that would write RUN_DIR/owned)
     mpiexec.gforker -n 1 python -m tests.mpi_plane_ranks RUN_DIR forged GROUP (a hello
         signed with another key)
+    mpiexec.gforker -n 1 python -m tests.mpi_plane_ranks RUN_DIR mute GROUP (dies once
+        accepted, before its hello)
 
 The master writes RUN_DIR/result.json: the longest its loop went without a turn, what
 each fault cost, and its events.
@@ -47,14 +49,16 @@ class Owned:
 
 
 def stranger(run_dir: Path, group: str, how: str) -> int:
-    """Announce ``group`` like a joiner, take the go, connect; then send a pickle, or
-    a hello proven with the wrong key."""
+    """Announce ``group`` like a joiner, take the go, connect; then send a pickle, a
+    hello proven with the wrong key, or die before any hello (``mute``)."""
     from mpi4py import MPI
 
     from pearl_hpc.comm.messages import TAG_REPORT
     from pearl_hpc.comm.mpi import WorkerPlane, member_info
 
     plane = WorkerPlane.join(run_dir, group, "cd" * 32, timeout_s=60)
+    if how == "mute":
+        os._exit(0)  # accepted, then gone without a word
     if how == "pickle":
         data = pickle.dumps(Owned(str(run_dir / "owned")))
         plane.link.Send([data, MPI.BYTE], dest=0, tag=TAG_REPORT)
@@ -125,8 +129,9 @@ async def master(run_dir: Path, doorman: Doorman) -> None:
     #    each Accept, the join is abandoned; the loop never stops turning
     RunDir(run_dir).join_note("el9+0").write_text(json.dumps({"group": "el9+0"}))
     result["abandoned_s"] = await until("el9+0 abandoned", lambda: kinds("join_abandoned"), 120)
-    # 3. strangers: a pickle as the first message, a hello signed with another key
-    for how, group in (("pickle", "el7+0"), ("forged", "el8+0")):
+    # 3. strangers: a pickle as the first message, a hello signed with another key; a
+    #    joiner that dies once accepted, before its hello
+    for how, group in (("pickle", "el7+0"), ("forged", "el8+0"), ("mute", "el6+0")):
         proc = await spawn(run_dir, how, group)
         await until(f"{group} dropped", lambda g=group: any(  # type: ignore[misc]
             e["group"] == g for e in kinds("connection_dropped")), 120)  # fmt: skip
@@ -174,7 +179,7 @@ async def master(run_dir: Path, doorman: Doorman) -> None:
 def main() -> int:
     run_dir = Path(sys.argv[1])
     what = sys.argv[2]
-    if what in ("pickle", "forged"):
+    if what in ("pickle", "forged", "mute"):
         return stranger(run_dir, sys.argv[3], what)
     if what == "join":
         from pearl_hpc.comm.mpi import WorkerPlane

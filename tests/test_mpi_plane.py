@@ -1,7 +1,8 @@
 """The control plane on a real MPI world (MPICH, no engines; tests/mpi_plane_ranks.py):
 elastic members launched as their own `mpiexec` join with signed hellos, take roles and
 leave; an announcer that never connects is freed by the doorman; strangers (a pickle, a
-hello signed with another key) are dropped without executing anything; a member killed
+hello signed with another key) and a joiner that connected and died before its hello
+are dropped without executing anything; a member killed
 with a command on its way and a member stopped (a silent node) are declared failed, and
 the call waiting for the killed one fails at once; the master's loop turns throughout."""
 
@@ -44,13 +45,15 @@ def test_joins_strangers_and_faults_never_stop_the_masters_loop(tmp_path: Path) 
     assert len(doorman) == 3 and all("doorman" in e["reason"] for e in doorman), dropped
     # (a stranger that took a go and failed its hello leaves that go to be tried again:
     # it may have raced the rightful joiner to the port)
-    assert [e["group"] for e in of("join_abandoned")] == ["el9+0", "el7+0", "el8+0"]
+    assert [e["group"] for e in of("join_abandoned")] == ["el9+0", "el7+0", "el8+0", "el6+0"]
     # strangers: dropped, nothing executed, never members
     pickled = [e["reason"] for e in dropped if e["group"] == "el7+0"]
     assert "not a hello" in pickled[0] and all("doorman" in r for r in pickled[1:]), pickled
     assert not (tmp_path / "owned").exists()
     forged = [e["reason"] for e in dropped if e["group"] == "el8+0"]
     assert "not signed by the run's key" in forged[0], forged
+    mute = [e["reason"] for e in dropped if e["group"] == "el6+0"]
+    assert "before its hello" in mute[0] or "sent no hello" in mute[0], mute
     failed = {e["member"]: e["reason"] for e in of("member_failed")}
     assert set(failed) == {"el2+0:0", "el3+0:0"}, failed
     # killed with a command on its way: the waiting call failed before any heartbeat
@@ -69,17 +72,22 @@ def test_joins_strangers_and_faults_never_stop_the_masters_loop(tmp_path: Path) 
     assert max(result["accept_s"]) > 3.0  # (the pump did sit)
 
 
-def test_bench_plane_measures_plans_and_a_burst_of_joiners(tmp_path: Path) -> None:
+def test_bench_plane_measures_plans_a_burst_of_joiners_and_cycles(tmp_path: Path) -> None:
     """`pearl-hpc bench --plane` at a small size: each figure reported, every joiner in,
-    its line recorded (where asked: never into the checkout)."""
+    its line recorded (where asked: never into the checkout); 40 join / leave-or-fail
+    cycles leave the master's communicators, open files and threads where they were (a
+    link leaked per cycle would show 20 or 40 fewer free communicators)."""
     lines = tmp_path / "bench.jsonl"
     argv = [sys.executable, "-m", "pearl_hpc.bench.plane", "--ranks", "4", "--joiners", "3"]
-    argv += ["--json", "--record", str(lines)]
+    argv += ["--cycles", "40", "--json", "--record", str(lines)]
     run = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     (row,) = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     assert row["ranks"] == 4 and row["joined"] == 3
     assert row["partition_ms"] > 0 and row["fanout_ms"] > 0 and row["join_ms"] > 0
     assert row["burst_poll_ms"] < row["burst_s"] * 1e3
+    assert row["cycles"] == 40 and row["cycle_ms"] > 0
+    for what in ("free_comms", "fds", "threads"):
+        assert row[f"{what}_after"] == row[f"{what}_before"], (what, row)
     (line,) = [json.loads(x) for x in lines.read_text().splitlines()]
     assert line["bench"] == "plane" and line["result"] == [row]

@@ -11,7 +11,12 @@ commands, no engines):
   meanwhile);
 - a burst of ``--joiners`` elastic components (one ``mpiexec.gforker -n 1`` each, all launched
   at once): go -> proven hellos per join, the pump's time in ``Accept`` per join, the
-  whole burst, and the longest the master's loop went without a turn.
+  whole burst, and the longest the master's loop went without a turn;
+- ``--cycles N`` (at the first size): one joiner joins N times in a row, each join
+  ended alternately by LEAVE (both sides Disconnect) and by the master declaring it
+  failed (the master frees its side, as for a dead rank); the master's free
+  communicators (MPICH's context ids: ``Dup`` until it refuses), open files, threads and
+  CPU while idle are read before and after, with the time per cycle.
 
 Run: ``pearl-hpc bench --plane`` (or ``python -m pearl_hpc.bench.plane``); ranks share
 this machine's cores, so the figures are upper bounds for dedicated nodes.
@@ -72,7 +77,68 @@ async def loop_gaps(stop: asyncio.Event, gaps: list[float], period_s: float = 0.
         last = now
 
 
-async def _master(run_dir: Path, doorman: Any, joiners: int) -> dict[str, Any]:
+def free_communicators() -> int:
+    """How many more communicators this process can make (MPICH: 2,046 at most)."""
+    from mpi4py import MPI
+
+    made: list[Any] = []
+    try:
+        while len(made) < 1 << 16:
+            made.append(MPI.COMM_SELF.Dup())
+    except MPI.Exception:
+        pass
+    for comm in made:
+        comm.Free()
+    return len(made)
+
+
+async def _resources() -> dict[str, float]:
+    """The master process's free communicators, open files, threads and CPU share over
+    1 s of its loop idling."""
+    cpu = time.process_time()
+    await asyncio.sleep(1.0)
+    share = time.process_time() - cpu
+    return {
+        "free_comms": free_communicators(),
+        "fds": len(os.listdir("/proc/self/fd")),
+        "threads": len(os.listdir("/proc/self/task")),
+        "idle_cpu": round(share, 3),
+    }
+
+
+async def _cycles(run_dir: Path, members: Any, cycles: int, gaps: list[float]) -> dict[str, Any]:
+    """``cycles`` joins of one joiner, each ended by LEAVE or by a failure in turn."""
+    before = await _resources()
+    gaps.clear()
+    (run_dir / "cycle").write_text("")  # the launcher starts the cycling joiner
+    (run_dir / "failed").mkdir()
+    t0 = time.monotonic()
+    for k in range(cycles):
+        group = f"c{k}+0"
+        deadline = time.monotonic() + 120
+        while f"{group}:0" not in members.of_kind("engine"):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"bench --plane: cycle {k}: {group} never joined")
+            await asyncio.sleep(0.001)
+        if k % 2 == 0:
+            members.leave(group)
+            while not members.left(group):
+                await asyncio.sleep(0.001)
+        else:
+            members.fail(f"{group}:0", "a cycle of the benchmark")
+            (run_dir / "failed" / group).write_text("")  # (the joiner frees its side)
+    seconds = time.monotonic() - t0
+    gap = max(gaps, default=0.0)
+    await asyncio.sleep(0.5)  # the last link freed by the pump
+    after = await _resources()
+    out: dict[str, Any] = {"cycles": cycles, "cycle_ms": 1e3 * seconds / max(1, cycles)}
+    out["cycles_gap_ms"] = 1e3 * gap
+    out.update({f"{k}_before": v for k, v in before.items()})
+    out.update({f"{k}_after": v for k, v in after.items()})
+    return out
+
+
+async def _master(run_dir: Path, doorman: Any, joiners: int, cycles: int) -> dict[str, Any]:
     from pearl_hpc.comm.members import Members
     from pearl_hpc.comm.messages import Release, ReleaseAck
     from pearl_hpc.comm.mpi import MasterPlane
@@ -137,6 +203,8 @@ async def _master(run_dir: Path, doorman: Any, joiners: int) -> dict[str, Any]:
         for group in sorted({m.split(":")[0] for m in members.of_kind("engine")} - {"base"}):
             members.leave(group)
         await asyncio.sleep(0)
+    if cycles:
+        out.update(await _cycles(run_dir, members, cycles, gaps))
     stop.set()
     await poll
     await beating
@@ -145,7 +213,7 @@ async def _master(run_dir: Path, doorman: Any, joiners: int) -> dict[str, Any]:
     return out
 
 
-def _rank(run_dir: Path, joiners: int) -> int:
+def _rank(run_dir: Path, joiners: int, cycles: int) -> int:
     from pearl_hpc.comm.doorman import Doorman
     from pearl_hpc.comm.mpiexec import gforker_path
     from pearl_hpc.rundir import RunDir
@@ -159,7 +227,7 @@ def _rank(run_dir: Path, joiners: int) -> int:
 
     if MPI.COMM_WORLD.Get_rank() != 0:
         return protocol_member(WorkerPlane.base(heartbeat_interval_s=1.0))
-    out = asyncio.run(_master(run_dir, doorman, joiners))
+    out = asyncio.run(_master(run_dir, doorman, joiners, cycles))
     (run_dir / "result.json").write_text(json.dumps(out))
     if doorman is not None:
         doorman.close()
@@ -172,24 +240,51 @@ def _join(run_dir: Path, group: str) -> int:
     return protocol_member(WorkerPlane.join(run_dir, group, KEY, timeout_s=600))
 
 
+def _cycle(run_dir: Path, cycles: int) -> int:
+    """Join ``cycles`` times; each join ends with LEAVE (Disconnect) or, once the master
+    has declared it failed, by freeing this side of the link."""
+    from pearl_hpc.comm.messages import Ack, Op
+    from pearl_hpc.comm.mpi import WorkerPlane, member_info
+
+    for k in range(cycles):
+        group = f"c{k}+0"
+        plane = WorkerPlane.join(run_dir, group, KEY, timeout_s=120)
+        plane.report(member_info("engine", group=group))
+        failed = run_dir / "failed" / group
+        while not failed.exists():
+            cmd = plane.next_command(0.001)
+            if cmd is not None and cmd.op is Op.LEAVE:
+                plane.report(Ack(cmd.op), cmd.seq)
+                plane.disconnect()
+                break
+        else:
+            plane.link.Free()
+    return 0
+
+
 def _launch(argv: list[str], *, errors: bool = False) -> subprocess.Popen[bytes]:
     quiet = subprocess.DEVNULL
     err = subprocess.PIPE if errors else quiet
     return subprocess.Popen(argv, stdin=quiet, stdout=quiet, stderr=err)
 
 
-def measure(ranks: int, joiners: int) -> dict[str, Any]:
-    """One world of ``ranks`` ranks and a burst of ``joiners`` joiners."""
+def measure(ranks: int, joiners: int, cycles: int = 0) -> dict[str, Any]:
+    """One world of ``ranks`` ranks, a burst of ``joiners`` joiners, then ``cycles``
+    join / leave-or-fail cycles."""
     from pearl_hpc.comm.mpiexec import gforker_path, one_node
 
     gforker = gforker_path()
     me = [sys.executable, "-m", "pearl_hpc.bench.plane"]
     with tempfile.TemporaryDirectory(prefix="pearl-plane-") as tmp:
         run_dir = Path(tmp)
-        argv = [*one_node(ranks, gforker), *me, "rank", str(run_dir), str(joiners)]
+        argv = [*one_node(ranks, gforker), *me, "rank", str(run_dir), str(joiners), str(cycles)]
         world = _launch(argv, errors=True)
         burst: list[subprocess.Popen[bytes]] = []
+        cycler: subprocess.Popen[bytes] | None = None
         while world.poll() is None:
+            if cycles and cycler is None and (run_dir / "cycle").exists():
+                cycler = _launch([*one_node(1, gforker), *me, "cycle", str(run_dir), str(cycles)])
+                burst.append(cycler)
             if joiners and not burst and (run_dir / "burst").exists():
                 burst = [
                     _launch([*one_node(1, gforker), *me, "join", str(run_dir), f"b{k}+0"])
@@ -208,23 +303,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pearl-hpc bench --plane", description=__doc__)
     parser.add_argument("--ranks", default="8,32,128,256", help="world sizes, comma-separated")
     parser.add_argument("--joiners", type=int, default=200, help="the burst, at the first size")
+    parser.add_argument(
+        "--cycles", type=int, default=0, help="join / leave-or-fail cycles, at the first size"
+    )
     parser.add_argument("--json", action="store_true")
     record.add_argument(parser)
     sub = parser.add_subparsers(dest="role")
     rank = sub.add_parser("rank")
     rank.add_argument("run_dir", type=Path)
     rank.add_argument("burst", type=int)
+    rank.add_argument("cycles", type=int)
+    cycle = sub.add_parser("cycle")
+    cycle.add_argument("run_dir", type=Path)
+    cycle.add_argument("cycles", type=int)
     join = sub.add_parser("join")
     join.add_argument("run_dir", type=Path)
     join.add_argument("group")
     args = parser.parse_args(argv)
     if args.role == "rank":
-        return _rank(args.run_dir, args.burst)
+        return _rank(args.run_dir, args.burst, args.cycles)
+    if args.role == "cycle":
+        return _cycle(args.run_dir, args.cycles)
     if args.role == "join":
         return _join(args.run_dir, args.group)
     rows = []
     for i, ranks in enumerate(int(r) for r in args.ranks.split(",")):
-        row = measure(ranks, args.joiners if i == 0 else 0)
+        row = measure(ranks, args.joiners if i == 0 else 0, args.cycles if i == 0 else 0)
         rows.append(row)
         if args.json:
             print(json.dumps(row), flush=True)
@@ -240,6 +344,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"go -> joined {row['join_ms']:.1f} ms, Accept {row['accept_ms']:.1f} ms "
                 f"(median), loop gap {row['burst_gap_ms']:.1f} ms, longest poll (CPU) "
                 f"{row['burst_poll_ms']:.1f} ms"
+            )
+        if "cycles" in row:
+            line += (
+                f"\n      {row['cycles']} join / leave-or-fail cycles: {row['cycle_ms']:.1f} ms "
+                f"each, loop gap {row['cycles_gap_ms']:.1f} ms; before -> after: free "
+                f"communicators {row['free_comms_before']} -> {row['free_comms_after']}, "
+                f"open files {row['fds_before']} -> {row['fds_after']}, threads "
+                f"{row['threads_before']} -> {row['threads_after']}, CPU idle "
+                f"{row['idle_cpu_before']:.3f} -> {row['idle_cpu_after']:.3f} s/s"
             )
         print(line, flush=True)
     ratios = {}
