@@ -5,8 +5,13 @@ member that joined in a later group."""
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
+import os
+import signal
 import statistics
+import subprocess
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -20,10 +25,11 @@ pytest.importorskip("safetensors")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from pearl_hpc.engine.client import EngineClient  # noqa: E402
 from pearl_hpc.engine.rpc import new_key  # noqa: E402
 from pearl_hpc.engine.store import KeyStore  # noqa: E402
 from pearl_hpc.errors import ConfigError, PearlError  # noqa: E402
-from pearl_hpc.train.sync import WeightVersions  # noqa: E402
+from pearl_hpc.train.sync import MembersLost, WeightSync, WeightVersions  # noqa: E402
 from pearl_hpc.weights.group import (  # noqa: E402
     WeightGroup,
     WeightStream,
@@ -331,6 +337,69 @@ def _member(port: int, key: str, member_id: str, weights_file: str, out: Any) ->
         out.put((member_id, report))
     except BaseException:
         out.put((member_id, traceback.format_exc()))
+
+
+def _weight_members(key: str, names: list[str], gpus: bool) -> dict[str, subprocess.Popen[str]]:
+    """Engine-less members (tests/weight_member.py), each printing its RPC port (on
+    GPUs 1, 2, ...: the trainer has GPU 0)."""
+    argv = [sys.executable, "-m", "tests.weight_member", key]
+    procs = {}
+    for i, name in enumerate(names, start=1):
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(i)} if gpus else None
+        procs[name] = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
+    return procs
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_members_lost_in_a_publish_are_named_and_the_rest_take_the_version(backend: str) -> None:
+    """Three members; one SIGSTOPped (a silent node) and one SIGKILLed as a publish
+    begins: the publish fails as MembersLost naming both, whichever error came first
+    (the group aborted, the members probed), and the next epoch, formed without them,
+    takes the version. NCCL: the trainer lives through its aborted group."""
+    if backend == "nccl" and torch.cuda.device_count() < 4:
+        pytest.skip("NCCL weight groups: needs 4 GPUs (the trainer and three members)")
+    key = new_key()
+    procs = _weight_members(key, ["a", "b", "c"], gpus=backend == "nccl")
+    device = "cuda" if backend == "nccl" else "cpu"
+    state = {
+        "w": torch.arange(1 << 20, dtype=torch.float32, device=device),
+        "b": torch.ones(7, device=device),
+    }
+    try:
+
+        async def main() -> tuple[list[str], int, int]:
+            sync = WeightSync(key, backend=backend)  # no shared store: all in the group
+            clients = {}
+            for name, proc in procs.items():
+                assert proc.stdout is not None
+                clients[name] = EngineClient(name)
+                clients[name]._rpc.liveness_s = 1.0  # a stopped member fails its call fast
+                await clients[name].connect("127.0.0.1", int(proc.stdout.readline()), key)
+            await sync.form(clients)
+            await sync.publish(sync.stage(state, 1))
+            os.kill(procs["b"].pid, signal.SIGSTOP)
+            procs["c"].kill()
+            v2 = sync.stage({k: t + 1 for k, t in state.items()}, 2)
+            with pytest.raises(MembersLost) as lost:
+                await sync.publish(v2)
+            await sync.form({"a": clients["a"]})
+            await sync.publish(v2)
+            held = (await clients["a"].stats()).weight_version
+            # the abandoned send to the stopped member ends with its socket (else at
+            # the group's timeout): asyncio.run waits for that thread
+            procs["b"].kill()
+            sync.close()
+            for client in clients.values():
+                await client.close()
+            return sorted(lost.value.names), held, sync.versions.latest
+
+        names, held, latest = asyncio.run(main())
+        assert names == ["b", "c"]
+        assert held == latest == 2
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
 
 
 def test_three_members_broadcast_and_a_late_joiner_catches_up(tiny_model_dir: Path) -> None:

@@ -10,6 +10,12 @@ in (:mod:`pearl_hpc.weights.shm`); the others are ranks of a torch.distributed w
 broadcast. A worker outside the broadcast group (released, or joined late) is not waited
 for and catches up when it activates (lazy propagation): from shared memory, or with a
 point-to-point copy. :class:`WeightVersions` keeps who holds what.
+
+A member that dies during a publish (or while a group forms) fails it as
+:class:`MembersLost`, naming every member found dead, whichever error came first: the
+broadcast group is aborted at the first failure (a transfer blocked on the dead peer
+ends), then each member is asked for its stats within ``PROBE_S``; the caller forms the
+next epoch without the dead and publishes again.
 """
 
 from __future__ import annotations
@@ -19,20 +25,30 @@ import logging
 import secrets
 import time
 import weakref
-from collections.abc import Awaitable, Mapping
-from typing import cast
+from collections.abc import Awaitable, Mapping, Sequence
+from typing import Any, cast
 
 import torch
 
 from pearl_hpc.engine.client import EngineClient
 from pearl_hpc.engine.store import KeyStore, StoreClient
-from pearl_hpc.engine.types import WeightsRefused
+from pearl_hpc.engine.types import EngineError, WeightsRefused
 from pearl_hpc.errors import ConfigError
 from pearl_hpc.weights.group import WeightGroup, send_weights
 from pearl_hpc.weights.shm import SharedStore, Staged, stage_private
 from pearl_hpc.weights.wire import BUCKET_BYTES, WeightSyncError, digest
 
 log = logging.getLogger(__name__)
+
+PROBE_S = 5.0  # a member that does not answer its stats this fast after a failure is dead
+
+
+class MembersLost(WeightSyncError):
+    """A publish or a group's forming failed and these members are dead."""
+
+    def __init__(self, names: list[str], cause: BaseException) -> None:
+        super().__init__(f"weights: {', '.join(names)} lost ({type(cause).__name__}: {cause})")
+        self.names = names
 
 
 class WeightSync:
@@ -128,7 +144,11 @@ class WeightSync:
             self._group = None
         if remote:
             prefix = f"bcast/{self._epoch}/"
-            self._group = await self._group_of("broadcast", prefix, remote, self.backend)
+            forming = asyncio.ensure_future(
+                self._group_of("broadcast", prefix, remote, self.backend)
+            )
+            await self._all_or_lost([forming], remote)
+            self._group = forming.result()
 
     def seed(self, staged: Staged) -> None:
         """Start from ``staged`` (a resumed trainer): workers catch up to it as they join."""
@@ -155,7 +175,7 @@ class WeightSync:
                 for n, c in self.members.items()
                 if n not in self.nearby
             ]
-        await asyncio.gather(*sends)
+        await self._all_or_lost([asyncio.ensure_future(s) for s in sends], self.members)
         for wid in self.members:
             if wid not in refused:
                 self.versions.loaded(wid, staged.version)
@@ -164,6 +184,29 @@ class WeightSync:
         wall_s = time.perf_counter() - t0
         self.timings.append(("broadcast", staged.version, wall_s))
         return wall_s
+
+    async def _all_or_lost(
+        self, tasks: Sequence[asyncio.Future[Any]], members: Mapping[str, EngineClient]
+    ) -> None:
+        """Wait for ``tasks``. At the first failure: the broadcast group is aborted (the
+        tasks left end with it; their errors follow from this one), every member is
+        probed, and the dead are raised as :class:`MembersLost`; none dead: the failure
+        itself is raised."""
+        done, left = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = next((t.exception() for t in done if t.exception() is not None), None)
+        if failed is None:
+            return
+        for task in left:
+            task.add_done_callback(_retrieved)
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+        self.members = {}  # the next publish forms a new epoch
+        alive = await asyncio.gather(*[_answers(c) for c in members.values()])
+        dead = [name for name, ok in zip(members, alive, strict=True) if not ok]
+        if dead:
+            raise MembersLost(dead, failed)
+        raise failed
 
     async def _digest(self, staged: Staged) -> bytes:
         """``staged``'s digest (computed once for each staged copy, in threads)."""
@@ -242,6 +285,21 @@ class WeightSync:
         self.store.close()
         if self.shared is not None:
             self.shared.close()
+
+
+async def _answers(client: EngineClient) -> bool:
+    """Whether ``client``'s worker answers within ``PROBE_S``."""
+    try:
+        await asyncio.wait_for(client.stats(), PROBE_S)
+    except (EngineError, OSError, TimeoutError):
+        return False
+    return True
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """A task abandoned after a failure: its own error is the same event's."""
+    if not task.cancelled():
+        task.exception()
 
 
 class WeightVersions:

@@ -14,10 +14,21 @@ first, then a key or value); each group is a fresh, unguessable key prefix with 
 :class:`~pearl_hpc.weights.wire.WeightsHeader` dict of plain values as msgpack, length
 first: a receiver decodes data, never code) and then one flat buffer
 (:func:`~pearl_hpc.weights.wire.pack`).
+
+A member that dies inside a transfer must not take the others with it. :meth:`WeightGroup.
+close` aborts the communicator (NCCL's ``ncclCommAbort`` ends a collective blocked on a
+dead peer; gloo's ends when the dead peer's socket closes, or at the timeout), and an
+NCCL group is made with torch's error handling in its clean-up-only mode (2: a watchdog
+timeout aborts the communicator without tearing the process down, whatever the
+process's other groups do), so the trainer and the surviving engines outlive a group
+that broke; the trainer then forms the next epoch's group without the dead
+(:mod:`pearl_hpc.train.sync`).
 """
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
@@ -37,6 +48,9 @@ from pearl_hpc.weights.wire import (
 )
 
 BACKENDS = ("gloo", "nccl")
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"  # read by each group as it is made
+CLEAN_UP_ONLY = "2"  # abort the communicator on a watchdog timeout; the process lives
+_ENV = threading.Lock()
 
 
 class WeightGroup:
@@ -64,17 +78,25 @@ class WeightGroup:
             self.device = torch.device("cuda", torch.cuda.current_device())
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout  # else NCCL's 10-minute default, not timeout_s
-            self.pg: Any = dist.ProcessGroupNCCL(prefixed, rank, size, options)
+            with _ENV:  # this group's handling only (FSDP's own groups keep theirs)
+                before = os.environ.get(NCCL_ERROR_HANDLING)
+                os.environ[NCCL_ERROR_HANDLING] = CLEAN_UP_ONLY
+                try:
+                    self.pg: Any = dist.ProcessGroupNCCL(prefixed, rank, size, options)
+                finally:
+                    if before is None:
+                        del os.environ[NCCL_ERROR_HANDLING]
+                    else:
+                        os.environ[NCCL_ERROR_HANDLING] = before
         else:
             self.device = torch.device("cpu")
             self.pg = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
 
     def close(self) -> None:
-        """Tear the communicator down (NCCL keeps one per group until told; gloo's go
-        with the object)."""
-        shutdown = getattr(self.pg, "shutdown", None) if self.backend == "nccl" else None
-        if shutdown is not None:
-            shutdown()
+        """Abort the communicator, a transfer in flight included: NCCL's ends at once
+        (NCCL keeps a communicator per group until told); gloo's ends when its peer's
+        socket does, or at the timeout."""
+        self.pg.abort()
 
     def synchronize(self) -> None:
         """Wait for the device (NCCL's ``wait()`` only orders streams: without this a

@@ -264,6 +264,7 @@ class TrainerRank:
     async def _publish(self, cmd: Publish) -> PublishAck:
         assert self.sync is not None
         from pearl_hpc.engine.types import EngineError
+        from pearl_hpc.train.sync import MembersLost
 
         members, unreachable = {}, []
         for name, (host, port) in sorted(cmd.members.items()):
@@ -273,19 +274,16 @@ class TrainerRank:
                 log.warning("weights to %s: %s", name, exc)
                 self.clients.pop(name, None)
                 unreachable.append(name)
-        while True:
+        while True:  # each time round, one member or more fewer
             try:
                 out = await self._broadcast(members, cmd.version)
                 return msgspec.structs.replace(out, unreachable=unreachable)
-            except EngineError as exc:  # one died (before or during it): again without it
-                dead = next((n for n in members if str(exc).startswith(f"{n}:")), None)
-                if dead is None:
-                    raise
-                log.warning("weights to %s: %s", dead, exc)
-                self.clients.pop(dead, None)
-                members.pop(dead)
-                unreachable.append(dead)
-                self.sync.members = {}  # re-formed without it
+            except MembersLost as exc:  # died before or during it: again without them
+                log.warning("%s", exc)
+                for dead in exc.names:
+                    self.clients.pop(dead, None)
+                    members.pop(dead, None)
+                    unreachable.append(dead)
 
     async def _broadcast(self, members: dict[str, Any], version: int) -> PublishAck:
         assert self.sync is not None
