@@ -81,6 +81,7 @@ class Cell:
     recovered_s: float | None = None
     restarts: int = 0
     wall_s: float = 0.0
+    loop_gap_ms: float | None = None  # the longest gap between the master's beats
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
@@ -163,6 +164,7 @@ def _judge(cell: Cell, run_dir: Path, fired: float) -> None:
     metrics = _jsonl(run_dir / "metrics.jsonl")
     events = _jsonl(run_dir / "events.jsonl")
     cell.restarts = sum(1 for e in events if e["kind"] == "resumed")  # (a new world's)
+    cell.loop_gap_ms = round(1e3 * max((m.get("loop_gap_s", 0.0) for m in metrics), default=0))
     problems = []
     if [m["step"] for m in metrics] != list(range(STEPS)):
         problems.append(f"steps {[m['step'] for m in metrics]}")
@@ -229,13 +231,16 @@ def run_cell(cell: Cell, root: Path) -> Cell:
 
 
 def table(cells: list[Cell]) -> str:
-    head = "| rank | point | fault | result | detected s | recovered s | run restarts | run s |"
-    lines = [head, "|---|---|---|---|---:|---:|---:|---:|"]
+    head = (
+        "| rank | point | fault | result | detected s | recovered s | run restarts | "
+        "master loop gap ms | run s |"
+    )
+    lines = [head, "|---|---|---|---|---:|---:|---:|---:|---:|"]
     for c in cells:
         result = ("pass" + (f" ({c.why})" if c.why else "")) if c.passed else f"FAIL: {c.why}"
         lines.append(
             f"| {c.kind} | {c.point} | {c.fault} | {result} | {c.detected_s} | "
-            f"{c.recovered_s} | {c.restarts} | {c.wall_s} |"
+            f"{c.recovered_s} | {c.restarts} | {c.loop_gap_ms} | {c.wall_s} |"
         )
     return "\n".join(lines)
 

@@ -67,6 +67,8 @@ from pearl_hpc.rollout.router import Router, RoutingTable
 from pearl_hpc.rundir import RunDir, RunStatus, write_journal, write_lines
 
 T = TypeVar("T")
+BEAT_S = 0.01  # the loop's beat (_beat)
+STALL_S = 1.0  # a gap between two beats this long is logged (loop_stalled)
 
 
 async def run_master(
@@ -157,6 +159,7 @@ class MasterRun:
         self.events = EventLog(self.paths.events, self.clock)
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.metrics: list[StepMetrics] = []
+        self._loop_gap_s = 0.0  # the longest gap between the loop's beats since a record
         self.first_step = int(self.state["next_step"]) if self.state else 0
         self.recorded_version = 0  # weights of the steps recorded so far
         self._last_table: list[list[Any]] = []
@@ -208,6 +211,7 @@ class MasterRun:
         # 5. the pump, the members' reports, the trace
         pump_task = asyncio.create_task(self._pump())
         poll_task = asyncio.create_task(self.members.poll_forever(self._pump_stop))
+        beat_task = asyncio.create_task(self._beat())
         tlog = TrajectoryLog(self.run_dir)
         pipeline = StepPipeline(
             cfg.run,
@@ -251,6 +255,7 @@ class MasterRun:
             self.dashboards.close()
             self._pump_stop.set()
             pump_task.cancel()
+            beat_task.cancel()
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await pump_task
             with contextlib.suppress(Exception):
@@ -608,7 +613,20 @@ class MasterRun:
     def _next_step(self) -> int:
         return self.metrics[-1].step + 1 if self.metrics else self.first_step
 
+    async def _beat(self) -> None:
+        """The loop's pulse: the longest gap between its turns goes into the next step's
+        metrics; one over ``STALL_S`` is an event (something blocked the loop)."""
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(BEAT_S)
+            now = time.monotonic()
+            gap, last = now - last, now
+            self._loop_gap_s = max(self._loop_gap_s, gap)
+            if gap > STALL_S:
+                self.events("loop_stalled", s=round(gap, 3))
+
     def _on_recorded(self, m: StepMetrics) -> None:
+        m.loop_gap_s, self._loop_gap_s = round(self._loop_gap_s, 4), 0.0
         self.recorded_version = m.version
         self.metrics.append(m)
         with self.paths.metrics.open("a") as f:

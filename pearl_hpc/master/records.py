@@ -113,6 +113,9 @@ class StepMetrics:
     # borrowed workers served in the cycles that ended since the previous step's record
     borrow_gate: str = ""
     borrowed_served_turns: int = 0
+    # the longest the master's asyncio loop went without a turn since the previous
+    # step's record (its beat, every 10 ms): what a blocking call in it costs everyone
+    loop_gap_s: float = 0.0
 
     @property
     def idle_share(self) -> float:
