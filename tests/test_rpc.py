@@ -169,6 +169,43 @@ def test_a_stopped_worker_fails_its_calls_and_a_slow_live_one_does_not() -> None
         proc.wait()
 
 
+def test_a_worker_that_dies_idle_is_reported_and_a_closed_client_is_not() -> None:
+    """``on_lost`` is told when an idle connection's worker dies (SIGKILL: no call in
+    flight to fail), once; a client closed by its owner is never reported."""
+    key = new_key()
+    argv = [sys.executable, "-c", _SLOW_SERVER, key]
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+
+        async def main() -> tuple[list[str], list[str]]:
+            lost: list[str] = []
+            closed: list[str] = []
+            clients = []
+            for proc, told in zip(procs, (lost, closed), strict=True):
+                assert proc.stdout is not None
+                client = RpcClient("w")
+                await client.connect("127.0.0.1", int(proc.stdout.readline()), key)
+                client.on_lost = told.append
+                clients.append(client)
+            procs[0].kill()
+            await clients[1].close()
+            procs[1].kill()
+            for _ in range(100):
+                if lost:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)
+            return lost, closed
+
+        lost, closed = asyncio.run(main())
+        assert len(lost) == 1 and "w: connection lost" in lost[0], lost
+        assert closed == []
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
 def test_a_pickled_payload_is_never_unpickled(tmp_path: Path) -> None:
     marker = tmp_path / "executed"
     payload = pickle.dumps(_Boom(marker))

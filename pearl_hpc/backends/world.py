@@ -399,22 +399,43 @@ def launch_world(cfg: RunConfig, run_dir: Path, *, resume: bool, live: bool) -> 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGHUP, forward)
     signal.signal(signal.SIGUSR2, lambda *_: _warn_master(RunDir(run_dir)))
+    env = {**os.environ, **world_env(cfg, run_dir)}
 
     def start(resume: bool) -> int:
-        model_dir = prepare_run(cfg, run_dir, resume=resume)
-        launcher = launcher_path(cfg)
-        nodes = job_nodes(cfg) if multi_node(cfg) else []
-        argv = world_argv(
-            cfg, run_dir, model_dir, resume=resume, live=live, launcher=launcher,
-            node=nodes[0] if nodes else "",
-        )  # fmt: skip
-        env = {**os.environ, **world_env(cfg, run_dir)}
-        world.append(subprocess.Popen(argv, env=env, preexec_fn=_world_child))
-        return _beside_domains(
-            cfg, run_dir, model_dir, world[-1], env, launcher=launcher, resume=resume, nodes=nodes
+        return _one_world(
+            cfg, run_dir, env, resume=resume, live=live, child=_world_child, started=world.append
         )
 
     return with_restarts(cfg, run_dir, resume, start, stopped=lambda: bool(stops))
+
+
+def _one_world(
+    cfg: RunConfig,
+    run_dir: Path,
+    env: dict[str, str],
+    *,
+    resume: bool,
+    child: Callable[[], None],
+    live: bool = False,
+    started: Callable[[subprocess.Popen[bytes]], None] = lambda world: None,
+    **popen: Any,
+) -> int:
+    """One world to its end: the run prepared, the master launched (``child`` run in it
+    before exec; ``started`` told of it), the failure domains kept beside it; its exit
+    status."""
+    model_dir = prepare_run(cfg, run_dir, resume=resume)
+    launcher = launcher_path(cfg)
+    nodes = job_nodes(cfg) if multi_node(cfg) else []
+    argv = world_argv(
+        cfg, run_dir, model_dir, resume=resume, live=live, launcher=launcher,
+        node=nodes[0] if nodes else "",
+    )  # fmt: skip
+    world = subprocess.Popen(argv, env=env, preexec_fn=child, **popen)
+    started(world)
+    return _beside_domains(
+        cfg, run_dir, model_dir, world, env, launcher=launcher, resume=resume, nodes=nodes,
+        output=popen.get("stdout"),
+    )  # fmt: skip
 
 
 def _beside_domains(
@@ -512,18 +533,7 @@ def run_world(cfg: RunConfig, run_dir: Path, *, resume: bool = False, **popen: A
     env.update(world_env(cfg, run_dir, in_step="SLURM_STEP_ID" in env))
 
     def start(resume: bool) -> int:
-        model_dir = prepare_run(cfg, run_dir, resume=resume)
-        launcher = launcher_path(cfg)
-        nodes = job_nodes(cfg) if multi_node(cfg) else []
-        argv = world_argv(
-            cfg, run_dir, model_dir, resume=resume, launcher=launcher,
-            node=nodes[0] if nodes else "",
-        )  # fmt: skip
-        world = subprocess.Popen(argv, env=env, preexec_fn=_survive_warning, **popen)
-        return _beside_domains(
-            cfg, run_dir, model_dir, world, env, launcher=launcher, resume=resume, nodes=nodes,
-            output=popen.get("stdout"),
-        )  # fmt: skip
+        return _one_world(cfg, run_dir, env, resume=resume, child=_survive_warning, **popen)
 
     return with_restarts(cfg, run_dir, resume, start)
 

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,11 @@ class EngineClient:
 
     async def connect(self, host: str, port: int, key: str) -> None:
         await self._rpc.connect(host, port, key)
+
+    def when_lost(self, callback: Callable[[str], None]) -> None:
+        """``callback(why)`` once if the connection ends other than by :meth:`close`
+        (the worker died or fell silent), calls in flight or not."""
+        self._rpc.on_lost = callback
 
     async def generate(self, request: TurnRequest) -> TurnResult:
         result: TurnResult = await self._rpc.call("generate", TurnResult, request=request)

@@ -253,6 +253,10 @@ class RpcClient:
         self._watch_task: asyncio.Task[None] | None = None
         self._moved_s = 0.0  # when the connection last moved a byte (with calls in flight)
         self._silent: EngineError | None = None
+        self._closing = False
+        # told why, once, when the connection ends other than by close(): the peer died
+        # (its socket closed or reset), fell silent, or sent a frame that was refused
+        self.on_lost: Callable[[str], None] | None = None
 
     async def connect(self, host: str, port: int, key: str) -> None:
         reader, writer = await asyncio.open_connection(host, port)
@@ -323,6 +327,8 @@ class RpcClient:
                 if not fut.done():
                     fut.set_exception(error)
             self._pending.clear()
+            if not self._closing and self.on_lost is not None:
+                self.on_lost(str(error))
 
     async def call(self, op: str, returns: Any = Any, /, **kwargs: Any) -> Any:
         """``op(**kwargs)`` on the worker; the reply converted to ``returns``."""
@@ -343,6 +349,7 @@ class RpcClient:
         return await fut
 
     async def close(self) -> None:
+        self._closing = True
         if self._channel is not None:
             self._channel.writer.close()
             with contextlib.suppress(Exception):

@@ -246,6 +246,7 @@ class WorkerExecutor:
         client = EngineClient("rank-" + "-".join(gpu_ids))
         await client.connect(*address, self.key)
         rank = RankEngine(member_id, client, address, self.rank_failed)
+        client.when_lost(lambda why: rank.kill())  # (idle too: a released overlap engine)
         self._keep(_Worker(rank, member_id, gpu_ids, persistent=True, overlap=overlap))
 
     def _keep(self, worker: _Worker) -> None:
