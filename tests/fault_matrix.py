@@ -25,8 +25,9 @@ Joining ranks that die after their announce, before their hello, or that are str
 are cells of the control plane's own test (tests/test_mpi_plane.py): the window is a few
 milliseconds in a run.
 
-A cell passes when the run finishes with every step trained once on its whole batch and
-no restart of the run (the master row: one, by the launcher); it prints the seconds from
+A cell passes when the run finishes with every step trained once on its whole batch,
+every weight version published once and in order, and no restart of the run (the master
+row: one, by the launcher); it prints the seconds from
 the fault to the rank's declared failure (``member_failed``; the master: its
 successor's start) and to its recovery (the engine rank serving again, the trainer ranks
 back, the elastic rank replaced, the master resumed). The suite runs a representative
@@ -172,6 +173,12 @@ def _judge(cell: Cell, run_dir: Path, fired: float) -> None:
         problems.append(f"trajectories {[m['trajectories'] for m in metrics]}")
     if cell.restarts != (1 if cell.kind == "master" else 0):
         problems.append(f"{cell.restarts} restarts")
+    # each version published once, in order, up to the last step's (a resumed master
+    # may publish its recorded version again)
+    versions = [e["version"] for e in events if e["kind"] == "publish"]
+    ordered = sorted(set(versions)) if cell.kind != "master" else sorted(versions)
+    if versions != ordered or not versions or versions[-1] != STEPS:
+        problems.append(f"versions published {versions}")
     wall = _wall(events)
     after = [e for e in events if wall(e) >= fired - 0.5]
     failed = next((e for e in after if e["kind"] in ("member_failed", "resumed")), None)
@@ -245,12 +252,75 @@ def table(cells: list[Cell]) -> str:
     return "\n".join(lines)
 
 
+def _span(values: list[float]) -> str:
+    if not values:
+        return "-"
+    lo, hi = min(values), max(values)
+    return f"{lo:g}" if lo == hi else f"{lo:g}-{hi:g}"
+
+
+def summary(cells: list[Cell]) -> str:
+    """A row per rank kind and fault, over the points: cells passed, the spans of the
+    detection and recovery seconds, run restarts, the longest master loop gap."""
+    head = (
+        "| rank | fault | passed | detected s | recovered s | run restarts | master loop gap ms |"
+    )
+    lines = [head, "|---|---|---:|---:|---:|---:|---:|"]
+    for kind in KINDS:
+        for fault in FAULTS:
+            row = [c for c in cells if c.kind == kind and c.fault == fault]
+            if not row:
+                continue
+            passed = sum(c.passed for c in row)
+            detected = [c.detected_s for c in row if c.detected_s is not None]
+            recovered = [c.recovered_s for c in row if c.recovered_s is not None]
+            gaps = [c.loop_gap_ms for c in row if c.loop_gap_ms is not None]
+            lines.append(
+                f"| {kind} | {fault} | {passed}/{len(row)} | {_span(detected)} | "
+                f"{_span(recovered)} | {sum(c.restarts for c in row)} | "
+                f"{max(gaps, default='-')} |"
+            )
+    return "\n".join(lines)
+
+
+def _number(text: str) -> float | None:
+    return None if text.strip() in ("None", "-", "") else float(text)
+
+
+def read_rows(paths: list[Path]) -> list[Cell]:
+    """The cells of earlier runs' tables (their output saved), a later row of a cell
+    replacing an earlier one."""
+    cells: dict[tuple[str, str, str], Cell] = {}
+    for path in paths:
+        for line in path.read_text().splitlines():
+            fields = [f.strip() for f in line.strip().strip("|").split("|")]
+            if len(fields) < 8 or fields[0] not in KINDS:
+                continue
+            kind, point, fault, result = fields[:4]
+            gap = _number(fields[7]) if len(fields) == 9 else None
+            passed = result.startswith("pass")
+            why = result.split("(", 1)[1].rstrip(")") if passed and "(" in result else ""
+            cell = Cell(kind, point, fault, passed, why if passed else result[6:])
+            cell.detected_s, cell.recovered_s = _number(fields[4]), _number(fields[5])
+            cell.restarts, cell.wall_s = int(fields[6]), float(fields[-1])
+            cell.loop_gap_ms = gap
+            cells[(kind, point, fault)] = cell
+    return [cells[k] for k in sorted(cells, key=lambda k: (KINDS.index(k[0]), k[1], k[2]))]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.fault_matrix", description=__doc__)
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     parser.add_argument("--points", nargs="+", default=list(POINTS), choices=POINTS)
     parser.add_argument("--faults", nargs="+", default=list(FAULTS), choices=list(FAULTS))
+    parser.add_argument(
+        "--report", nargs="+", type=Path, help="no run: the tables of these saved outputs"
+    )
     args = parser.parse_args()
+    if args.report:
+        cells = read_rows(args.report)
+        print(table(cells) + "\n\n" + summary(cells))
+        return 0 if all(c.passed for c in cells) else 1
     cells = []
     cache = tempfile.TemporaryDirectory(prefix="pearl-faults-cache-")
     os.environ["PEARL_HPC_CACHE"] = cache.name  # (the tiny model, built once)
@@ -263,7 +333,7 @@ def main() -> int:
                 print(table([cell]).splitlines()[-1], flush=True)
     cache.cleanup()
     print()
-    print(table(cells))
+    print(table(cells) + "\n\n" + summary(cells))
     return 0 if all(c.passed for c in cells) else 1
 
 
