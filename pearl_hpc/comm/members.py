@@ -373,8 +373,7 @@ class Members:
         while time.monotonic() < deadline:
             with contextlib.suppress(PlaneError):
                 self.poll()
-            states = {m.state for m in self.membership.members.values()}
-            if not waiting and MemberState.LEAVING not in states:
+            if not waiting and not self.membership.leaving():
                 break
             time.sleep(0.01)
         else:

@@ -59,7 +59,11 @@ class Membership:
         if heartbeat_timeout_s <= 0:
             raise ValueError(f"heartbeat_timeout_s must be > 0, got {heartbeat_timeout_s}")
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.members: dict[str, Member] = {}
+        self.members: dict[str, Member] = {}  # every member the run had (ids are unique)
+        # the members not yet gone or failed, and each group's: what every poll reads
+        # stays the size of the run's live members after thousands of joins
+        self._active: dict[str, Member] = {}
+        self._groups: dict[str, list[Member]] = {}
 
     # ------------------------------------------------------------------ inputs
     def join(self, members: Iterable[Member], now_s: float) -> None:
@@ -69,6 +73,8 @@ class Membership:
                 raise TransitionError(f"member {member.member_id} joined twice")
             member.last_seen_s = member.joined_s = now_s
             self.members[member.member_id] = member
+            self._active[member.member_id] = member
+            self._groups.setdefault(member.group, []).append(member)
 
     def heard(self, member_id: str, now_s: float) -> None:
         member = self.members.get(member_id)
@@ -83,10 +89,7 @@ class Membership:
     def overdue(self, now_s: float) -> list[Member]:
         """Members silent for longer than the heartbeat timeout: marked FAILED."""
         late = [
-            m
-            for m in self.members.values()
-            if m.state in (MemberState.MEMBER, MemberState.LEAVING)
-            and now_s - m.last_seen_s > self.heartbeat_timeout_s
+            m for m in self._active.values() if now_s - m.last_seen_s > self.heartbeat_timeout_s
         ]
         for member in late:
             self._move(member, MemberState.FAILED)
@@ -114,11 +117,15 @@ class Membership:
 
     # ------------------------------------------------------------------ queries
     def group(self, group: str) -> list[Member]:
-        return [m for m in self.members.values() if m.group == group]
+        return list(self._groups.get(group, ()))
 
     def live(self) -> list[Member]:
         """Members in service (not leaving, gone or failed), in join order."""
-        return [m for m in self.members.values() if m.state is MemberState.MEMBER]
+        return [m for m in self._active.values() if m.state is MemberState.MEMBER]
+
+    def leaving(self) -> bool:
+        """Whether a member is leaving (its LEAVE not acknowledged yet)."""
+        return any(m.state is MemberState.LEAVING for m in self._active.values())
 
     def ended(self, group: str) -> bool:
         """Every member of ``group`` is gone or failed: its link can be freed."""
@@ -128,3 +135,5 @@ class Membership:
         if state not in _LEGAL[member.state]:
             raise TransitionError(f"member {member.member_id}: {member.state} -> {state}")
         member.state = state
+        if state in (MemberState.GONE, MemberState.FAILED):
+            self._active.pop(member.member_id, None)

@@ -443,6 +443,16 @@ class MasterPlane:
             return
         hello = report.body
         if not isinstance(hello, Hello):
+            go = self._go
+            if not pending.proven and (
+                go is None or report.member_id != member_id_at(go.group, source)
+            ):
+                # another link's member sent it before that link ended: MPI matched it
+                # to this one (the freed link's context id, reused). Not this joiner's
+                log.info(
+                    "control plane: %s's stale message on a new link: ignored", report.member_id
+                )
+                return
             self._drop(group, f"a first message that is not a hello ({type(hello).__name__})")
             return
         if pending.proven:
@@ -535,7 +545,7 @@ class MasterPlane:
                 group = str(json.loads(path.read_text())["group"])
             except (OSError, json.JSONDecodeError, KeyError, TypeError):
                 continue  # being written
-            path.rename(path.with_suffix(".accepted"))
+            path.unlink()  # (read every pump turn: the folder holds what waits only)
             go = _Go(group, os.urandom(NONCE_BYTES), now)
             write_private(RunDir(self.run_dir).join_note(group).with_suffix(".go"), go.nonce.hex())
             return go
