@@ -83,6 +83,7 @@ class Cell:
     restarts: int = 0
     wall_s: float = 0.0
     loop_gap_ms: float | None = None  # the longest gap between the master's beats
+    loop_own_ms: float | None = None  # ... less its thread's wait for a CPU
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
@@ -166,6 +167,8 @@ def _judge(cell: Cell, run_dir: Path, fired: float) -> None:
     events = _jsonl(run_dir / "events.jsonl")
     cell.restarts = sum(1 for e in events if e["kind"] == "resumed")  # (a new world's)
     cell.loop_gap_ms = round(1e3 * max((m.get("loop_gap_s", 0.0) for m in metrics), default=0))
+    own = [m["loop_own_s"] for m in metrics if "loop_own_s" in m]
+    cell.loop_own_ms = round(1e3 * max(own)) if own else None
     problems = []
     if [m["step"] for m in metrics] != list(range(STEPS)):
         problems.append(f"steps {[m['step'] for m in metrics]}")
@@ -226,7 +229,7 @@ def run_cell(cell: Cell, root: Path) -> Cell:
     except RunFailed as exc:
         cell.why = str(exc).splitlines()[0][:200]
     cell.wall_s = round(time.monotonic() - t0, 1)
-    kept = Path(tempfile.gettempdir()) / f"pearl-faults-{cell.kind}-{cell.point}-{cell.fault}"
+    kept = _kept(cell)
     shutil.rmtree(kept, ignore_errors=True)
     shutil.copytree(run_dir, kept, ignore=shutil.ignore_patterns("checkpoints", "*.key"))
     if not fired:
@@ -240,16 +243,22 @@ def run_cell(cell: Cell, root: Path) -> Cell:
 def table(cells: list[Cell]) -> str:
     head = (
         "| rank | point | fault | result | detected s | recovered s | run restarts | "
-        "master loop gap ms | run s |"
+        "master loop gap / own ms | run s |"
     )
     lines = [head, "|---|---|---|---|---:|---:|---:|---:|---:|"]
     for c in cells:
         result = ("pass" + (f" ({c.why})" if c.why else "")) if c.passed else f"FAIL: {c.why}"
         lines.append(
             f"| {c.kind} | {c.point} | {c.fault} | {result} | {c.detected_s} | "
-            f"{c.recovered_s} | {c.restarts} | {c.loop_gap_ms} | {c.wall_s} |"
+            f"{c.recovered_s} | {c.restarts} | {c.loop_gap_ms} / {c.loop_own_ms} | "
+            f"{c.wall_s} |"
         )
     return "\n".join(lines)
+
+
+def _kept(cell: Cell) -> Path:
+    """Where a cell's run directory is kept (checkpoints and keys left out)."""
+    return Path(tempfile.gettempdir()) / f"pearl-faults-{cell.kind}-{cell.point}-{cell.fault}"
 
 
 def _span(values: list[float]) -> str:
@@ -261,9 +270,11 @@ def _span(values: list[float]) -> str:
 
 def summary(cells: list[Cell]) -> str:
     """A row per rank kind and fault, over the points: cells passed, the spans of the
-    detection and recovery seconds, run restarts, the longest master loop gap."""
+    detection and recovery seconds, run restarts, the longest master loop gap (and that
+    gap less its thread's wait for a CPU)."""
     head = (
-        "| rank | fault | passed | detected s | recovered s | run restarts | master loop gap ms |"
+        "| rank | fault | passed | detected s | recovered s | run restarts | "
+        "master loop gap / own ms |"
     )
     lines = [head, "|---|---|---:|---:|---:|---:|---:|"]
     for kind in KINDS:
@@ -275,10 +286,11 @@ def summary(cells: list[Cell]) -> str:
             detected = [c.detected_s for c in row if c.detected_s is not None]
             recovered = [c.recovered_s for c in row if c.recovered_s is not None]
             gaps = [c.loop_gap_ms for c in row if c.loop_gap_ms is not None]
+            owns = [c.loop_own_ms for c in row if c.loop_own_ms is not None]
             lines.append(
                 f"| {kind} | {fault} | {passed}/{len(row)} | {_span(detected)} | "
                 f"{_span(recovered)} | {sum(c.restarts for c in row)} | "
-                f"{max(gaps, default='-')} |"
+                f"{max(gaps, default='-')} / {max(owns, default='-')} |"
             )
     return "\n".join(lines)
 
@@ -297,13 +309,19 @@ def read_rows(paths: list[Path]) -> list[Cell]:
             if len(fields) < 8 or fields[0] not in KINDS:
                 continue
             kind, point, fault, result = fields[:4]
-            gap = _number(fields[7]) if len(fields) == 9 else None
+            loop = fields[7].split("/") if len(fields) == 9 else []
+            gap = _number(loop[0]) if loop else None
+            own = _number(loop[1]) if len(loop) > 1 else None
             passed = result.startswith("pass")
             why = result.split("(", 1)[1].rstrip(")") if passed and "(" in result else ""
             cell = Cell(kind, point, fault, passed, why if passed else result[6:])
             cell.detected_s, cell.recovered_s = _number(fields[4]), _number(fields[5])
             cell.restarts, cell.wall_s = int(fields[6]), float(fields[-1])
-            cell.loop_gap_ms = gap
+            cell.loop_gap_ms, cell.loop_own_ms = gap, own
+            if own is None:  # a row of an older harness: the cell's kept run may say
+                metrics = _jsonl(_kept(cell) / "metrics.jsonl")
+                owns = [m["loop_own_s"] for m in metrics if "loop_own_s" in m]
+                cell.loop_own_ms = round(1e3 * max(owns)) if owns else None
             cells[(kind, point, fault)] = cell
     return [cells[k] for k in sorted(cells, key=lambda k: (KINDS.index(k[0]), k[1], k[2]))]
 

@@ -71,6 +71,15 @@ BEAT_S = 0.01  # the loop's beat (_beat)
 STALL_S = 1.0  # a gap between two beats this long is logged (loop_stalled)
 
 
+def _run_delay_s() -> float:
+    """Seconds this thread has waited for a CPU (0 where the kernel does not say)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 async def run_master(
     cfg: RunConfig,
     run_dir: Path,
@@ -160,6 +169,7 @@ class MasterRun:
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.metrics: list[StepMetrics] = []
         self._loop_gap_s = 0.0  # the longest gap between the loop's beats since a record
+        self._loop_own_s = 0.0  # ... less the time its thread waited for a CPU
         self.first_step = int(self.state["next_step"]) if self.state else 0
         self.recorded_version = 0  # weights of the steps recorded so far
         self._last_table: list[list[Any]] = []
@@ -615,18 +625,23 @@ class MasterRun:
 
     async def _beat(self) -> None:
         """The loop's pulse: the longest gap between its turns goes into the next step's
-        metrics; one over ``STALL_S`` is an event (something blocked the loop)."""
-        last = time.monotonic()
+        metrics, and the longest of those gaps less the time the loop's thread waited
+        for a CPU (Linux's run delay: a machine with too few cores for the master, not
+        the master's own work); a gap over ``STALL_S`` is an event."""
+        last, waited = time.monotonic(), _run_delay_s()
         while True:
             await asyncio.sleep(BEAT_S)
-            now = time.monotonic()
+            now, delay = time.monotonic(), _run_delay_s()
             gap, last = now - last, now
+            own, waited = gap - (delay - waited), delay
             self._loop_gap_s = max(self._loop_gap_s, gap)
+            self._loop_own_s = max(self._loop_own_s, own)
             if gap > STALL_S:
-                self.events("loop_stalled", s=round(gap, 3))
+                self.events("loop_stalled", s=round(gap, 3), own_s=round(own, 3))
 
     def _on_recorded(self, m: StepMetrics) -> None:
         m.loop_gap_s, self._loop_gap_s = round(self._loop_gap_s, 4), 0.0
+        m.loop_own_s, self._loop_own_s = round(self._loop_own_s, 4), 0.0
         self.recorded_version = m.version
         self.metrics.append(m)
         with self.paths.metrics.open("a") as f:

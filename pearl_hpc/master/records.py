@@ -114,8 +114,11 @@ class StepMetrics:
     borrow_gate: str = ""
     borrowed_served_turns: int = 0
     # the longest the master's asyncio loop went without a turn since the previous
-    # step's record (its beat, every 10 ms): what a blocking call in it costs everyone
+    # step's record (its beat, every 10 ms): what a blocking call in it costs everyone;
+    # and the longest gap less the time its thread waited for a CPU (the master's own
+    # work or blocking call, where its node has too few cores for everything on it)
     loop_gap_s: float = 0.0
+    loop_own_s: float = 0.0
 
     @property
     def idle_share(self) -> float:
