@@ -354,8 +354,9 @@ def _weight_members(key: str, names: list[str], gpus: bool) -> dict[str, subproc
 def test_members_lost_in_a_publish_are_named_and_the_rest_take_the_version(backend: str) -> None:
     """Three members; one SIGSTOPped (a silent node) and one SIGKILLed as a publish
     begins: the publish fails as MembersLost naming both, whichever error came first
-    (the group aborted, the members probed), and the next epoch, formed without them,
-    takes the version. NCCL: the trainer lives through its aborted group."""
+    (the group aborted, the members probed), as does a new epoch's forming with them;
+    the epoch formed without them takes the version. NCCL: the trainer lives through its
+    aborted group."""
     if backend == "nccl" and torch.cuda.device_count() < 4:
         pytest.skip("NCCL weight groups: needs 4 GPUs (the trainer and three members)")
     key = new_key()
@@ -382,6 +383,9 @@ def test_members_lost_in_a_publish_are_named_and_the_rest_take_the_version(backe
             v2 = sync.stage({k: t + 1 for k, t in state.items()}, 2)
             with pytest.raises(MembersLost) as lost:
                 await sync.publish(v2)
+            with pytest.raises(MembersLost) as lost_again:  # a new epoch asks each first
+                await sync.form(clients)
+            assert sorted(lost_again.value.names) == ["b", "c"]
             await sync.form({"a": clients["a"]})
             await sync.publish(v2)
             held = (await clients["a"].stats()).weight_version

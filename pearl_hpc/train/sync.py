@@ -136,8 +136,10 @@ class WeightSync:
         version; a broadcast group over the others (none if every one is here)."""
         self._epoch += 1
         self.members = dict(members)
-        sees = await asyncio.gather(*[self._sees_shared(c) for c in self.members.values()])
-        self.nearby = {name for name, near in zip(self.members, sees, strict=True) if near}
+        asked = [asyncio.ensure_future(self._sees_shared(c)) for c in members.values()]
+        await self._all_or_lost(asked, members)
+        sees = [task.result() for task in asked]
+        self.nearby = {name for name, near in zip(members, sees, strict=True) if near}
         remote = {n: c for n, c in self.members.items() if n not in self.nearby}
         if self._group is not None:
             self._group.close()
