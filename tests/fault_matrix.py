@@ -261,6 +261,10 @@ def _kept(cell: Cell) -> Path:
     return Path(tempfile.gettempdir()) / f"pearl-faults-{cell.kind}-{cell.point}-{cell.fault}"
 
 
+def _most(values: list[float]) -> str:
+    return f"{max(values):g}" if values else "-"
+
+
 def _span(values: list[float]) -> str:
     if not values:
         return "-"
@@ -290,7 +294,7 @@ def summary(cells: list[Cell]) -> str:
             lines.append(
                 f"| {kind} | {fault} | {passed}/{len(row)} | {_span(detected)} | "
                 f"{_span(recovered)} | {sum(c.restarts for c in row)} | "
-                f"{max(gaps, default='-')} / {max(owns, default='-')} |"
+                f"{_most(gaps)} / {_most(owns)} |"
             )
     return "\n".join(lines)
 
