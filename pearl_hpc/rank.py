@@ -132,6 +132,8 @@ def _trainers(args: argparse.Namespace) -> int:
 
         key = read_key(run.rpc_key)
         hello = member_info(me.kind, gpu_ids=me.gpu_ids, rank=me.rank, group=group)
+        if not first:  # an overlap engine may still hold this GPU: the master takes it back
+            _wait_while(run.trainer_gpus_lent, f"trainer rank {me.rank}")
         trainer = TrainerRank(
             comm, cfg, me, run.path, args.model_dir, key, host, args.resume,
             device=placement.device,
@@ -150,6 +152,26 @@ def _trainers(args: argparse.Namespace) -> int:
         sys.stderr.flush()
         comm.Abort(1)
         return 1
+
+
+def _wait_while(mark: Path, who: str, every_s: float = 0.2) -> float:
+    """Wait while ``mark`` exists (a trainer relaunched after a loss: while an overlap
+    engine holds its GPU, which would run out of memory as the model loads); the seconds
+    waited. No bound: the master returns borrowed GPUs at the loss (drains within the
+    stop deadline), and a master that dies ends this world."""
+    t0 = time.monotonic()
+    said = t0
+    while mark.exists():
+        if time.monotonic() - said >= 30.0:
+            print(f"{who}: still waiting for the master to take its GPU back ({mark})",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            said = time.monotonic()
+        time.sleep(every_s)
+    waited = time.monotonic() - t0
+    if waited > every_s:
+        print(f"{who}: waited {waited:.2f} s for its GPU to come back from an overlap engine",
+              file=sys.stderr, flush=True)  # fmt: skip
+    return waited
 
 
 def _bind_host(cfg: RunConfig) -> str:

@@ -74,6 +74,9 @@ FILES: tuple[tuple[str, str, str], ...] = (
     ("domains", "domains/", "the failure domains' launches (the trainer ranks, each engine "
      "rank): `GROUP.lost`, the master declared that launch failed (its launcher ends it and "
      "starts the domain again); `GROUP.left`, it left at the run's end (not started again)"),
+    ("trainer_gpus_lent", "domains/trainers.lent", "there while an overlap engine holds (or is "
+     "being given) a trainer rank's GPU: trainer ranks started again after a loss load "
+     "nothing until it goes (the master takes the GPUs back at the loss)"),
     ("submitit", "submitit/", "the submitit job's folder (`pearl-hpc run --submit`)"),
     ("world_log", "world.log", "the world's output when a benchmark or test runs it"),
     ("stop_request", "stop", "`pearl-hpc cancel`'s request: the master checkpoints, drains "
@@ -240,6 +243,10 @@ class RunDir:
     def domain_note(self, group: str, what: str) -> Path:
         """A failure domain's launch's ``lost`` or ``left`` mark."""
         return self.domains / f"{group}.{what}"
+
+    @property
+    def trainer_gpus_lent(self) -> Path:
+        return self._named("trainer_gpus_lent")
 
     @property
     def joins(self) -> Path:

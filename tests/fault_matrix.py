@@ -41,6 +41,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -202,8 +203,49 @@ def _judge(cell: Cell, run_dir: Path, fired: float) -> None:
         cell.why = "it was leaving: nothing to replace"
     elif back is None:  # (an engine rank may still be starting when the run ends)
         cell.why = f"the run ended {ended - fired:.0f} s after the fault, the rank not back yet"
+    if cell.kind == "trainer":
+        problems += _lent_through_the_loss(events)
+        cell.why = cell.why or _gpu_back(run_dir, events, wall, fired)
     cell.passed = not problems
     cell.why = "; ".join(problems) if problems else cell.why
+
+
+def _gpu_back(
+    run_dir: Path,
+    events: list[dict[str, Any]],
+    wall: Callable[[dict[str, Any]], float],
+    fired: float,
+) -> str:
+    """Where the trainer's GPU was lent at the fault: when it came back, and how long the
+    new ranks waited for it before loading."""
+    before = [e for e in events if e["kind"] == "trainer_gpus" and wall(e) < fired]
+    if not before or not before[-1]["lent"]:
+        return ""
+    back = next(e for e in events if e["kind"] == "trainer_gpus" and wall(e) >= fired)
+    waits = re.findall(r"waited ([0-9.]+) s for its GPU", _logs(run_dir, "rank*-trainer.log"))
+    waited = f"; the new ranks waited {max(map(float, waits)):.1f} s" if waits else ""
+    return f"GPU lent at the fault, back at {wall(back) - fired:.1f} s{waited}"
+
+
+def _logs(run_dir: Path, pattern: str) -> str:
+    return "".join(p.read_text(errors="replace") for p in sorted(run_dir.glob(pattern)))
+
+
+def _lent_through_the_loss(events: list[dict[str, Any]]) -> list[str]:
+    """Trainer ranks lost while an overlap engine held their GPU: the master takes it
+    back (``trainer_gpus`` lent false) before the new ranks are back, and lends it to no
+    one in between."""
+    kinds = [e["kind"] for e in events]
+    if "trainers_lost" not in kinds or "trainers_back" not in kinds:
+        return []
+    lost, back = kinds.index("trainers_lost"), kinds.index("trainers_back")
+    lent = [e["lent"] for e in events[:back] if e["kind"] == "trainer_gpus"]
+    marks = [e["lent"] for e in events[lost:back] if e["kind"] == "trainer_gpus"]
+    if lent and lent[-1]:
+        return [f"a trainer GPU was lent when the new ranks came back ({marks})"]
+    if True in marks:
+        return [f"a trainer GPU was lent while the ranks were lost ({marks})"]
+    return []
 
 
 def run_cell(cell: Cell, root: Path) -> Cell:

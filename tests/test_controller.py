@@ -22,6 +22,8 @@ from pearl_hpc.core.controller import (
     Event,
     Reconfiguration,
     StepTelemetry,
+    TrainersBack,
+    TrainersLost,
     TrainingBegin,
     TrainingFinished,
     WorkerFailed,
@@ -466,6 +468,37 @@ def test_training_begin_returns_borrowed_gpus_before_training_starts() -> None:
     assert controller.table.get(0).status is Status.ACTIVE
     assert statuses(controller, [1, 2]) == [Status.INACTIVE] * 2
     assert statuses(controller, [3, 4]) == [Status.ACTIVE] * 2
+
+
+def test_lost_trainer_ranks_take_their_gpus_back_and_lend_none_until_back() -> None:
+    """Trainer ranks started again after a loss load onto the GPUs an overlap engine may
+    hold: the borrowed workers leave at the loss, whatever the training state, and no
+    GPU is lent (a finished step, a grant) until the ranks are back."""
+    controller, executor, _ = borrowing_base(toggle_cost_s=0.0)
+    controller.handle(TrainingFinished(0))
+    ready_all(controller, [1, 2])
+    executor.take()
+    record = controller.handle(TrainersLost())
+    assert record is not None and record.cause == "the trainer ranks are lost: return borrowed GPUs"
+    assert executor.take()[0] == ("stop_workers", [1, 2])
+    release_all(controller, [1, 2])
+    assert statuses(controller, [1, 2]) == [Status.INACTIVE] * 2
+    controller.handle(TrainingFinished(1))  # (the step the loss interrupted)
+    controller.handle(CapacityGranted(JOB, (gpus(5),)))
+    ready_all(controller, [s.slot_id for s in controller.table if s.slot_id > 4])
+    calls = executor.take()
+    assert ("admit", [5]) in calls
+    assert not [a for n, a in calls if n == "start_workers" and {1, 2} & set(a)]
+    assert statuses(controller, [1, 2]) == [Status.INACTIVE] * 2
+    record = controller.handle(TrainersBack())
+    assert record is not None and record.borrowed
+    assert ("start_workers", [1, 2]) in executor.take()
+
+
+def test_lost_trainer_ranks_with_nothing_lent_change_nothing() -> None:
+    controller, executor, _ = borrowing_base(toggle_cost_s=0.0)
+    assert controller.handle(TrainersLost()) is None
+    assert executor.take() == []
 
 
 def test_training_begin_while_borrowed_workers_are_still_joining() -> None:

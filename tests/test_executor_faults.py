@@ -90,11 +90,16 @@ class _Proc(_DeadProc):
 
 
 class _Trainer:
+    """The trainer ranks: a lend waits for them while they are lost (``ready`` clear)."""
+
     def __init__(self) -> None:
         self.calls: list[str] = []
+        self.ready = asyncio.Event()
+        self.ready.set()
 
     async def lend(self, gpu_ids: Any) -> None:
         self.calls.append("lend")
+        await self.ready.wait()
 
     async def catch_up(self, name: str, address: Any) -> float:
         self.calls.append("catch_up")
@@ -166,6 +171,28 @@ def test_a_borrow_removed_while_its_engine_starts_goes_no_further_and_is_release
     assert c.first_activation_s == [] and len(c.activation_s) == (0 if first else 1)
     assert all(s >= 0.05 for s in c.activation_s)  # from its start to its release
     assert executor.workers["base:4"].slot_id is None  # released, kept (a base rank)
+
+
+def test_a_borrow_lending_to_lost_trainer_ranks_is_cancelled_at_once() -> None:
+    """Its lend waits for the new trainer ranks, which wait for this GPU to come back:
+    the plan that takes it back (at the loss) cancels it without waiting."""
+    logged: list[tuple[str, dict[str, Any]]] = []
+
+    async def scenario() -> tuple[WorkerExecutor, _Engine]:
+        executor = _executor(logged)
+        engine = _Engine()
+        _overlap_rank(executor, engine)
+        executor.weights.ready.clear()  # type: ignore[attr-defined]
+        executor.start_workers([OVERLAP])
+        await asyncio.sleep(0.01)
+        executor.stop_workers([1], None)
+        await asyncio.wait_for(asyncio.gather(*executor.tasks, return_exceptions=True), 1.0)
+        return executor, engine
+
+    executor, engine = asyncio.run(scenario())
+    assert engine.calls == []  # never woke on the GPU
+    assert [type(e) for e in _drain(executor.queue)] == [WorkerReleased]
+    assert [f["phase"] for k, f in logged if k == "start_cancelled"] == ["lend"]
 
 
 def test_an_elastic_start_waiting_for_its_rank_is_cancelled_at_once() -> None:

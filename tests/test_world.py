@@ -269,3 +269,21 @@ def test_an_exit_0_that_left_the_run_unfinished_lost_a_rank(
     assert resumed == starts
     said = capsys.readouterr().err
     assert ("died of a signal" in said) == (status != "stopped"), said
+
+
+def test_trainer_ranks_started_again_wait_while_an_overlap_engine_holds_their_gpu(
+    tmp_path: Path,
+) -> None:
+    """The mark the master keeps while an overlap worker starts, serves or leaves: a
+    relaunched trainer launch loads nothing until it goes (its GPU back)."""
+    import threading
+
+    from pearl_hpc.rank import _wait_while
+    from pearl_hpc.rundir import RunDir
+
+    mark = RunDir(tmp_path).trainer_gpus_lent
+    mark.parent.mkdir()
+    mark.touch()
+    threading.Timer(0.3, mark.unlink).start()
+    assert _wait_while(mark, "trainer rank 1", every_s=0.01) >= 0.25
+    assert _wait_while(mark, "trainer rank 1", every_s=0.01) < 0.3  # gone: no wait

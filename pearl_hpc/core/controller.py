@@ -116,6 +116,18 @@ class EngineRankBack:
 
 
 @dataclass(frozen=True, slots=True)
+class TrainersLost:
+    """The trainer ranks failed and are being started again: their GPUs come back from
+    any overlap engine now (the new ranks load onto them), and none is lent until
+    :class:`TrainersBack`."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrainersBack:
+    """The trainer ranks started again joined: their idle GPUs may be lent."""
+
+
+@dataclass(frozen=True, slots=True)
 class StepTelemetry:
     """Telemetry of one finished rollout step."""
 
@@ -141,6 +153,8 @@ Event = (
     | WorkerReleased
     | WorkerFailed
     | EngineRankBack
+    | TrainersLost
+    | TrainersBack
     | StepTelemetry
 )
 
@@ -240,6 +254,7 @@ class Controller:
         self.check = check_invariants
         self.free_units: list[CapacityUnit] = []  # granted dedicated GPU sets, unbound
         self.training_state = TrainingState.IDLE
+        self.trainers_down = False  # between TrainersLost and TrainersBack: nothing lent
         self.training_step: int | None = None
         self.training_wait_started_s: float | None = None
         self.unfinished_trajectories: int | None = None
@@ -366,6 +381,12 @@ class Controller:
                 result = self._on_failed(slot_id, reason)
             case EngineRankBack(gpu_ids, overlap):
                 result = self._on_rank_back(gpu_ids, overlap)
+            case TrainersLost():
+                self.trainers_down = True
+                result = self._return_borrowed("the trainer ranks are lost")
+            case TrainersBack():
+                self.trainers_down = False
+                result = self._reconfigure("the trainer ranks are back")
             case StepTelemetry():
                 result = self._on_telemetry(event)
             case _:
@@ -378,14 +399,16 @@ class Controller:
         self.training_state = TrainingState.WAITING
         self.training_step = step
         self.training_wait_started_s = self.clock()
-        borrowed = [s.slot_id for s in self.table.overlap_workers() if s.status in IN_SERVICE]
-        result = None
-        if borrowed:
-            result = self._reconfigure(
-                f"training step {step} begins: return borrowed GPUs", must_remove=borrowed
-            )
+        result = self._return_borrowed(f"training step {step} begins")
         self._maybe_start_training()
         return result
+
+    def _return_borrowed(self, why: str) -> Reconfiguration | None:
+        """Every overlap worker in service (or starting) leaves its training GPUs."""
+        borrowed = [s.slot_id for s in self.table.overlap_workers() if s.status in IN_SERVICE]
+        if not borrowed:
+            return None
+        return self._reconfigure(f"{why}: return borrowed GPUs", must_remove=borrowed)
 
     def _on_training_finished(self, step: int, unfinished: int | None) -> Reconfiguration | None:
         now = self.clock()
@@ -557,7 +580,8 @@ class Controller:
                 free = []
         num_dedicated += len(free)
 
-        # Borrowing gate: training GPUs are lendable only while training is idle.
+        # Borrowing gate: training GPUs are lendable only while training is idle (and its
+        # ranks are up: ranks started again load onto them).
         borrow_gate = None
         overlap_units: list[CapacityUnit] = []
         lendable = [
@@ -565,7 +589,7 @@ class Controller:
             for s in self.table.overlap_workers()
             if s.slot_id not in forced and (s.status in IN_SERVICE or s.status is Status.INACTIVE)
         ]
-        if lendable and self.training_state is TrainingState.IDLE:
+        if lendable and self.training_state is TrainingState.IDLE and not self.trainers_down:
             borrow_gate = gate_borrowing_of(
                 self.policies,
                 profile,

@@ -448,11 +448,13 @@ class WorkerExecutor:
 
     async def _cancel_start(self, start: _Start, *, reclaimed: bool) -> None:
         """A plan removed ``start``'s slot while its worker was starting: no turn ran on it.
-        A wait for an elastic rank to join, or any start whose capacity is reclaimed (an
-        engine start can outlast the reclaim's grace), is cancelled at once; an engine
-        start (or a trainer's lend) ends its phase first, then goes no further: no
-        weights catch-up, no admission. An engine that came up is released again (a base
-        rank), or closed and its rank leaves with its capacity (an elastic one).
+        A wait for an elastic rank to join, a lend or catch-up while the trainer ranks
+        are lost (it would wait for the new ones, which wait for this GPU), or any start
+        whose capacity is reclaimed (an engine start can outlast the reclaim's grace), is
+        cancelled at once; an engine start (or a trainer's lend) ends its phase first,
+        then goes no further: no weights catch-up, no admission. An engine that came up
+        is released again (a base rank), or closed and its rank leaves with its capacity
+        (an elastic one).
 
         A borrow whose warm engine came up for nothing cost its whole start and release:
         that is its sample of T_toggle (a first start, which compiles, is none)."""
@@ -460,7 +462,8 @@ class WorkerExecutor:
         slot_id, task = start.add.slot_id, start.task
         assert task is not None
         phase, start.cancelled = start.phase, True
-        if reclaimed or phase == "attach":
+        on_trainers = phase in ("lend", "catch_up") and not self.weights.ready.is_set()
+        if reclaimed or phase == "attach" or on_trainers:
             task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         worker = self._worker_of(slot_id)

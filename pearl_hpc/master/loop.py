@@ -45,9 +45,17 @@ from pearl_hpc.comm.membership import Member
 from pearl_hpc.comm.mpi import MasterPlane
 from pearl_hpc.config.files import REPO_CONFIGS, load_profile
 from pearl_hpc.config.run import DashboardSettings, RunConfig
-from pearl_hpc.core.controller import Controller, EngineRankBack, Event, mode_changes
+from pearl_hpc.core.controller import (
+    Controller,
+    EngineRankBack,
+    Event,
+    TrainersBack,
+    TrainersLost,
+    mode_changes,
+)
 from pearl_hpc.core.policies import prefill_locally
 from pearl_hpc.core.table import IN_SERVICE, RoleTable
+from pearl_hpc.core.types import Status
 from pearl_hpc.core.window import run_end_s
 from pearl_hpc.master.capacity import BackendContext, CapacityBackend
 from pearl_hpc.master.dashboards import Dashboards
@@ -176,6 +184,8 @@ class MasterRun:
         self._pump_stop = asyncio.Event()
         self._demand = -1  # the elastic workers last asked of the backend
         self._registered = False  # the base engine ranks' first launches registered
+        self._lent = False  # an overlap engine holds a trainer's GPU (the mark; none yet)
+        self.paths.trainer_gpus_lent.unlink(missing_ok=True)  # (a previous world's)
         config = json.loads(json.dumps(asdict(cfg), default=str))
         self.dashboards = Dashboards(cfg.dashboards, run_dir, cfg.name, config)
 
@@ -432,6 +442,7 @@ class MasterRun:
             if trainer.ready.is_set():  # (once a loss: its other ranks fail next)
                 trainer.lost()
                 self.events("trainers_lost", group=member.group, member=member.member_id)
+                self.queue.put_nowait(TrainersLost())  # their GPUs back before they load
             for other in self.members.membership.group(member.group):
                 self.members.fail(other.member_id, "a trainer rank of its launch failed")
 
@@ -450,6 +461,7 @@ class MasterRun:
             ranks = [m.member_id for m in self.members.membership.group(group)]
             self.trainer.adopt(ranks)
             self.events("trainers_back", group=group, version=self.trainer.version)
+            self.queue.put_nowait(TrainersBack())
             return
         for member_id in self._older_launches():
             self.members.fail(member_id, "its rank was started again")
@@ -570,6 +582,7 @@ class MasterRun:
                 expansion_gate=result.expansion_gate.reason if result.expansion_gate else None,
             )
         self.executor.sync_router()
+        self._mark_lent()
         if results:  # the members' role groups after the plan (logged when they change)
             self.members.partition()
         self._request_capacity()
@@ -580,6 +593,22 @@ class MasterRun:
         if table != self._last_table:
             self._last_table = table
             log_event("table", slots=table)
+
+    def _mark_lent(self) -> None:
+        """``domains/trainers.lent`` while an overlap worker is starting, serving or
+        leaving (set before its start runs, gone once it slept): trainer ranks started
+        again after a loss wait for it to go before loading onto their GPUs."""
+        lent = any(s.status is not Status.INACTIVE for s in self.controller.table.overlap_workers())
+        if lent == self._lent:
+            return
+        self._lent = lent
+        mark = self.paths.trainer_gpus_lent
+        if lent:
+            mark.parent.mkdir(mode=0o700, exist_ok=True)
+            mark.touch()
+        else:
+            mark.unlink(missing_ok=True)
+        self.events("trainer_gpus", lent=lent)
 
     def _request_capacity(self) -> None:
         """The backend keeps what the controller's demand says is worth requesting (the
