@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import json
 import math
 import os
@@ -123,6 +124,16 @@ async def run_master(
     return await master.run(on_progress)
 
 
+def _freeze_start_objects() -> None:
+    """What the start made (modules, the tokenizer, the members: ~300 k objects) lives as
+    long as the master: out of the collector's reach from now, so a full collection during
+    the steps scans only what they made (0.2-0.7 s of the loop's own time each, before; a
+    step's trajectories are freed by reference counting). The one collection here runs
+    before the loop's clock and beat start."""
+    gc.collect()
+    gc.freeze()
+
+
 def _finite(x: float) -> float | None:
     """A time for a JSON record: None when not known (inf)."""
     return round(x, 1) if math.isfinite(x) else None
@@ -204,6 +215,7 @@ class MasterRun:
         self.recorded_version = int(self.state["version"]) if self.state else 0
         # 2. the rollout workload (tokenizer, environment)
         work = self._build_workload()
+        _freeze_start_objects()
         self._t_start = time.monotonic()  # the run's clock starts with its world up
         self.events("clock", wall=round(time.time(), 3))  # to line up outside logs
         # 3. the capacity backend, the controller and its executor (one role table)

@@ -39,6 +39,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -258,8 +259,31 @@ async def run_python(code: str, limits: SandboxLimits = DEFAULT_LIMITS) -> Sandb
     Never raises for anything the snippet does (errors, timeouts, floods are in the
     result); :class:`SandboxUnavailable` where no sandbox can run. Cancelling the caller
     kills the sandbox and removes its directory.
+
+    The sandbox runs on an event loop of its own, in a thread (one a process): its
+    process start (a fork and exec, the child watcher's thread) and its directory's
+    removal held the caller's loop for 4-8 ms a snippet, and the master's loop runs every
+    trajectory's tool calls (thousands a step at PEARL's scale).
     """
     require_sandbox()
+    future = asyncio.run_coroutine_threadsafe(_run_python(code, limits), _sandbox_loop())
+    return await asyncio.wrap_future(future)  # (cancelled: the sandbox's task too)
+
+
+_LOOP: list[asyncio.AbstractEventLoop] = []  # the sandboxes' loop, once started
+_LOOP_LOCK = threading.Lock()
+
+
+def _sandbox_loop() -> asyncio.AbstractEventLoop:
+    with _LOOP_LOCK:
+        if not _LOOP:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="sandboxes", daemon=True).start()
+            _LOOP.append(loop)
+        return _LOOP[0]
+
+
+async def _run_python(code: str, limits: SandboxLimits) -> SandboxResult:
     workdir = tempfile.mkdtemp(prefix="pearl-sandbox-")
     started_s = time.perf_counter()
     try:
