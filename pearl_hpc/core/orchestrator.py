@@ -112,8 +112,12 @@ class _Units:
             self.by_shape[unit.role].append(i)
         self.taken = [False] * len(units)
         self.first = 0  # no unit before this index is left
+        self.unshaped = set(self.by_shape) <= {None}  # each new worker takes the next
 
     def take(self, role: Role) -> CapacityUnit:
+        if self.unshaped:
+            self.first += 1
+            return self.units[self.first - 1]
         for wanted in (role, None):
             queue = self.by_shape.get(wanted)
             while queue and self.taken[queue[0]]:
