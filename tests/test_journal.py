@@ -97,6 +97,32 @@ def test_the_trajectory_log_appends_each_turn_and_folds_back(tmp_path: Path) -> 
     assert log.path(0).stat().st_size < 1.5 * whole  # a whole record per turn: ~15x
 
 
+def test_a_log_record_with_a_float_that_is_not_finite_reads_back_as_written(
+    tmp_path: Path,
+) -> None:
+    """A NaN reward or an infinite log-probability (msgspec would write null) reads back
+    as it was; the records beside it are msgspec's."""
+    import math
+
+    from pearl_hpc.master.journal import TrajectoryLog
+    from pearl_hpc.rollout.types import Segment
+
+    log = TrajectoryLog(tmp_path)
+    a, b = _new("s0-g0-k0"), _new("s0-g0-k1")
+    _turn(a, 3)
+    a.segments.append(Segment((9, 9), True, (-0.25, -math.inf), 1))
+    _turn(b, 3)
+    for traj in (a, b):
+        log.record(0, traj)
+    b.done, b.reward = True, math.nan
+    log.record(0, b)
+    log.close()
+    back = TrajectoryLog(tmp_path).load(0)
+    assert back[a.trajectory_id] == a
+    assert back[a.trajectory_id].segments[-1].logprobs == (-0.25, -math.inf)
+    assert back[b.trajectory_id].done and math.isnan(back[b.trajectory_id].reward)
+
+
 def test_a_resumed_master_continues_the_log_and_reads_an_older_one(
     tmp_path: Path,
 ) -> None:
