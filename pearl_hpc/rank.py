@@ -245,7 +245,7 @@ def _engine(args: argparse.Namespace) -> int:
         hello = member_info(me.kind, gpu_ids=me.gpu_ids, rank=me.rank, group=group)
         key = read_key(run.rpc_key)
         spec = engine_spec(cfg, args.model_dir, device=placement.device, gpus=len(me.devices),
-                           host=host)  # fmt: skip
+                           host=host, overlap=me.overlap)  # fmt: skip
 
         def connect() -> WorkerPlane:
             planes.append(WorkerPlane.join(run.path, group, key, timeout_s=600.0))

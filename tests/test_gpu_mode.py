@@ -5,8 +5,10 @@ The paths that need a GPU are in tests/test_engine_gpu.py (they skip here)."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -467,11 +469,11 @@ def test_an_engine_takes_what_is_free_of_its_gpu_up_to_its_setting() -> None:
     from pearl_hpc.engine.vllm_engine import fitted_utilization
 
     gib = 1 << 30
-    assert fitted_utilization(0.85, 140 * gib, 141 * gib) == 0.85  # a GPU of its own
-    beside = fitted_utilization(0.85, 111 * gib, 141 * gib)  # 30 GiB still held
+    assert fitted_utilization(0.85, 140 * gib, 141 * gib, gib) == 0.85  # a GPU of its own
+    beside = fitted_utilization(0.85, 111 * gib, 141 * gib, gib)  # 30 GiB still held
     assert beside == round(110 / 141, 4) and beside * 141 * gib <= 110 * gib
     with pytest.raises(EngineError, match=r"only 9\.0 of 141\.0 GiB free on the GPU"):
-        fitted_utilization(0.85, 9 * gib, 141 * gib)
+        fitted_utilization(0.85, 9 * gib, 141 * gib, gib)
 
 
 def test_local_elastic_ranks_take_the_nodes_free_gpus() -> None:
@@ -556,3 +558,94 @@ def test_a_woken_engine_restarts_for_a_role_that_moves_kv() -> None:
     finally:
         runner._engine = None
         runner.close()
+
+
+def test_an_overlap_engine_takes_its_budget_beside_the_lent_trainer() -> None:
+    """Its share: engine.gpu_memory_utilization, or less where the lent trainer rank's
+    residue (3 GB) and a weight load's headroom need the rest; never more than what is
+    free less that headroom. An engine on a GPU of its own keeps its setting."""
+    from pearl_hpc.engine.vllm_engine import engine_share
+
+    gib, total = 1 << 30, 80 * 10**9
+    load = 2 * 151936 * 4096  # Qwen3-8B's LM head, made on the GPU by a reload
+    own = EngineSpec("/m", device="cuda", gpu_memory_utilization=0.95, reload_headroom_bytes=load)
+    lent = dataclasses.replace(own, overlap=True)
+    assert engine_share(own, total, total) == 0.95
+    assert engine_share(lent, total, total) == round((total - 3e9 - load) / total, 4)
+    assert engine_share(lent, 40 * gib, total) == round((40 * gib - load) / total, 4)
+
+
+class _SleepingRunner:
+    """The runner's lifecycle calls an engine worker makes, recorded (each done at once)."""
+
+    def __init__(self) -> None:
+        self.spec = EngineSpec("/m", device="cuda", overlap=True, reload_headroom_bytes=1 << 30)
+        self.role: Role | None = Role.COLOCATED
+        self.worker_id, self.failed, self.calls = "w", None, []
+
+    def _done(self, name: str, value: object = None) -> Future:
+        self.calls.append(name)
+        future: Future = Future()
+        future.set_result(value)
+        return future
+
+    def takes_in_place(self, role: Role) -> bool:
+        return True
+
+    def abort_all(self) -> Future:
+        return self._done("abort", [])
+
+    def drain_kv(self) -> Future:
+        return self._done("drain_kv", 0)
+
+    def sleep(self) -> Future:
+        return self._done("sleep")
+
+    def wake(self) -> Future:
+        return self._done("wake")
+
+    def rerole(self, role: Role) -> Future:
+        return self._done("rerole")
+
+    def stop(self) -> Future:
+        self.role = None
+        return self._done("stop", 0.0)
+
+    def start(self, role: Role) -> Future:
+        self.role = role
+        return self._done("start", 0.0)
+
+
+def test_a_sleeping_engine_that_no_longer_fits_is_started_again_instead_of_woken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's wake maps again the bytes the sleep gave back: where the GPU has less free
+    now than that and a weight load's headroom (the lent trainer rank's communicators
+    grew), the engine is started again, sized to what is free (a wake would fail)."""
+    import asyncio
+
+    import pearl_hpc.engine.server as server
+
+    gib = 1 << 30
+    free = [10 * gib]
+    monkeypatch.setattr(server, "device_memory", lambda device: (free[0], 80 * gib))
+
+    async def cycle(free_at_wake: int) -> tuple[list[str], dict]:
+        runner = _SleepingRunner()
+        worker = server.EngineWorker(runner)  # type: ignore[arg-type]
+        free[0] = 10 * gib
+
+        def sleep() -> Future:
+            free[0] = 60 * gib  # the sleep gave 50 GiB back
+            return runner._done("sleep")
+
+        runner.sleep = sleep  # type: ignore[method-assign]
+        await worker.release()
+        free[0] = free_at_wake
+        timing = await worker.restore("colocated")
+        return runner.calls, timing.detail
+
+    calls, detail = asyncio.run(cycle(58 * gib))  # room for it and a weight load
+    assert calls[-2:] == ["wake", "rerole"] and "smaller" not in detail
+    calls, detail = asyncio.run(cycle(int(50.5 * gib)))  # a load would not fit
+    assert calls[-2:] == ["stop", "start"] and detail["smaller"] is True

@@ -53,6 +53,38 @@ def test_pearls_models_and_one_32k_trajectory() -> None:
     assert kept.logprobs == 3 * 1024 * 151936 * 4 + 151936 * 4096 * 4
 
 
+def test_an_overlap_engine_leaves_its_lent_trainer_and_a_weight_load_room() -> None:
+    """Beside a lent trainer rank (its CUDA context and communicators: 3 GB) an overlap
+    engine leaves room for a weight load (vLLM makes each module on the GPU before
+    copying it in: Qwen3-8B's LM head, 1.24 GB at TP1; 30B-A3B's experts of a block,
+    1.21 GB) and, under NCCL weight sync, a 1 GiB bucket."""
+    from pearl_hpc.config.memory import overlap_engine_share, reload_headroom_bytes
+
+    eight, moe = _shape("qwen3-8b"), _shape("qwen3-30b-a3b")
+    assert reload_headroom_bytes(eight, tp=1, nccl=False) == 2 * 151936 * 4096
+    assert reload_headroom_bytes(eight, tp=2, nccl=True) == 151936 * 4096 + (1 << 30)
+    assert reload_headroom_bytes(moe, tp=1, nccl=False) == 2 * 128 * 3 * 2048 * 768
+    gpu, headroom = 80e9, reload_headroom_bytes(eight, tp=1, nccl=True)
+    assert overlap_engine_share(0.85, gpu, headroom) == 0.85  # room enough
+    share = overlap_engine_share(0.95, gpu, headroom)
+    assert share == pytest.approx((80e9 - 3e9 - 2 * 151936 * 4096 - (1 << 30)) / 80e9)
+    # a 24 GB GPU at TP1: the engine alone holds a 32K trajectory, beside its trainer it
+    # cannot (the plan's line; the trainer rank does not fit there either)
+    cfg = read_run_config(PEARL_32)
+    small = dataclasses.replace(
+        cfg,
+        layout=dataclasses.replace(cfg.layout, gpu_memory_gb=24.0, gpus_per_worker=1),
+        engine=dataclasses.replace(cfg.engine, gpu_memory_utilization=0.99),
+    )
+    lines = "\n".join(memory_plan(small, eight).lines)
+    assert "engine GPU (tp1, gpu_memory_utilization 0.99): 23.8 GB" in lines
+    assert "KV pool 5.4 GB (one 32768-token trajectory: 4.8 GB): fits" in lines
+    assert "overlap engine GPU: 0.823 of it (19.8 GB)" in lines
+    assert "KV pool 1.4 GB: DOES NOT FIT" in lines
+    no_overlap = dataclasses.replace(small, workers=dataclasses.replace(small.workers, overlap=0))
+    assert "overlap engine GPU" not in "\n".join(memory_plan(no_overlap, eight).lines)
+
+
 def test_a_config_that_cannot_fit_names_the_knob() -> None:
     cfg = read_run_config(PEARL_32)
     eight = _shape("qwen3-8b")

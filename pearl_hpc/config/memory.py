@@ -40,6 +40,7 @@ from typing import Any
 from pearl_hpc.config.run import RunConfig
 
 GB = 1e9
+BUCKET_BYTES = 1 << 30  # the most a weights bucket holds (unless one block is larger)
 RESERVE_BYTES = 3e9  # per GPU: the CUDA context, NCCL's buffers, the allocator's slack
 ENGINE_RESERVE_BYTES = 2e9  # per engine GPU: activations, CUDA graphs, sampler
 
@@ -214,6 +215,23 @@ def engine_memory(
     )
 
 
+def reload_headroom_bytes(shape: ModelShape, *, tp: int, nccl: bool) -> float:
+    """What a weight load into a running engine needs beyond its size, a GPU: vLLM's
+    in-place reload makes each module on the device before copying it into place (the
+    largest: the embedding or LM head, V x H, or an MoE block's experts, in bf16, its
+    share at ``tp``), and an NCCL weight group receives a bucket onto the GPU."""
+    largest = 2 * max(shape.vocab * shape.hidden, shape.expert_params) / tp
+    return largest + (BUCKET_BYTES if nccl else 0)
+
+
+def overlap_engine_share(configured: float, gpu_bytes: float, headroom_bytes: float) -> float:
+    """The share of its GPU an overlap engine takes: ``configured``, or less where the
+    lent trainer rank's residue (its CUDA context and NCCL communicators stay on the GPU
+    while its tensors are on the host: :data:`RESERVE_BYTES`) and a weight load's
+    headroom (:func:`reload_headroom_bytes`) need more of the GPU (pure)."""
+    return min(configured, (gpu_bytes - RESERVE_BYTES - headroom_bytes) / gpu_bytes)
+
+
 def host_bytes_at_start(shape: ModelShape, per_node: int, ranks: int, fsdp: bool) -> float:
     """A training node's host memory as its ``per_node`` trainer ranks (of ``ranks``)
     build the model: replicated, each loads the whole fp32 model; FSDP2, each reads only
@@ -283,6 +301,10 @@ def memory_plan(cfg: RunConfig, shape: ModelShape) -> Plan:
         ),
         _checkpoint_line(cfg, shape, per_node),
     ]
+    overlap = _overlap_engine(cfg, shape) if cfg.workers.overlap else None
+    if overlap is not None:  # after the engine GPU's line
+        lines.insert(next(i for i, x in enumerate(lines) if x.startswith("engine GPU")) + 1,
+                     overlap[0])  # fmt: skip
     if shape.experts and t.fsdp:
         ep = _gb(2 * (shape.root_params + 2 * (shape.block_params - shape.expert_params
                                                 + shape.expert_params / ranks)))  # fmt: skip
@@ -300,7 +322,31 @@ def memory_plan(cfg: RunConfig, shape: ModelShape) -> Plan:
             "engine.gpu_memory_utilization or layout.gpus_per_worker, or lower "
             "run.max_context_tokens"
         )
+    elif overlap is not None and not overlap[1].fits:
+        problem = (
+            f"an overlap engine's KV pool ({_gb(overlap[1].kv_pool)} a GPU, beside its lent "
+            f"trainer rank) cannot hold one {cfg.run.max_context_tokens}-token trajectory "
+            f"({_gb(overlap[1].kv_needed)}): raise layout.gpus_per_worker, lower "
+            "run.max_context_tokens, or set workers.overlap: 0"
+        )
     return Plan(lines, problem)
+
+
+def _overlap_engine(cfg: RunConfig, shape: ModelShape) -> tuple[str, EngineMemory]:
+    """An overlap engine's GPU, sized to leave the lent trainer rank's residue and a
+    weight load's headroom (:func:`overlap_engine_share`): its line and its memory."""
+    gpu, tp = cfg.layout.gpu_memory_gb * GB, cfg.layout.gpus_per_worker
+    headroom = reload_headroom_bytes(shape, tp=tp, nccl=cfg.train.weight_sync == "nccl")
+    share = overlap_engine_share(cfg.engine.gpu_memory_utilization, gpu, headroom)
+    engine = engine_memory(
+        shape, tp=tp, utilization=share, gpu_bytes=gpu, context=cfg.run.max_context_tokens
+    )
+    line = (
+        f"overlap engine GPU: {share:.3f} of it ({_gb(engine.allocated)}), beside the lent "
+        f"trainer rank's {_gb(RESERVE_BYTES)} and a weight load's {_gb(headroom)}: KV pool "
+        f"{_gb(engine.kv_pool)}: {'fits' if engine.fits else 'DOES NOT FIT'}"
+    )
+    return line, engine
 
 
 def _checkpoint_line(cfg: RunConfig, shape: ModelShape, per_node: int) -> str:

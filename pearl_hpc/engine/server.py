@@ -90,6 +90,7 @@ class EngineWorker:
         self.admitting = False
         self.timings: list[Timing] = []
         self._sleeping_role: Role | None = None  # GPU: engine asleep, not shut down
+        self._slept_bytes = 0  # what its sleep gave back of the GPU (its wake takes it again)
         self._ops = asyncio.Lock()  # one lifecycle operation at a time
         self._weight_groups: dict[str, tuple[Any, Any]] = {}  # name -> (group, its store)
         self.key = ""  # the run's key: the trainer's store asks for it
@@ -172,7 +173,10 @@ class EngineWorker:
             self._sleeping_role = role
         else:
             await self._wait(self.runner.stop())
-        detail = {"role": str(role), "kv_unread": unread, **before, **self._free("after")}
+        after = self._free("after")
+        if self._sleeping_role is not None and before and after:
+            self._slept_bytes = after["gpu_free_after"] - before["gpu_free_before"]
+        detail = {"role": str(role), "kv_unread": unread, **before, **after}
         return self._timed("release", t0, **detail)
 
     async def restore(self, role: str) -> Timing:
@@ -181,7 +185,9 @@ class EngineWorker:
 
     async def _restore(self, role: Role) -> Timing:
         t0 = time.perf_counter()
-        if self._sleeping_role is not None and self.runner.takes_in_place(role):
+        in_place = self._sleeping_role is not None and self.runner.takes_in_place(role)
+        fits = self._wake_fits()
+        if in_place and fits:
             await self._wait(self.runner.wake())
             self._sleeping_role = None
             await self._wait(self.runner.rerole(role))
@@ -190,7 +196,20 @@ class EngineWorker:
                 await self._wait(self.runner.stop())
                 self._sleeping_role = None
             await self._wait(self.runner.start(role))
-        return self._timed("restore", t0, role=str(role), **self._free("after"))
+        detail = {"role": str(role), **self._free("after")}
+        if in_place and not fits:  # started again, sized to what is free now
+            detail["smaller"] = True
+        return self._timed("restore", t0, **detail)
+
+    def _wake_fits(self) -> bool:
+        """A sleeping engine wakes into the bytes its sleep gave back, and then needs a
+        weight load's headroom (a level-2 wake reloads its weights). Where less is free
+        now (the lent trainer rank's communicators or allocations grew), vLLM's wake
+        would run out of memory: the engine is started again instead, smaller."""
+        memory = device_memory(self.runner.spec.device)
+        if memory is None or self._sleeping_role is None:
+            return True
+        return memory[0] >= self._slept_bytes + self.runner.spec.reload_headroom_bytes
 
     def _free(self, when: str) -> dict[str, int]:
         """The device's free bytes now, for a timing's detail (nothing on cpu)."""

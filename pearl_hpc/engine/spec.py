@@ -19,6 +19,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from pearl_hpc.config.memory import model_shape, reload_headroom_bytes
 from pearl_hpc.config.run import OWNED_ARGS, EngineSettings, RunConfig
 from pearl_hpc.core.types import Role
 from pearl_hpc.errors import ConfigError
@@ -37,6 +38,8 @@ SUPPORTED_VLLM = ("0.31", "0.32")
 # it: role changes then restart the engine again, as for every other connector).
 BOTH_WAYS_CONNECTORS = frozenset({"NixlConnector"})
 
+
+MIN_HEADROOM_BYTES = 1 << 30  # cuda: the least an engine leaves free of its GPU
 
 # EngineArgs pearl_hpc sets itself: a vllm_args key of these is refused, naming the setting.
 @dataclass(frozen=True)
@@ -58,6 +61,11 @@ class EngineSpec:
     seed: int = 0
     max_num_seqs: int = 64
     vllm_args: dict[str, Any] = field(default_factory=dict)  # more vllm EngineArgs
+    # cuda: an overlap engine shares its GPU with a lent trainer rank (its share is
+    # budgeted: pearl_hpc.config.memory.overlap_engine_share); what a weight load needs
+    # beyond the engine's size, left free at its start and required free at a wake
+    overlap: bool = False
+    reload_headroom_bytes: int = MIN_HEADROOM_BYTES
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -246,11 +254,21 @@ def vllm_version_problem(version: str | None) -> str:
 
 
 def engine_spec(
-    cfg: RunConfig, model_dir: str, *, device: str, gpus: int = 1, host: str = "127.0.0.1"
+    cfg: RunConfig,
+    model_dir: str,
+    *,
+    device: str,
+    gpus: int = 1,
+    host: str = "127.0.0.1",
+    overlap: bool = False,
 ) -> EngineSpec:
     """The engine a rank builds on ``device`` (resolved: cpu | cuda) over ``gpus`` GPUs
-    (its tensor-parallel size on cuda), its NIXL side channel advertised at ``host``."""
+    (its tensor-parallel size on cuda), its NIXL side channel advertised at ``host``;
+    ``overlap``: on a trainer rank's GPUs."""
     e = cfg.engine
+    shape = model_shape(cfg.model, Path(model_dir))
+    nccl = cfg.train.weight_sync == "nccl"
+    load = 0 if shape is None else reload_headroom_bytes(shape, tp=gpus, nccl=nccl)
     return EngineSpec(
         model_dir=model_dir,
         device=device,
@@ -263,6 +281,8 @@ def engine_spec(
         seed=cfg.run.seed,
         max_num_seqs=e.max_num_seqs,
         vllm_args=dict(e.vllm_args),
+        overlap=overlap,
+        reload_headroom_bytes=max(MIN_HEADROOM_BYTES, int(load)),
     )
 
 

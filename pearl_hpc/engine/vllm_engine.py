@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pearl_hpc.config.memory import overlap_engine_share
 from pearl_hpc.core.tracker import IterationRecord
 from pearl_hpc.core.types import Role
 from pearl_hpc.engine.nixl import nixl_listener_that_survives, nixl_without_progress_thread
@@ -51,7 +52,6 @@ log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.02  # how often an idle engine steps (a producer frees sent KV blocks)
 START_STACKS_AFTER_S = 120.0  # an engine start this slow dumps its threads' stacks
 CACHE_RETRY_S = 1.0  # how often a prefix-cache reset refused after a weight load is retried
-MEMORY_HEADROOM_BYTES = 1 << 30  # cuda: left free beside an engine sized to what is free
 MIN_UTILIZATION = 0.1  # cuda: an engine given less of its GPU than this refuses to start
 # the most a prefill engine waits for its decoders to read the KV it still holds before it
 # shuts down or sleeps: a decode request follows its prefill within milliseconds, while
@@ -391,9 +391,7 @@ class EngineRunner:
             args.setdefault("sleep_mode_offload_cudagraph", True)
         memory = device_memory(spec.device)
         if memory is not None:  # an overlap engine gets what the trainer's offload freed
-            args["gpu_memory_utilization"] = fitted_utilization(
-                spec.gpu_memory_utilization, *memory
-            )
+            args["gpu_memory_utilization"] = engine_share(spec, *memory)
             if args["gpu_memory_utilization"] < spec.gpu_memory_utilization:
                 log.warning(
                     "%s: %.1f of %.1f GiB free on the GPU: the engine takes %.3f of it, not "
@@ -708,13 +706,23 @@ def _reload(engine: Any, weights: dict[str, Any], file: WeightFile | None = None
     engine.collective_rpc("reload_weights", kwargs=kwargs)
 
 
-def fitted_utilization(
-    configured: float, free: int, total: int, headroom: int = MEMORY_HEADROOM_BYTES
-) -> float:
+def engine_share(spec: EngineSpec, free: int, total: int) -> float:
+    """The share of its GPU ``spec``'s engine takes when it starts with ``free`` of
+    ``total`` bytes free: its setting, an overlap engine's no more than its budget beside
+    the lent trainer rank (:func:`~pearl_hpc.config.memory.overlap_engine_share`), and
+    neither more than what is free less a weight load's headroom (pure)."""
+    configured = spec.gpu_memory_utilization
+    if spec.overlap:
+        configured = overlap_engine_share(configured, total, spec.reload_headroom_bytes)
+    return fitted_utilization(configured, free, total, spec.reload_headroom_bytes)
+
+
+def fitted_utilization(configured: float, free: int, total: int, headroom: int) -> float:
     """The share of the GPU an engine starting now takes: ``configured``, or less where
     other processes hold memory (a trainer's CUDA context and communicators beside an
-    overlap engine), leaving ``headroom`` bytes free: vLLM refuses to start when the free
-    memory is below its share of the total (pure). Too little left is one clear error."""
+    overlap engine), leaving ``headroom`` bytes free (a weight load's transient: the
+    spec's ``reload_headroom_bytes``): vLLM refuses to start when the free memory is
+    below its share of the total (pure). Too little left is one clear error."""
     fitted = min(configured, (free - headroom) / total)
     if fitted < MIN_UTILIZATION:
         raise EngineError(

@@ -64,10 +64,10 @@ from typing import Any
 
 import torch
 
+from pearl_hpc.config.memory import BUCKET_BYTES
 from pearl_hpc.errors import PearlError
 
 ALIGN_BYTES = 16  # every tensor's first byte in a bucket is a multiple of this
-BUCKET_BYTES = 1 << 30  # the most a bucket holds (unless one block is larger)
 
 # dtypes a weights bucket may carry, by the name the header uses
 _DTYPES: dict[str, torch.dtype] = {

@@ -312,7 +312,7 @@ class Smoke:
         assert off is not None and off.free_after > off.free_before, "offload freed nothing"
         assert torch.equal(before, after), "the weights changed across the hand-off"
         total = torch.cuda.mem_get_info()[1]
-        share = fitted_utilization(0.85, off.free_after, total)  # an overlap engine's
+        share = fitted_utilization(0.85, off.free_after, total, 1 << 30)  # an overlap engine's
         return {"reserve_s": round(reserve_s, 3),
                 "offload_s": [round(a.wall_s, 3) for a, _ in moves if a is not None],
                 "onload_s": [round(b.wall_s, 3) for _, b in moves if b is not None],
