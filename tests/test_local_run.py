@@ -29,6 +29,7 @@ from pearl_hpc.config.run import TraceReplay
 from pearl_hpc.errors import ConfigError, PearlError
 from pearl_hpc.master.journal import TrajectoryLog
 from pearl_hpc.master.preflight import load_run_config
+from pearl_hpc.rundir import RunDir
 from tests import other_user
 from tests.conftest import vllm_skip_reason
 
@@ -199,6 +200,17 @@ def test_local_run_grows_reclaims_borrows_and_loses_nothing(tmp_path: Path, monk
     assert sum(m["borrowed_served_turns"] for m in metrics) == c["borrowed_turns"]
     cancelled = [e for e in events if e["kind"] == "start_cancelled" and e["slot"] == 1]
     assert c["borrows_cancelled"] == len(cancelled)  # slot 1: the overlap worker
+    # the trainers' GPU marked lent while an overlap slot starts, serves or leaves (a
+    # trainer rank started again waits for it), at every table the master logged
+    marked, seen = False, 0
+    for e in events:
+        if e["kind"] == "trainer_gpus":
+            marked = e["lent"]
+        elif e["kind"] == "table":
+            held = any(s[3] == "overlap" and s[2] != "inactive" for s in e["slots"])
+            assert held == marked, (e, marked)
+            seen += held
+    assert seen and not marked and not RunDir(run_dir).trainer_gpus_lent.exists()
     plans = [e for e in events if e["kind"] == "reconfigure"]
     partitions = [e for e in events if e["kind"] == "partition"]
     assert 0 < len(partitions) <= len(plans)  # logged when a plan changed the groups

@@ -268,6 +268,7 @@ def memory_plan(cfg: RunConfig, shape: ModelShape) -> Plan:
         gpu_bytes=gpu,
         context=cfg.run.max_context_tokens,
     )
+    overlap = _overlap_engine(cfg, shape) if cfg.workers.overlap else None
     per_node = -(-ranks // layout.training_nodes)
     other = "without" if checkpointing else "with"
     lines = [
@@ -292,6 +293,7 @@ def memory_plan(cfg: RunConfig, shape: ModelShape) -> Plan:
         f"{_gb(engine.weights)} + reserve {_gb(ENGINE_RESERVE_BYTES)} + KV pool "
         f"{_gb(engine.kv_pool)} (one {cfg.run.max_context_tokens}-token trajectory: "
         f"{_gb(engine.kv_needed)}): {'fits' if engine.fits else 'DOES NOT FIT'}",
+        *([overlap[0]] if overlap is not None else []),
         f"host at start, a training node: "
         f"{_gb(host_bytes_at_start(shape, per_node, ranks, t.fsdp))} ({per_node} trainer "
         + (
@@ -301,10 +303,6 @@ def memory_plan(cfg: RunConfig, shape: ModelShape) -> Plan:
         ),
         _checkpoint_line(cfg, shape, per_node),
     ]
-    overlap = _overlap_engine(cfg, shape) if cfg.workers.overlap else None
-    if overlap is not None:  # after the engine GPU's line
-        lines.insert(next(i for i, x in enumerate(lines) if x.startswith("engine GPU")) + 1,
-                     overlap[0])  # fmt: skip
     if shape.experts and t.fsdp:
         ep = _gb(2 * (shape.root_params + 2 * (shape.block_params - shape.expert_params
                                                 + shape.expert_params / ranks)))  # fmt: skip

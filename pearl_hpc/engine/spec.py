@@ -37,9 +37,8 @@ SUPPORTED_VLLM = ("0.31", "0.32")
 # that NIXL's kv_both is deprecated in favour of fixed roles (a future release may drop
 # it: role changes then restart the engine again, as for every other connector).
 BOTH_WAYS_CONNECTORS = frozenset({"NixlConnector"})
-
-
 MIN_HEADROOM_BYTES = 1 << 30  # cuda: the least an engine leaves free of its GPU
+
 
 # EngineArgs pearl_hpc sets itself: a vllm_args key of these is refused, naming the setting.
 @dataclass(frozen=True)

@@ -270,17 +270,19 @@ async def run_python(code: str, limits: SandboxLimits = DEFAULT_LIMITS) -> Sandb
     return await asyncio.wrap_future(future)  # (cancelled: the sandbox's task too)
 
 
-_LOOP: list[asyncio.AbstractEventLoop] = []  # the sandboxes' loop, once started
+_LOOPS: dict[int, asyncio.AbstractEventLoop] = {}  # pid -> its sandboxes' loop
 _LOOP_LOCK = threading.Lock()
 
 
 def _sandbox_loop() -> asyncio.AbstractEventLoop:
+    """This process's sandbox loop, started at its first snippet (a forked child, whose
+    copy of its parent's loop has no thread, starts its own)."""
     with _LOOP_LOCK:
-        if not _LOOP:
-            loop = asyncio.new_event_loop()
+        loop = _LOOPS.get(os.getpid())
+        if loop is None:
+            loop = _LOOPS[os.getpid()] = asyncio.new_event_loop()
             threading.Thread(target=loop.run_forever, name="sandboxes", daemon=True).start()
-            _LOOP.append(loop)
-        return _LOOP[0]
+        return loop
 
 
 async def _run_python(code: str, limits: SandboxLimits) -> SandboxResult:
