@@ -131,6 +131,26 @@ def test_the_engine_section_reaches_vllms_engine_args(tmp_path: Path) -> None:
     assert cpu["kv_transfer_config"] is None
 
 
+def test_an_overlap_engines_headroom_comes_from_its_model(tmp_path: Path) -> None:
+    """A cuda engine leaves a weight load's largest module free (the model directory's
+    shape: Qwen3-8B's LM head, 1.24 GB at TP1), at least 1 GiB (its share at TP2 is
+    0.62 GB); a cpu engine (an elastic rank placed on no GPU says 0 GPUs) keeps the
+    default."""
+    import json
+
+    from pearl_hpc.config.memory import KNOWN_SHAPES
+
+    model = tmp_path / "qwen3-8b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(KNOWN_SHAPES["qwen3-8b"]))
+    cfg = load_run_config(_config(tmp_path))
+    spec = engine_spec(cfg, str(model), device="cuda", gpus=1, overlap=True)
+    assert spec.overlap and spec.reload_headroom_bytes == 2 * 151936 * 4096
+    assert engine_spec(cfg, str(model), device="cuda", gpus=2).reload_headroom_bytes == 1 << 30
+    cpu = engine_spec(cfg, str(model), device="cpu", gpus=0)
+    assert cpu.tensor_parallel_size == 1 and cpu.reload_headroom_bytes == 1 << 30
+
+
 def test_weights_travel_in_the_dtype_the_engine_holds(tmp_path: Path) -> None:
     """CPU engines run fp32; a cuda engine holds the model's own dtype (``auto``) unless
     vllm_args names one; a model without a readable dtype gets fp32 (loses nothing)."""

@@ -201,7 +201,8 @@ def test_local_run_grows_reclaims_borrows_and_loses_nothing(tmp_path: Path, monk
     cancelled = [e for e in events if e["kind"] == "start_cancelled" and e["slot"] == 1]
     assert c["borrows_cancelled"] == len(cancelled)  # slot 1: the overlap worker
     # the trainers' GPU marked lent while an overlap slot starts, serves or leaves (a
-    # trainer rank started again waits for it), at every table the master logged
+    # trainer rank started again waits for it), at every table the master logged; the
+    # mark gone once the run ended
     marked, seen = False, 0
     for e in events:
         if e["kind"] == "trainer_gpus":
@@ -210,7 +211,7 @@ def test_local_run_grows_reclaims_borrows_and_loses_nothing(tmp_path: Path, monk
             held = any(s[3] == "overlap" and s[2] != "inactive" for s in e["slots"])
             assert held == marked, (e, marked)
             seen += held
-    assert seen and not marked and not RunDir(run_dir).trainer_gpus_lent.exists()
+    assert seen and not RunDir(run_dir).trainer_gpus_lent.exists()
     plans = [e for e in events if e["kind"] == "reconfigure"]
     partitions = [e for e in events if e["kind"] == "partition"]
     assert 0 < len(partitions) <= len(plans)  # logged when a plan changed the groups

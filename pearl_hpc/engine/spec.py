@@ -265,16 +265,17 @@ def engine_spec(
     (its tensor-parallel size on cuda), its NIXL side channel advertised at ``host``;
     ``overlap``: on a trainer rank's GPUs."""
     e = cfg.engine
-    shape = model_shape(cfg.model, Path(model_dir))
+    tp = gpus if device == "cuda" else 1
+    shape = model_shape(cfg.model, Path(model_dir)) if device == "cuda" else None
     nccl = cfg.train.weight_sync == "nccl"
-    load = 0 if shape is None else reload_headroom_bytes(shape, tp=gpus, nccl=nccl)
+    load = 0 if shape is None else reload_headroom_bytes(shape, tp=tp, nccl=nccl)
     return EngineSpec(
         model_dir=model_dir,
         device=device,
         max_model_len=cfg.run.max_context_tokens,
         kv_cache_gb=e.kv_cache_gb,
         gpu_memory_utilization=e.gpu_memory_utilization,
-        tensor_parallel_size=gpus if device == "cuda" else 1,
+        tensor_parallel_size=tp,
         kv_buffer_device=device if e.kv_buffer_device == "auto" else e.kv_buffer_device,
         kv_side_channel_host=host,
         seed=cfg.run.seed,

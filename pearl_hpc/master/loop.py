@@ -293,6 +293,7 @@ class MasterRun:
             with contextlib.suppress(Exception):
                 await poll_task
             await executor.close()
+            self.paths.trainer_gpus_lent.unlink(missing_ok=True)  # (its engines stopped)
             self.members.leave_all()  # elastic ranks leave the world before their jobs end
             await self.backend.close()
         # 8. the summary; the members leave the world
