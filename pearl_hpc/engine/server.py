@@ -186,7 +186,7 @@ class EngineWorker:
     async def _restore(self, role: Role) -> Timing:
         t0 = time.perf_counter()
         in_place = self._sleeping_role is not None and self.runner.takes_in_place(role)
-        fits = self._wake_fits()
+        fits = not in_place or self._wake_fits()
         if in_place and fits:
             await self._wait(self.runner.wake())
             self._sleeping_role = None
@@ -197,7 +197,7 @@ class EngineWorker:
                 self._sleeping_role = None
             await self._wait(self.runner.start(role))
         detail = {"role": str(role), **self._free("after")}
-        if in_place and not fits:  # started again, sized to what is free now
+        if not fits:  # a sleeping engine started again, sized to what is free now
             detail["smaller"] = True
         return self._timed("restore", t0, **detail)
 
@@ -207,9 +207,9 @@ class EngineWorker:
         now (the lent trainer rank's communicators or allocations grew), vLLM's wake
         would run out of memory: the engine is started again instead, smaller."""
         memory = device_memory(self.runner.spec.device)
-        if memory is None or self._sleeping_role is None:
-            return True
-        return memory[0] >= self._slept_bytes + self.runner.spec.reload_headroom_bytes
+        return memory is None or (
+            memory[0] >= self._slept_bytes + self.runner.spec.reload_headroom_bytes
+        )
 
     def _free(self, when: str) -> dict[str, int]:
         """The device's free bytes now, for a timing's detail (nothing on cpu)."""
