@@ -98,10 +98,11 @@ def submit_run(config: str | Path, sets: Sequence[str] = ()) -> tuple[Any, Path]
 
 def submitit_parameters(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
     """submitit's parameters for the run's base job (pure): the nodes, GPUs and site
-    options of :func:`~pearl_hpc.backends.world.base_job_spec`, one task a node with
-    the CPUs of the busiest node's ranks, its env and setup lines, the warning before
-    the time limit."""
-    job = base_job_spec(cfg, run_dir)
+    options of :func:`~pearl_hpc.backends.world.base_job_spec` -- every node as the
+    widest (submitit submits no heterogeneous job: ``--sbatch`` asks each node's GPUs) --,
+    one task a node with the CPUs of the busiest node's ranks, its env and setup lines,
+    the warning before the time limit."""
+    job = base_job_spec(cfg, run_dir, uniform=True)
     shape = job.components[0]
     s = cfg.slurm
     cpus = shape.ntasks_per_node * shape.cpus_per_task

@@ -213,7 +213,8 @@ def _cfg(**changes: Any) -> RunConfig:
         ({"slurm__partition": "gpux"}, "slurm.partition", "no such partition"),
         ({"slurm__gpu_type": "h100"}, "slurm.gpu_type", "are a100"),
         ({"layout__cpus_per_rank": 32}, "layout.cpus_per_rank", "at most 64"),
-        ({"workers__reserved_rollout": 8, "layout__rollout_nodes": 1, "layout__training_nodes": 6},
+        ({"workers__reserved_rollout": 8, "workers__training_gpus": 48,
+          "layout__rollout_nodes": 1, "layout__training_nodes": 6},
          "layout", "7 nodes, but partition gpu has 6"),
     ],
 )  # fmt: skip

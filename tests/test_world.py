@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,9 @@ import yaml
 from pearl_hpc.backends.world import (
     base_job_spec,
     domain_argv,
+    het_groups,
     hostfile_text,
+    job_nodes,
     world_argv,
     world_env,
 )
@@ -24,11 +27,14 @@ from pearl_hpc.comm.layout import (
     ENGINE,
     MASTER,
     TRAINER,
+    NodeGroup,
     base_layout,
     cpu_threads,
     domain_group,
     domain_of,
     domains_of,
+    gpus_per_node,
+    node_groups,
     ranks_per_node,
     world_of,
 )
@@ -92,8 +98,18 @@ def test_pearl_32_gpu_layout_places_every_rank() -> None:
     # each rank's share of its node's CPUs (104 a node): 8 on the first, 52 on the last
     assert [cpu_threads(layout, r, 104) for r in (0, 13, 26)] == [8, 8, 52]
     assert cpu_threads(layout, 0, 2) == 1  # fewer CPUs than ranks: one thread each
-    job = base_job_spec(cfg, Path("R")).components[0]
-    assert (job.nodes, job.ntasks_per_node, job.gpus_per_node) == (3, 13, 8)
+    # the base job: the training nodes whole, the rollout node its 4 GPUs and their share
+    # of its memory (a heterogeneous job: the node's other 4 GPUs stay free)
+    assert gpus_per_node(layout) == [8, 8, 4]
+    assert node_groups(layout) == [NodeGroup(0, 2, 8, 13), NodeGroup(2, 1, 4, 2)]
+    training, rollout = base_job_spec(cfg, Path("R")).components
+    assert (training.nodes, training.ntasks_per_node, training.gpus_per_node) == (2, 13, 8)
+    assert (rollout.nodes, rollout.ntasks_per_node, rollout.gpus_per_node) == (1, 2, 4)
+    assert "--exclusive" in training.extra and "--mem=0" in training.extra
+    assert "--exclusive" not in rollout.extra and "--mem=976562M" in rollout.extra
+    assert het_groups(cfg) == [0, 0, 1]
+    (one,) = base_job_spec(cfg, Path("R"), uniform=True).components  # submitit's
+    assert (one.nodes, one.ntasks_per_node, one.gpus_per_node) == (3, 13, 8)
     # ranks numbered node by node: the hostfile gives each rank its node
     assert [r.node for r in layout] == sorted(r.node for r in layout)
     # the world (the master) is a one-task srun step on the first node; Slurm's pmi2
@@ -156,6 +172,51 @@ def test_a_bad_layout_in_a_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert len(proc.stderr.strip().splitlines()) == 1 and "training_nodes" in proc.stderr
 
 
+def test_a_heterogeneous_base_job_is_read_and_its_steps_name_their_component(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In the batch job Slurm lists each component's nodes apart (SLURM_JOB_NODELIST is
+    the first's only); a step on a node of a later component names it (--het-group)."""
+    cfg = load_run_config(PEARL_32, need_slurm=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_HET_SIZE", "2")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[1-2]")
+    monkeypatch.setenv("SLURM_JOB_NODELIST_HET_GROUP_0", "gpu[1-2]")
+    monkeypatch.setenv("SLURM_JOB_NODELIST_HET_GROUP_1", "gpu7")
+    nodes, groups = job_nodes(cfg)
+    assert (nodes, groups) == (["gpu1", "gpu2", "gpu7"], [0, 0, 1])
+    domains = domains_of(base_layout(cfg.workers, cfg.layout))
+    steps = {
+        d.ranks[0].node: domain_argv(cfg, Path("R"), "M", d, 0, nodes=nodes, groups=groups)
+        for d in domains[1:]
+    }
+    assert "--het-group=1" in steps[2] and "--nodelist=gpu7" in steps[2]
+    assert not any(a.startswith("--het-group") for a in steps[0] + steps[1])
+    monkeypatch.setenv("SLURM_HET_SIZE", "1")  # a job of another shape: one line
+    with pytest.raises(ConfigError, match="3 nodes in 2 component"):
+        job_nodes(cfg)
+
+
+def test_a_node_used_in_part_asks_its_share_or_is_refused() -> None:
+    """A training node used in part stays in the trainer ranks' component (their one
+    step), asking the most any training node uses; a node used in part where the site
+    asks whole nodes needs the nodes' memory to ask its share; a node no rank would
+    run on is refused."""
+    workers = WorkersConfig(training_gpus=12, reserved_rollout=2, overlap=0)
+    layout = LayoutConfig(gpus_per_node=8, gpus_per_worker=2, training_nodes=2, rollout_nodes=1)
+    ranks = base_layout(workers, layout)
+    assert gpus_per_node(ranks) == [8, 4, 4]
+    assert node_groups(ranks) == [NodeGroup(0, 2, 8, 9), NodeGroup(2, 1, 4, 2)]
+    cfg = load_run_config(PEARL_32, need_slurm=False)  # slurm.mem 0, slurm.exclusive
+    cfg = replace(cfg, layout=replace(cfg.layout, host_memory_gb=0.0))
+    with pytest.raises(ConfigError, match=r"layout\.host_memory_gb: node 2 of the base job uses 4"):
+        base_job_spec(cfg, Path("R"))
+    idle = LayoutConfig(gpus_per_node=8, training_nodes=3)
+    assert "layout.training_nodes (3): its 16 GPUs fill 2 node(s)" in layout_problem(
+        WorkersConfig(training_gpus=16), idle
+    )
+
+
 def test_dry_run_of_pearl_32gpu_matches_the_golden_file() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "pearl_hpc.cli", "run", "configs/runs/pearl-32gpu.yaml",
@@ -168,14 +229,18 @@ def test_dry_run_of_pearl_32gpu_matches_the_golden_file() -> None:
         "  pearl-hpc run configs/runs/pearl-32gpu.yaml --dry-run --offline > " + str(GOLDEN)
     )
     # what the golden file says, spelled out
-    assert "#SBATCH --nodes=3\n#SBATCH --ntasks-per-node=13" in proc.stdout
+    assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=13" in proc.stdout
+    rollout = proc.stdout.split("#SBATCH hetjob\n")[1].split("set -euo")[0]  # the base job's
+    assert "--nodes=1\n" in rollout and "--gres=gpu:h800:4\n" in rollout
+    assert "--mem=976562M" in rollout and "--exclusive" not in rollout
+    assert "--het-group=1 --overlap --nodes=1 --nodelist=NODE2" in proc.stdout
     assert "#SBATCH --partition=preemptible" in proc.stdout and "--gres=gpu:h800:2" in proc.stdout
     # the cluster's site section, on the base job and the elastic one
     for line in ("#SBATCH --account=pearl", "#SBATCH --gres=gpu:h800:8", "--mpi=pmix",
                  "module load cuda/12.4", "export NCCL_SOCKET_IFNAME=ib0",
                  "export GLOO_SOCKET_IFNAME=ib0"):  # fmt: skip
         assert line in proc.stdout
-    assert "#SBATCH hetjob" not in proc.stdout  # request: single
+    assert proc.stdout.count("#SBATCH hetjob") == 1  # the base job's; the request: single
     assert "target 5P5D" in proc.stdout
     assert "elastic workers worth requesting: 1 of at most 6" in proc.stdout
     # the memory plan: every GPU under its memory

@@ -45,9 +45,10 @@ from typing import Any
 
 from pearl_hpc.comm.layout import (
     Domain,
+    NodeGroup,
     RankSpec,
     base_layout,
-    ranks_per_node,
+    node_groups,
     trainers_of,
 )
 from pearl_hpc.comm.mpiexec import die_with_parent, gforker_path, one_node
@@ -105,6 +106,7 @@ def domain_argv(
     *,
     resume: bool = False,
     nodes: Sequence[str] = (),
+    groups: Sequence[int] = (),
     launcher: str = "",
     python: str = sys.executable,
 ) -> list[str]:
@@ -112,7 +114,9 @@ def domain_argv(
     kind of launcher, beside the world: the trainer ranks (``resume``: from the newest
     checkpoint; over several nodes one ``srun --overlap`` step placed by the hostfile),
     or one engine rank (over several nodes an ``srun --overlap`` step of one task on its
-    node; ``nodes``: the job's node names)."""
+    node; ``nodes``: the job's node names; ``groups``: each node's component of a
+    heterogeneous base job, whose steps name any but the first -- the master's and the
+    trainer ranks' nodes are in it)."""
     head = [_python(cfg, python), "-m", "pearl_hpc.rank"]
     tail = ["--run-dir", str(run_dir), "--model-dir", model_dir, "--attempt", str(attempt)]
     if domain.vital:  # the trainer ranks
@@ -123,7 +127,8 @@ def domain_argv(
     (spec,) = domain.ranks
     rank = [*head, "engine", *tail, "--rank", str(spec.rank)]
     node = nodes[spec.node] if nodes else f"NODE{spec.node}"
-    step = ["--overlap", "--nodes=1", f"--nodelist={node}", "--distribution=block"]
+    het = [f"--het-group={groups[spec.node]}"] if groups and groups[spec.node] else []
+    step = [*het, "--overlap", "--nodes=1", f"--nodelist={node}", "--distribution=block"]
     return _launched(cfg, rank, 1, launcher, step, overlap=True)
 
 
@@ -203,36 +208,36 @@ def world_env(cfg: RunConfig, run_dir: Path, *, in_step: bool = False) -> dict[s
     return {**env, **({"SLURM_OVERLAP": "1"} if in_step and step else {})}
 
 
-def base_job_spec(cfg: RunConfig, run_dir: Path, python: str = "") -> JobSpec:
+def base_job_spec(
+    cfg: RunConfig, run_dir: Path, python: str = "", *, uniform: bool = False
+) -> JobSpec:
     """The base job (pure): the run's site options (``slurm:``); the layout's nodes --
-    several: enough tasks on each for the busiest node's ranks, all their GPUs; one: one
-    task with every rank's CPUs and the GPUs the ranks use; the warning signal. Its step
-    runs the world in ``run_dir`` (``pearl-hpc run --resume``: started there, or resumed
-    from its journal; ``python``: in place of ``slurm.python``, for a description). Pure
-    but for reading a site's template (``slurm.template``)."""
+    several: a component for each run of nodes that use as many GPUs
+    (:func:`~pearl_hpc.comm.layout.node_groups`: their GPUs, enough tasks for the busiest
+    node's ranks; ``uniform``: one component of the widest node's shape, for submitit,
+    which submits one); one: one task with every rank's CPUs and the GPUs the ranks use
+    -- and the warning signal. Its step runs the world in ``run_dir`` (``pearl-hpc run
+    --resume``: started there, or resumed from its journal; ``python``: in place of
+    ``slurm.python``, for a description). Pure but for reading a site's template
+    (``slurm.template``)."""
     layout = base_layout(cfg.workers, cfg.layout)
     s = cfg.slurm
     python = python or s.python or sys.executable
-    if multi_node(cfg):
-        nodes, tasks, cpus = cfg.layout.nodes, max(ranks_per_node(layout)), cfg.layout.cpus_per_rank
-        gpus = cfg.layout.gpus_per_node
-    else:
-        nodes, tasks, cpus = 1, 1, len(layout) * cfg.layout.cpus_per_rank
+    cpus = cfg.layout.cpus_per_rank
+    if not multi_node(cfg):
         gpus = len({d for r in layout for d in r.devices})
-    component = HetComponent(
-        partition=s.partition,
-        nodes=nodes,
-        gpus_per_node=gpus,
-        ntasks_per_node=tasks,
-        cpus_per_task=cpus,
-        time_limit=s.time,
-        extra=(*(["--exclusive"] if s.exclusive else []), *site_options(s)),
-        site=s,
-    )
+        groups = [NodeGroup(0, 1, gpus, 1)]
+        cpus *= len(layout)
+    elif uniform:
+        groups = node_groups(layout)
+        widest = max(g.gpus for g in groups), max(g.tasks for g in groups)
+        groups = [NodeGroup(0, cfg.layout.nodes, *widest)]
+    else:
+        groups = node_groups(layout)
     return JobSpec(
         name=cfg.name,
         run_tag="",
-        components=(component,),
+        components=tuple(_base_component(cfg, g, cpus) for g in groups),
         command=[python, "-m", "pearl_hpc.cli", "run", "--resume", str(run_dir)],
         signal=f"B:USR2@{s.signal_lead_s}",
         output=str(run_dir / "batch-%j.out"),
@@ -242,30 +247,82 @@ def base_job_spec(cfg: RunConfig, run_dir: Path, python: str = "") -> JobSpec:
     )
 
 
+def _base_component(cfg: RunConfig, group: NodeGroup, cpus: int) -> HetComponent:
+    """The base job's component for ``group``'s nodes (pure). A node whose ranks use all
+    its GPUs takes the site's options as they are; one used in part asks only its GPUs,
+    never ``--exclusive``, and -- where the site asks whole nodes (``slurm.mem`` 0, or
+    ``slurm.exclusive`` without a memory) -- its GPUs' share of ``layout.host_memory_gb``
+    (the rest of the node stays free for other jobs, the run's elastic workers too)."""
+    s, gpn = cfg.slurm, cfg.layout.gpus_per_node
+    whole = group.gpus >= gpn
+    mem = None  # the site's
+    if not whole and (s.mem == "0" or (s.exclusive and not s.mem and not s.mem_per_gpu)):
+        if not cfg.layout.host_memory_gb:
+            raise ConfigError(
+                f"layout.host_memory_gb: node {group.first} of the base job uses {group.gpus} "
+                f"of its {gpn} GPUs and the site asks whole nodes (slurm.mem 0 or "
+                "slurm.exclusive): give the nodes' memory (GB) so it asks its share, or set "
+                "slurm.mem_per_gpu in place of slurm.mem"
+            )
+        mem = f"{int(cfg.layout.host_memory_gb * 1e9 / 2**20 * group.gpus / gpn)}M"  # MiB
+    return HetComponent(
+        partition=s.partition,
+        nodes=group.nodes,
+        gpus_per_node=group.gpus,
+        ntasks_per_node=group.tasks,
+        cpus_per_task=cpus,
+        time_limit=s.time,
+        extra=(*(["--exclusive"] if s.exclusive and whole else []), *site_options(s, mem=mem)),
+        site=s,
+    )
+
+
+def het_groups(cfg: RunConfig) -> list[int]:
+    """Each node's component of the base job ``pearl-hpc run --sbatch`` submits (pure;
+    empty: a job of one component)."""
+    groups = node_groups(base_layout(cfg.workers, cfg.layout)) if multi_node(cfg) else []
+    if len(groups) < 2:
+        return []
+    return [i for i, g in enumerate(groups) for _ in range(g.nodes)]
+
+
 def hostfile_text(layout: list[RankSpec], nodes: list[str]) -> str:
     """Slurm's hostfile of the trainer ranks' step (pure): each one's node, a line a
     rank, in their rank order."""
     return "".join(f"{nodes[r.node]}\n" for r in trainers_of(layout))
 
 
-def job_nodes(cfg: RunConfig) -> list[str]:
-    """The allocation's nodes, in order; a job without enough nodes is one clear error
-    naming how to submit it."""
+def job_nodes(cfg: RunConfig) -> tuple[list[str], list[int]]:
+    """The allocation's nodes, in order, and each one's component where the job is
+    heterogeneous (empty: it is not); a job without enough nodes, or of other
+    components than the layout's, is one clear error naming how to submit it."""
     from pearl_hpc.slurm.parse import expand_hostlist
 
-    nodes = expand_hostlist(os.environ.get("SLURM_JOB_NODELIST", ""))
-    if "SLURM_JOB_ID" not in os.environ or len(nodes) < cfg.layout.nodes:
+    env = os.environ
+    size = int(env.get("SLURM_HET_SIZE", "0") or 0)
+    if size:
+        lists = [env.get(f"SLURM_JOB_NODELIST_HET_GROUP_{i}", "") for i in range(size)]
+        nodes = [n for hosts in lists for n in expand_hostlist(hosts)]
+        groups = het_groups(cfg)
+        if len(set(groups)) != size or len(nodes) != len(groups):
+            raise ConfigError(
+                f"layout: {cfg.layout.nodes} nodes in {len(set(groups)) or 1} component(s), but "
+                f"this job has {len(nodes)} in {size}; submit it as pearl-hpc run CONFIG --sbatch"
+            )
+        return nodes, groups
+    nodes = expand_hostlist(env.get("SLURM_JOB_NODELIST", ""))
+    if "SLURM_JOB_ID" not in env or len(nodes) < cfg.layout.nodes:
         raise ConfigError(
             f"layout: {cfg.layout.nodes} nodes, but this is "
-            + (f"a job of {len(nodes)}" if "SLURM_JOB_ID" in os.environ else "not a Slurm job")
+            + (f"a job of {len(nodes)}" if "SLURM_JOB_ID" in env else "not a Slurm job")
             + "; submit the run as its batch job: pearl-hpc run CONFIG --sbatch"
         )
-    return nodes
+    return nodes, []
 
 
 def _write_hostfile(cfg: RunConfig, run_dir: Path) -> Path:
     path = RunDir(run_dir).hostfile
-    path.write_text(hostfile_text(base_layout(cfg.workers, cfg.layout), job_nodes(cfg)))
+    path.write_text(hostfile_text(base_layout(cfg.workers, cfg.layout), job_nodes(cfg)[0]))
     return path
 
 
@@ -425,7 +482,7 @@ def _one_world(
     status."""
     model_dir = prepare_run(cfg, run_dir, resume=resume)
     launcher = launcher_path(cfg)
-    nodes = job_nodes(cfg) if multi_node(cfg) else []
+    nodes, groups = job_nodes(cfg) if multi_node(cfg) else ([], [])
     argv = world_argv(
         cfg, run_dir, model_dir, resume=resume, live=live, launcher=launcher,
         node=nodes[0] if nodes else "",
@@ -434,7 +491,7 @@ def _one_world(
     started(world)
     return _beside_domains(
         cfg, run_dir, model_dir, world, env, launcher=launcher, resume=resume, nodes=nodes,
-        output=popen.get("stdout"),
+        groups=groups, output=popen.get("stdout"),
     )  # fmt: skip
 
 
@@ -448,19 +505,21 @@ def _beside_domains(
     launcher: str,
     resume: bool,
     nodes: list[str],
+    groups: list[int],
     output: Any = None,
 ) -> int:
     """Wait for ``world`` to end, the failure domains' launches (the trainer ranks,
     each engine rank) started beside it and kept (:class:`~.domains.Domains`), then
     ended; the world's exit status (a first launch that failed before joining, or a
-    vital domain given up, ends the world). ``nodes``: the job's (several nodes)."""
+    vital domain given up, ends the world). ``nodes``: the job's (several nodes), and
+    ``groups`` their components (:func:`job_nodes`)."""
     from pearl_hpc.backends.domains import Domains, say
 
     def argv(domain: Domain, attempt: int) -> list[str]:
         again = resume or attempt > 0  # a relaunch continues from the newest checkpoint
         return domain_argv(
             cfg, run_dir, model_dir, domain, attempt, resume=again, nodes=nodes,
-            launcher=launcher,
+            groups=groups, launcher=launcher,
         )  # fmt: skip
 
     domains = Domains(cfg, run_dir, argv, env=env, output=output, child=_world_child)

@@ -70,6 +70,7 @@ def dry_run(
     from pearl_hpc.backends.world import (
         base_job_spec,
         domain_argv,
+        het_groups,
         multi_node,
         world_argv,
         world_env,
@@ -89,10 +90,11 @@ def dry_run(
     argv = world_argv(cfg, RUN_DIR, "MODEL_DIR", node=node, python="python3")
     env = [f"{k}='{v}'" for k, v in world_env(cfg, RUN_DIR).items()]
     out.append(" ".join([*env, *argv]))
-    domains = domains_of(layout)
+    domains, groups = domains_of(layout), het_groups(cfg)
     out += ["", "## the failure domains beside it (each started again if it dies)"]
-    for domain in domains[:2]:
-        argv = domain_argv(cfg, RUN_DIR, "MODEL_DIR", domain, 0, python="python3")
+    later = [d for d in domains[2:] if groups and groups[d.ranks[0].node]][:1]
+    for domain in [*domains[:2], *later]:  # (and an engine rank of a later component)
+        argv = domain_argv(cfg, RUN_DIR, "MODEL_DIR", domain, 0, groups=groups, python="python3")
         out.append(" ".join(argv))
     if multi_node(cfg):
         counts = enumerate(ranks_per_node(list(domains[0].ranks)))

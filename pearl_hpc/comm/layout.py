@@ -126,6 +126,42 @@ def ranks_per_node(layout: list[RankSpec]) -> list[int]:
     return counts
 
 
+def gpus_per_node(layout: list[RankSpec]) -> list[int]:
+    """How many GPUs each node of the base job has its ranks use (pure): its highest
+    device number, plus one (devices are numbered from 0 on every node)."""
+    used = [0] * (1 + max(r.node for r in layout))
+    for r in layout:
+        used[r.node] = max([used[r.node], *(d + 1 for d in r.devices)])
+    return used
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    """Consecutive nodes of the base job asked for alike: one component of its
+    (heterogeneous) batch job."""
+
+    first: int  # its first node's index
+    nodes: int
+    gpus: int  # GPUs a node
+    tasks: int  # ranks a node (the busiest of its nodes)
+
+
+def node_groups(layout: list[RankSpec]) -> list[NodeGroup]:
+    """The base job's components (pure): runs of consecutive nodes that use as many GPUs,
+    the trainer ranks' nodes all in the first (one ``srun`` step holds them: a node they
+    use in part asks the most any of them uses)."""
+    used, tasks = gpus_per_node(layout), ranks_per_node(layout)
+    training = 1 + max(r.node for r in trainers_of(layout))
+    spans = [(0, training, max(used[:training]))]
+    for node in range(training, len(used)):
+        first, count, gpus = spans[-1]
+        if gpus == used[node]:
+            spans[-1] = (first, count + 1, gpus)
+        else:
+            spans.append((node, 1, used[node]))
+    return [NodeGroup(f, n, g, max(tasks[f : f + n])) for f, n, g in spans]
+
+
 def cpu_threads(layout: list[RankSpec], rank: int, cpus: int) -> int:
     """A rank's share of its node's ``cpus`` (its compute threads; pure): the node's CPUs
     split evenly among the node's ranks, at least one."""

@@ -101,6 +101,12 @@ class LayoutConfig:
         default=80.0,
         gt=0,
     )
+    host_memory_gb: float = spec_field(
+        "memory of one node, GB (a node the layout uses in part asks its GPUs' share of it "
+        "where the site asks whole nodes: slurm.mem 0 or slurm.exclusive; 0: not given)",
+        default=0.0,
+        ge=0,
+    )
 
     @property
     def nodes(self) -> int:
@@ -694,4 +700,14 @@ def layout_problem(workers: WorkersConfig, layout: LayoutConfig) -> str:
             f"workers.reserved_rollout ({workers.reserved_rollout}) x layout.gpus_per_worker "
             f"({gpw}) GPUs do not fit {where} GPUs ({free}); add rollout nodes"
         )
+    for key, gpus in (
+        ("training_nodes", workers.training_gpus),
+        ("rollout_nodes", workers.reserved_rollout * gpw if layout.rollout_nodes else 0),
+    ):
+        need = -(-gpus // gpn)
+        if getattr(layout, key) > need:
+            return (
+                f"layout.{key} ({getattr(layout, key)}): its {gpus} GPUs fill {need} node(s) "
+                f"of {gpn}; the job would hold a node no rank runs on: ask {need}"
+            )
     return ""

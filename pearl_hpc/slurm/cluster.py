@@ -107,11 +107,11 @@ def _fit(key: str, what: str, asked: int, have: int, where: str) -> tuple[str, s
 
 
 def base_problems(cfg: RunConfig, groups: list[NodeGroup], job: JobSpec) -> list[tuple[str, str]]:
-    """The base job (``job``: its nodes, GPUs and CPUs a node) against its partition."""
-    s = cfg.slurm
-    shape = job.components[0]
-    nodes, gpus = shape.nodes, shape.gpus_per_node
-    cpus = shape.ntasks_per_node * shape.cpus_per_task
+    """The base job (``job``: its components' nodes, GPUs and CPUs a node; the node
+    memory the layout names) against its partition."""
+    s, parts = cfg.slurm, job.components
+    nodes, gpus = sum(c.nodes for c in parts), max(c.gpus_per_node for c in parts)
+    cpus = max(c.ntasks_per_node * c.cpus_per_task for c in parts)
     mine = _partition(groups, s.partition)
     if not mine:
         if s.partition:
@@ -134,6 +134,11 @@ def base_problems(cfg: RunConfig, groups: list[NodeGroup], job: JobSpec) -> list
             where,
         ),
     ]
+    memory = max(g.memory_mb for g in typed)
+    if memory and cfg.layout.host_memory_gb * 1e9 / 2**20 > memory:  # (Slurm's MB: MiB)
+        out.append(("layout.host_memory_gb", f"layout.host_memory_gb: "
+                    f"{cfg.layout.host_memory_gb:g} GB, but the nodes of {where} have "
+                    f"{memory} MB; lower it"))  # fmt: skip
     if nodes > sum(g.nodes for g in typed):
         have = sum(g.nodes for g in typed)
         out.append(("layout", f"layout: {nodes} nodes, but {where} has {have}; fewer nodes"))
