@@ -88,12 +88,19 @@ def test_trained_weights_reach_engines_and_match_the_trainer(setup, chat, tiny_m
     assert after.token_ids != before.token_ids
     assert after.token_ids == _hf_greedy(trainer.model, prompt, len(after.token_ids))
 
-    # A worker outside the broadcast group catches up point to point when it activates.
+    # A worker outside the broadcast group catches up when it activates: it maps the
+    # version w0 (its node's) received into shared memory; nothing crosses the network
     fleet.run(late.activate(Role.COLOCATED))
     assert fleet.run(late.stats()).weight_version == 0
+    sent = sync._p2p
     fleet.run(sync.catch_up("late", late))
     assert fleet.run(late.stats()).weight_version == 1
     assert sync.versions.stale() == []
+    assert sync.timings[-1][:2] == ("neighbour", 1) and sync._p2p == sent
+    caught = [t for t in fleet.run(late.stats()).timings if t.op == "weights"][-1]
+    assert caught.detail["source"] == "shm" and caught.detail["version"] == 1
+    share = fleet.run(w0.weights_share())
+    assert share["version"] == 1 and Path(share["path"]).exists()
     # caught up again (a re-activation within the version): nothing is sent
     loads = len([t for t in fleet.run(late.stats()).timings if t.op == "weights"])
     fleet.run(sync.catch_up("late", late))

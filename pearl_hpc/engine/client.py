@@ -125,6 +125,10 @@ class EngineClient:
         timing: Timing = await self._rpc.call("map_weights", Timing, path=path, header=header)
         return timing
 
+    async def weights_share(self) -> dict[str, Any]:
+        share: dict[str, Any] = await self._rpc.call("weights_share", dict[str, Any])
+        return share
+
     async def stats(self) -> WorkerStats:
         stats: WorkerStats = await self._rpc.call("stats", WorkerStats)
         return stats

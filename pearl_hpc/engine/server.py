@@ -95,6 +95,11 @@ class EngineWorker:
         self._weight_groups: dict[str, tuple[Any, Any]] = {}  # name -> (group, its store)
         self.key = ""  # the run's key: the trainer's store asks for it
         self.served = 0  # turns completed since the last activate (what a borrow bought)
+        # versions received over the network, in shared memory for this node's other
+        # engines to map (made at the first; None where there is no /dev/shm), and the
+        # one of them this engine holds: {"version", "path", "header"}
+        self._store: Any = None
+        self._shared: dict[str, Any] | None = None
 
     @property
     def _tp(self) -> int:
@@ -315,7 +320,6 @@ class EngineWorker:
         wire.digest`, sent over this authenticated RPC): else :class:`WeightsRefused`, and
         the engine serves the version it held."""
         from pearl_hpc.engine.weightfile import receive_into_file
-        from pearl_hpc.weights.group import receive_weights
         from pearl_hpc.weights.wire import digest as digest_of
 
         wg = self._weight_groups.get(group, (None,))[0]
@@ -325,25 +329,54 @@ class EngineWorker:
                 f"(joined: {sorted(self._weight_groups)})"
             )
         t0 = time.perf_counter()
+        store = self._weights_store()
         # off the engine thread: a broadcast whose source gave up (a member died) blocks
         # this thread until the group's timeout, never the engine or the next sync
-        if self._tp > 1:  # its workers load from a file: received straight into one
-            version, named, recv_s, file = await asyncio.to_thread(
-                receive_into_file, wg, 0, p2p=p2p
-            )
-        else:
-            version, named, recv_s = await asyncio.to_thread(receive_weights, wg, 0, p2p=p2p)
-            file = None
+        version, named, recv_s, file, shared = await asyncio.to_thread(
+            receive_into_file, wg, 0, p2p=p2p, store=store
+        )
         if await asyncio.to_thread(digest_of, named) != digest:
-            if file is not None:
-                file.close()
+            file.close()
+            if shared is not None:
+                store.unlink(version)
             held = self.runner.weight_version
             raise WeightsRefused(
                 f"weights v{version} over {group!r} do not match the trainer's digest "
                 f"(tampered in transit): not loaded, still serving v{held}"
             )
-        load = await self._wait(self.runner.load_weights(named, version, recv_s, file))
+        if self._tp == 1:  # one worker loads the views (they keep the mapping)
+            file.close()
+        kept = file if self._tp > 1 else None
+        load = await self._wait(self.runner.load_weights(named, version, recv_s, kept))
+        if shared is not None:  # the node's other engines may map it now; older ones go
+            self._shared = {"version": version, **shared}
+            store.unlink_before(version)
         return self._load_timing(t0, load, "p2p" if p2p else "broadcast")
+
+    def _weights_store(self) -> Any:
+        """This engine's directory in shared memory (made at the first version received
+        over the network; None where the node has no /dev/shm)."""
+        from pearl_hpc.weights.shm import SharedStore
+
+        if self._store is None:
+            name = "".join(c if c.isalnum() else "-" for c in self.runner.worker_id)
+            self._store = SharedStore.create(f"engine-{name}") or False
+        return self._store or None
+
+    async def weights_share(self) -> dict[str, Any]:
+        """What another engine of this node needs to map the version this one holds from
+        its shared memory: the store's probe (path, token), the file's path and header,
+        the version, this host's name; ``{"host": ...}`` alone where it holds none there."""
+        shared, host = self._shared, socket.gethostname()
+        store = self._store or None
+        if shared is None or store is None or shared["version"] != self.runner.weight_version:
+            return {"host": host}
+        return {"host": host, "probe": list(store.probe), **shared}
+
+    def close_store(self) -> None:
+        """Remove this engine's shared files (engines that mapped one keep it)."""
+        if self._store:
+            self._store.close()
 
     async def shares_memory(self, path: str, token: str) -> bool:
         """Whether the trainer's probe file is here with its token (this engine then maps
@@ -413,6 +446,7 @@ class EngineWorker:
             "receive_weights",
             "shares_memory",
             "map_weights",
+            "weights_share",
             "stats",
             "telemetry",
         ]
@@ -467,6 +501,7 @@ class EngineService:
         with contextlib.suppress(Exception):
             await self.worker.drain()
         await asyncio.to_thread(self.runner.close)
+        self.worker.close_store()
 
 
 def write_ready(path: str | Path, ready: dict[str, Any]) -> None:

@@ -3,17 +3,20 @@ version reaches them as a path and a header instead of pickled tensors.
 
     engine process (EngineRunner)                      each TP worker (vLLM mp executor)
     ─────────────────────────────                      ─────────────────────────────────
-    a version arrives: mapped from the trainer's
-      shared file (held open), or received over the
-      network straight into an anonymous memfd
-      (bytes: copied into one), off the engine thread
+    a version arrives: mapped from the trainer's (or
+      a neighbour engine's) shared file (held open),
+      or received over the network straight into a
+      file of its own in /dev/shm (the node's other
+      engines may map it) or, without room there, an
+      anonymous memfd (bytes: copied into one), off
+      the engine thread
     collective_rpc("pearl_load_weights",
         (/proc/<pid>/fd/<fd>, header))  ──path──▶     map the file (read on demand);
                                                        reload_weights from the views: each
                                                        rank's loader reads only its shard
 
 With one worker (the ``uni`` executor, in the engine's own process) the tensors go to
-``reload_weights`` directly and no file is made. The file stays open for as long as the
+``reload_weights`` directly (views of the file, which stays mapped while they live). The file stays open for as long as the
 version is the engine's host copy: a restarted engine (role change, wake) re-applies it
 from the same path, even after the trainer removed its name.
 """
@@ -26,7 +29,7 @@ from typing import Any
 
 import torch
 
-from pearl_hpc.weights.shm import ONE_BUCKET, map_version
+from pearl_hpc.weights.shm import ONE_BUCKET, SharedStore, map_version
 from pearl_hpc.weights.wire import WeightsHeader, describe, unpack
 
 LOAD_METHOD = "pearl_load_weights"  # the worker extension's method (collective_rpc)
@@ -98,16 +101,26 @@ def _fd_path(fd: int) -> str:
 
 
 def receive_into_file(
-    group: Any, src: int = 0, *, p2p: bool = False
-) -> tuple[int, list[tuple[str, torch.Tensor]], float, WeightFile]:
+    group: Any, src: int = 0, *, p2p: bool = False, store: SharedStore | None = None
+) -> tuple[int, list[tuple[str, torch.Tensor]], float, WeightFile, dict[str, Any] | None]:
     """A version from the trainer over ``group`` straight into a new file, bucket by
-    bucket (what :func:`~pearl_hpc.weights.group.receive_weights` does into private
-    memory): the version, views of the file, the seconds waiting on the network, the
-    file."""
+    bucket: in ``store`` (the engine's directory in shared memory, where the other
+    engines of its node can map it) when it has room, else an anonymous one. Returns the
+    version, views of the file, the seconds waiting on the network, the file, and -- in
+    ``store`` -- its path and header (as :func:`~pearl_hpc.weights.shm.map_version`
+    takes them)."""
     from pearl_hpc.weights.group import WeightStream
 
     stream = WeightStream(group, src, p2p=p2p)
-    file, views = WeightFile.allocate(stream.header)
+    made = store.allocate(stream.header) if store is not None else None
+    shared = None
+    if made is None:
+        file, views = WeightFile.allocate(stream.header)
+    else:
+        path, whole, views = made
+        header = whole.to_dict()
+        shared = {"path": path, "header": header}
+        file = WeightFile.of_mapping(path, header)
     try:
         into = dict(views)
         for name, tensor in stream:
@@ -115,8 +128,10 @@ def receive_into_file(
         stream.finish()
     except BaseException:
         file.close()
+        if store is not None and shared is not None:
+            store.unlink(stream.version)
         raise
-    return stream.version, views, stream.recv_s, file
+    return stream.version, views, stream.recv_s, file, shared
 
 
 def file_for(

@@ -94,6 +94,10 @@ class WeightSync:
         self.timings: list[tuple[str, int, float]] = []  # (how, version, seconds)
         self._group: WeightGroup | None = None
         self._epoch = 0
+        # engines that hold versions received over the network (their node's others map
+        # them: catch_up), and one catch-up at a time on each node (host name)
+        self._engines: dict[str, EngineClient] = {}
+        self._node_locks: dict[str, asyncio.Lock] = {}
         self._p2p = 0
         # client -> whether its engine sees this store's shared memory (asked once)
         self._shares: weakref.WeakKeyDictionary[EngineClient, bool] = weakref.WeakKeyDictionary()
@@ -178,9 +182,11 @@ class WeightSync:
                 if n not in self.nearby
             ]
         await self._all_or_lost([asyncio.ensure_future(s) for s in sends], self.members)
-        for wid in self.members:
+        for wid, client in self.members.items():
             if wid not in refused:
                 self.versions.loaded(wid, staged.version)
+            if wid not in self.nearby:
+                self._engines[wid] = client
         if self.shared is not None:  # every member holds it: older files can go
             self.shared.unlink_before(staged.version)
         wall_s = time.perf_counter() - t0
@@ -206,6 +212,8 @@ class WeightSync:
         self.members = {}  # the next publish forms a new epoch
         alive = await asyncio.gather(*[_answers(c) for c in members.values()])
         dead = [name for name, ok in zip(members, alive, strict=True) if not ok]
+        for name in dead:
+            self._engines.pop(name, None)
         if dead:
             raise MembersLost(dead, failed)
         raise failed
@@ -257,9 +265,10 @@ class WeightSync:
 
     async def catch_up(self, worker_id: str, client: EngineClient) -> float:
         """The latest version to a worker that missed broadcasts: mapped from shared
-        memory if it is on this node, else point to point; nothing to one that holds it
-        already (an engine re-activated, restarted or re-roled within a version keeps
-        its weights: 16.4 GB not sent again at 8B)."""
+        memory if it is on this node, else mapped from an engine of its own node that
+        received it (:meth:`_from_neighbour`), else point to point; nothing to one that
+        holds it already (an engine re-activated, restarted or re-roled within a version
+        keeps its weights: 16.4 GB not sent again at 8B)."""
         if self.latest is None:
             return 0.0
         staged = self.latest
@@ -268,14 +277,43 @@ class WeightSync:
             self.versions.loaded(worker_id, staged.version)
             self.timings.append(("held", staged.version, 0.0))
             return 0.0
+        how = "p2p"
         if await self._sees_shared(client):
             await self._deliver_nearby(worker_id, client, staged)
         else:
-            await self._point_to_point(worker_id, client, staged, self.backend)
+            host = (await client.weights_share())["host"]
+            async with self._node_locks.setdefault(host, asyncio.Lock()):  # one sent a node
+                if await self._from_neighbour(worker_id, client, host, staged.version):
+                    how = "neighbour"
+                else:
+                    await self._point_to_point(worker_id, client, staged, self.backend)
+        self._engines[worker_id] = client
         self.versions.loaded(worker_id, staged.version)
         wall_s = time.perf_counter() - t0
-        self.timings.append(("p2p", staged.version, wall_s))
+        self.timings.append((how, staged.version, wall_s))
         return wall_s
+
+    async def _from_neighbour(
+        self, worker_id: str, client: EngineClient, host: str, version: int
+    ) -> bool:
+        """``client``'s engine maps ``version`` from an engine of its node that received
+        it over the network and keeps it in shared memory (its probe read back: the same
+        ``/dev/shm``); False where none does (or its file went: a newer version came)."""
+        for name, donor in list(self._engines.items()):
+            if name == worker_id or self.versions.version_of(name) != version:
+                continue
+            try:
+                share = await donor.weights_share()
+                if share["host"] != host or share.get("version") != version:
+                    continue
+                if not await client.shares_memory(*share["probe"]):
+                    continue
+                await client.map_weights(share["path"], share["header"])
+            except (EngineError, OSError) as exc:  # the donor left, or its file did
+                log.info("weights to %s from %s: %s; point to point instead", worker_id, name, exc)
+                continue
+            return True
+        return False
 
     def close(self) -> None:
         """Tear down the broadcast group and remove the shared files (engines that

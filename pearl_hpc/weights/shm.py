@@ -96,15 +96,33 @@ class SharedStore:
     ) -> Staged:
         """``state`` (host tensors) as the engines' copy of ``version``, written once into
         this version's file (floating tensors cast to ``dtype`` on the way, if given)."""
-        header = describe(_like(state, dtype), version, bucket_bytes=ONE_BUCKET)
-        path = self.directory / f"v{version:06d}"
-        if not _reserve(path, header.num_bytes):
+        made = self.allocate(describe(_like(state, dtype), version, bucket_bytes=ONE_BUCKET))
+        if made is None:
             return stage_private(state, version, dtype)
-        flat = torch.from_file(str(path), shared=True, size=header.num_bytes, dtype=torch.uint8)
-        views = dict(unpack(header, 0, flat))
+        path, header, named = made
+        views = dict(named)
         for name, view in views.items():
             view.copy_(state[name])  # the cast, straight into shared memory
-        return Staged(views, version, str(path), header.to_dict())
+        return Staged(views, version, path, header.to_dict())
+
+    def allocate(
+        self, layout: WeightsHeader
+    ) -> tuple[str, WeightsHeader, list[tuple[str, torch.Tensor]]] | None:
+        """The file of ``layout``'s version (its tensors as one bucket, in their order):
+        its path, that one-bucket header and the zeroed views to fill; None where the
+        tmpfs has no room (logged)."""
+        whole = WeightsHeader(
+            layout.version, layout.names, layout.shapes, layout.dtypes, (len(layout.names),)
+        )
+        path = self.directory / f"v{whole.version:06d}"
+        if not _reserve(path, whole.num_bytes):
+            return None
+        flat = torch.from_file(str(path), shared=True, size=whole.num_bytes, dtype=torch.uint8)
+        return str(path), whole, unpack(whole, 0, flat)
+
+    def unlink(self, version: int) -> None:
+        """Remove ``version``'s file (one that was refused)."""
+        (self.directory / f"v{version:06d}").unlink(missing_ok=True)
 
     def unlink_before(self, version: int) -> None:
         """Remove the files of versions older than ``version`` (engines that mapped one
