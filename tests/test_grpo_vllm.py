@@ -61,7 +61,9 @@ def _hf_greedy(model, prompt: tuple[int, ...], max_tokens: int) -> tuple[int, ..
     return tuple(int(t) for t in out[0, len(prompt) :])
 
 
-def test_trained_weights_reach_engines_and_match_the_trainer(setup, chat, tiny_model_dir):
+def test_trained_weights_reach_engines_and_match_the_trainer(
+    setup, chat, tiny_model_dir, monkeypatch
+):
     from pearl_hpc.train.grpo import GRPOConfig, GRPOTrainer
     from tests.grpo_loop import grpo_steps
 
@@ -113,9 +115,28 @@ def test_trained_weights_reach_engines_and_match_the_trainer(setup, chat, tiny_m
     fleet.run(late.set_role(Role.COLOCATED))
     restarted = fleet.run(late.generate(TurnRequest("restarted", prompt, 16)))
     assert restarted.weight_version == 1 and restarted.token_ids == after.token_ids
-    # the next epoch's broadcast group includes it
+    # the next epoch includes it: w0 (the first of their node) takes each version over
+    # the broadcast group, late maps it from w0's shared memory
     fleet.run(sync.form({"w0": w0, "late": late}))
-    fleet.run(sync.publish(sync.stage(trainer.state_dict(), 1)))
+    assert sync.leads == {"w0": ["late"]} and sync.mapped == 1
+    fleet.run(sync.publish(sync.stage(trainer.state_dict(), 2)))
+    for client, source in ((w0, "broadcast"), (late, "shm")):
+        load = [t for t in fleet.run(client.stats()).timings if t.op == "weights"][-1]
+        assert (load.detail["version"], load.detail["source"]) == (2, source)
+    assert sync.versions.stale() == []
+    again = fleet.run(late.generate(TurnRequest("again", prompt, 16)))
+    assert again.weight_version == 2 and again.token_ids == after.token_ids
+    # a follower that cannot map (its lead's file gone, say) gets it point to point
+    from pearl_hpc.engine.types import EngineError
+
+    async def gone(path, header):
+        raise EngineError(f"cannot open {path}")
+
+    monkeypatch.setattr(late, "map_weights", gone)
+    sent = sync._p2p
+    fleet.run(sync.publish(sync.stage(trainer.state_dict(), 3)))
+    assert sync._p2p == sent + 1 and fleet.run(late.stats()).weight_version == 3
+    monkeypatch.undo()
     fleet.run(late.release())  # at most one serving engine for the next test
     fleet.run(sync.form({"w0": w0}))
 

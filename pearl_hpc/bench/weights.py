@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from pearl_hpc.bench import record
+from pearl_hpc.core.weightcost import Links, sync_cost
 from pearl_hpc.engine.rpc import new_key
 from pearl_hpc.engine.store import KeyStore, StoreClient
 from pearl_hpc.weights.group import WeightGroup, send_weights
@@ -160,13 +161,57 @@ def format_table(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+AT_SCALE = (("Qwen3-8B", 8.19e9), ("Qwen3-30B-A3B", 30.5e9))  # parameters (bf16 on the wire)
+
+
+def at_scale_table(trainer_ranks: int = 16, tp: int = 2, links: Links | None = None) -> str:
+    """One version's stages for Qwen3-8B and Qwen3-30B-A3B by arithmetic
+    (:mod:`pearl_hpc.core.weightcost`), on PEARL's layout by default: 16 FSDP2 trainer
+    ranks over 2 nodes, TP2 engines on other nodes."""
+    links = links or Links()
+    costs = [(name, 2 * params, sync_cost(2 * params, trainer_ranks, tp, links))
+             for name, params in AT_SCALE]  # fmt: skip
+    rows = [
+        ("gather_s", "bf16 all-gather, every trainer rank"),
+        ("to_host_s", "trainer 0: device -> pinned host (overlaps it)"),
+        ("stage_s", "into the version's file in /dev/shm"),
+        ("digest_s", "SHA-256 on trainer 0"),
+        ("broadcast_s", "buckets: host -> device, NCCL, device -> /dev/shm"),
+        ("verify_s", "SHA-256 on each node's lead engine"),
+        ("load_s", "each engine reloads from its host copy"),
+        ("trainer_s", "= the trainer's part (before the step's ack)"),
+        ("publish_s", "= the publish (the engines generate meanwhile)"),
+        ("pause_s", "= what an engine pauses for"),
+        ("total_s", "= the step's last update to every engine serving it"),
+    ]
+    head = f"| stage ({trainer_ranks} trainer ranks, TP{tp} engines) | " + " | ".join(
+        f"{name} ({w / 1e9:.1f} GB)" for name, w, _ in costs
+    )
+    lines = [head + " |", "|---|" + "---:|" * len(costs)]
+    for key, what in rows:
+        cells = " | ".join(f"{getattr(c, key):.2f} s" for _, _, c in costs)
+        lines.append(f"| {what} | {cells} |")
+    rates = ", ".join(
+        f"{k} {v / 1e9:g} GB/s" for k, v in vars(links).items() if k != "hash_threads"
+    )
+    lines.append(f"\nrates: {rates}; SHA-256 on {links.hash_threads} threads")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pearl-hpc bench --weights", description=__doc__)
     parser.add_argument("--gib", type=float, default=1.0, help="bf16 size of the model")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--at-scale", action="store_true",
+        help="print one version's stages for Qwen3-8B and 30B-A3B by arithmetic, run nothing",
+    )  # fmt: skip
     record.add_argument(parser)
     args = parser.parse_args(argv)
+    if args.at_scale:
+        print(at_scale_table())
+        return 0
     out = _measure(args.gib, args.repeats)
     runs = out["runs"]
     g, s = (statistics.median(r["total_s"] for r in runs[p]) for p in ("gloo", "shm"))

@@ -48,7 +48,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.weights:
         from pearl_hpc.bench import weights
 
-        return weights.main(["--gib", str(args.gib), *out])
+        scale = ["--at-scale"] if args.at_scale else []
+        return weights.main(["--gib", str(args.gib), *scale, *out])
     if args.local:
         from pearl_hpc.bench import local_run
 
@@ -163,6 +164,11 @@ def _add_bench_options(bench: argparse.ArgumentParser) -> None:
     )
     bench.add_argument(
         "--gib", type=float, default=1.0, help="with --weights: bf16 size of the model"
+    )
+    bench.add_argument(
+        "--at-scale",
+        action="store_true",
+        help="with --weights: one version's stages at Qwen3-8B and 30B-A3B by arithmetic",
     )
     bench.add_argument(
         "--variants",

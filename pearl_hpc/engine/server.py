@@ -365,12 +365,13 @@ class EngineWorker:
 
     async def weights_share(self) -> dict[str, Any]:
         """What another engine of this node needs to map the version this one holds from
-        its shared memory: the store's probe (path, token), the file's path and header,
-        the version, this host's name; ``{"host": ...}`` alone where it holds none there."""
-        shared, host = self._shared, socket.gethostname()
-        store = self._store or None
-        if shared is None or store is None or shared["version"] != self.runner.weight_version:
+        its shared memory: this host's name, the store's probe (path, token), and -- where
+        it holds its version there -- the version, the file's path and header."""
+        shared, host, store = self._shared, socket.gethostname(), self._weights_store()
+        if store is None:
             return {"host": host}
+        if shared is None or shared["version"] != self.runner.weight_version:
+            return {"host": host, "probe": list(store.probe)}
         return {"host": host, "probe": list(store.probe), **shared}
 
     def close_store(self) -> None:

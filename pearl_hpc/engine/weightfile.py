@@ -16,9 +16,10 @@ version reaches them as a path and a header instead of pickled tensors.
                                                        rank's loader reads only its shard
 
 With one worker (the ``uni`` executor, in the engine's own process) the tensors go to
-``reload_weights`` directly (views of the file, which stays mapped while they live). The file stays open for as long as the
-version is the engine's host copy: a restarted engine (role change, wake) re-applies it
-from the same path, even after the trainer removed its name.
+``reload_weights`` directly (views of the file, which stays mapped while they live). The
+file stays open for as long as the version is the engine's host copy: a restarted engine
+(role change, wake) re-applies it from the same path, even after the trainer removed its
+name.
 """
 
 from __future__ import annotations

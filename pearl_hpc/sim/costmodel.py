@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pearl_hpc.core.weightcost import SyncCost, sync_cost
 from pearl_hpc.errors import PearlError
 
 
@@ -274,12 +275,21 @@ class CostModel:
     def training_step_s(self, tokens: float, num_gpus: int) -> float:
         mfu = TRAIN_MFU_MOE if self.model.num_experts else TRAIN_MFU_DENSE
         compute_s = 8.0 * self.model.active_params * tokens / (num_gpus * self.gpu.bf16_flops * mfu)
-        return compute_s + self.weight_sync_s
+        return compute_s + self.sync(num_gpus).trainer_s + self.weight_sync_s
+
+    def sync(self, training_gpus: int) -> SyncCost:
+        """One version's way to the engines (:mod:`pearl_hpc.core.weightcost`: FSDP2
+        over the training GPUs, engines on other nodes). Its trainer part and the engines'
+        pause end the training step; its publish overlaps generation (the engines serve
+        the version they hold meanwhile, within the staleness bound), so it is not
+        charged."""
+        return sync_cost(self.model.weight_bytes, training_gpus, self.tp)
 
     @property
     def weight_sync_s(self) -> float:
-        """The new weights' broadcast to the rollout engines (generation pauses meanwhile)."""
-        return self.model.weight_bytes / (self.gpu.network_bytes_per_s * NETWORK_EFFICIENCY)
+        """What the engines pause for at the end of the training step: each reloads the
+        new version from its host copy."""
+        return self.sync(1).pause_s
 
     # ---------------------------------------------------------- reconfiguration
     def reconfig_s(self, kind: str) -> float:

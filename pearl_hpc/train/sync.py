@@ -90,6 +90,7 @@ class WeightSync:
         self.versions = WeightVersions(max_staleness=max_staleness)
         self.members: dict[str, EngineClient] = {}
         self.nearby: set[str] = set()  # members that map versions from shared memory
+        self.leads: dict[str, list[str]] = {}  # the broadcast's receivers -> their node's others
         self.latest: Staged | None = None
         self.timings: list[tuple[str, int, float]] = []  # (how, version, seconds)
         self._group: WeightGroup | None = None
@@ -148,13 +149,40 @@ class WeightSync:
         if self._group is not None:
             self._group.close()
             self._group = None
-        if remote:
+        by_node = asyncio.ensure_future(self._by_node(remote))
+        await self._all_or_lost([by_node], remote)
+        self.leads = by_node.result()
+        if self.leads:
             prefix = f"bcast/{self._epoch}/"
+            receivers = {n: remote[n] for n in self.leads}
             forming = asyncio.ensure_future(
-                self._group_of("broadcast", prefix, remote, self.backend)
+                self._group_of("broadcast", prefix, receivers, self.backend)
             )
-            await self._all_or_lost([forming], remote)
+            await self._all_or_lost([forming], receivers)
             self._group = forming.result()
+
+    async def _by_node(self, remote: Mapping[str, EngineClient]) -> dict[str, list[str]]:
+        """``remote``'s engines by node: the first of each node (a *lead*) takes each
+        version over the broadcast group, into its shared memory; the node's others
+        (those that read back the lead's probe) map it from there. Lead -> followers."""
+        shares = await asyncio.gather(*[c.weights_share() for c in remote.values()])
+        leads: dict[str, list[str]] = {}
+        first: dict[str, tuple[str, dict[str, Any]]] = {}  # host -> its lead, its share
+        for (name, client), share in zip(remote.items(), shares, strict=True):
+            lead = first.get(share["host"])
+            probe = lead[1].get("probe") if lead is not None else None
+            if lead is not None and probe and await client.shares_memory(*probe):
+                leads[lead[0]].append(name)
+                continue
+            first.setdefault(share["host"], (name, share))
+            leads[name] = []
+        return leads
+
+    @property
+    def mapped(self) -> int:
+        """Members that map each version instead of receiving it (from trainer 0's
+        shared memory, or from their node's lead)."""
+        return len(self.nearby) + sum(len(f) for f in self.leads.values())
 
     def seed(self, staged: Staged) -> None:
         """Start from ``staged`` (a resumed trainer): workers catch up to it as they join."""
@@ -176,11 +204,7 @@ class WeightSync:
         if self._group is not None:
             check = await self._digest(staged)
             sends.append(asyncio.to_thread(self._send, self._group, staged, None))
-            sends += [
-                self._receive(n, c, check, refused)
-                for n, c in self.members.items()
-                if n not in self.nearby
-            ]
+            sends += [self._lead_and_followers(n, staged, check, refused) for n in self.leads]
         await self._all_or_lost([asyncio.ensure_future(s) for s in sends], self.members)
         for wid, client in self.members.items():
             if wid not in refused:
@@ -235,6 +259,33 @@ class WeightSync:
         except WeightsRefused as exc:
             log.warning("weights: %s", exc)
             refused.add(name)
+
+    async def _lead_and_followers(
+        self, lead: str, staged: Staged, check: bytes, refused: set[str]
+    ) -> None:
+        """``lead`` takes part in the broadcast; then its node's followers map what it
+        received (one that cannot -- its file went, say -- gets it point to point); a
+        refused version reaches none of them."""
+        client = self.members[lead]
+        await self._receive(lead, client, check, refused)
+        followers = self.leads[lead]
+        if not followers:
+            return
+        if lead in refused:
+            refused.update(followers)
+            return
+        share = await client.weights_share()
+        await asyncio.gather(*[self._map_or_send(f, share, staged) for f in followers])
+
+    async def _map_or_send(self, name: str, share: dict[str, Any], staged: Staged) -> None:
+        client = self.members[name]
+        if share.get("version") == staged.version:
+            try:
+                await client.map_weights(share["path"], share["header"])
+                return
+            except EngineError as exc:
+                log.warning("weights to %s from its node's lead: %s; point to point", name, exc)
+        await self._point_to_point(name, client, staged, self.backend)
 
     def _send(self, group: WeightGroup, staged: Staged, dst: int | None) -> None:
         send_weights(group, staged.state, staged.version, dst=dst, bucket_bytes=self.bucket_bytes)

@@ -305,7 +305,7 @@ class TrainerRank:
             seconds=seconds,
             form_s=form_s,
             members=len(members),
-            mapped=len(self.sync.nearby),
+            mapped=self.sync.mapped,
             unreachable=[],
         )
 
