@@ -22,6 +22,7 @@ from pearl_hpc.weights.shm import (  # noqa: E402
     SharedStore,
     map_version,
     shares_memory,
+    stage_private,
     sweep,
 )
 from pearl_hpc.weights.wire import WeightSyncError  # noqa: E402
@@ -81,6 +82,24 @@ def test_a_staged_version_maps_back_in_another_process_cast_and_unchanged(store)
     assert version == 3 and named.keys() == state.keys()
     assert all(named[k] == _raw(staged.state[k]) for k in state)
     assert named["model.position_ids"][0] == "torch.int64"
+
+
+def test_a_version_hashed_as_it_is_staged_has_the_digest_of_what_was_staged(store) -> None:
+    """The digest taken tensor by tensor as the stage writes (shared or private) is the
+    one a second pass over the staged copy computes; not asked for, none is taken."""
+    from pearl_hpc.weights.wire import digest
+
+    state = _state()
+    for staged in (
+        store.stage(state, 4, torch.bfloat16, digest=True),
+        stage_private(state, 4, torch.bfloat16, digest=True),
+        stage_private(state, 4, digest=True),  # as it is (fp32): no copy, still hashed
+    ):
+        assert staged.digest == digest(staged.state.items())
+    assert store.stage(state, 5, torch.bfloat16).digest is None
+    assert digest(stage_private(state, 4).state.items()) != digest(
+        stage_private(state, 4, torch.bfloat16).state.items()
+    )  # (the dtype is in it)
 
 
 def test_a_mapping_is_private_and_outlives_the_file(store) -> None:

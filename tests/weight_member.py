@@ -1,7 +1,8 @@
 """A weight-group member without an engine, for tests/test_weights.py: it serves, over
 the real engine RPC, the calls a trainer's :class:`~pearl_hpc.train.sync.WeightSync`
-makes of an engine (join and leave a group, receive a version, stats) with the real
-:class:`~pearl_hpc.weights.group.WeightGroup` and receiver, and holds what it received.
+makes of an engine (join and leave a group, receive a version, no shared copy, stats)
+with the real :class:`~pearl_hpc.weights.group.WeightGroup` and receiver, and holds what
+it received.
 
     python -m tests.weight_member KEY     (prints its RPC port, then serves)
 """
@@ -9,6 +10,7 @@ makes of an engine (join and leave a group, receive a version, stats) with the r
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
 from typing import Any
 
@@ -48,6 +50,9 @@ async def main(key: str) -> None:
     async def shares_memory(path: str, token: str) -> bool:
         return False
 
+    async def weights_share() -> dict[str, Any]:
+        return {"host": socket.gethostname()}  # no shared copy: each takes the broadcast
+
     async def stats() -> WorkerStats:
         return WorkerStats("member", None, False, held[0], 0, 0, 0, 0, 0)
 
@@ -56,6 +61,7 @@ async def main(key: str) -> None:
         "leave_weights_group": leave_weights_group,
         "receive_weights": receive_weights_,
         "shares_memory": shares_memory,
+        "weights_share": weights_share,
         "stats": stats,
     }
     server = await serve(handlers, key)  # type: ignore[arg-type]

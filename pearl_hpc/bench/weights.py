@@ -3,13 +3,16 @@ buckets, what engines on other nodes get) against the shared-memory file the eng
 side by side, on a synthetic bf16 model of a chosen size.
 
     pearl-hpc bench --weights [--gib 1] [--repeats 3] [--json]
+    pearl-hpc bench --weights --at-scale     # one version at 8B and 30B-A3B, by arithmetic
 
 Per repeat and path, this process plays trainer 0 and a second process the engine:
-- **stage**: the trainer casts its fp32 host copy to bf16, into private memory (gloo) or
+- **stage**: the trainer casts its fp32 host copy to bf16, into private memory (gloo:
+  hashing each tensor as the next is cast, the digest a group's receivers check) or
   into the version's file in ``/dev/shm`` (shared memory);
-- **deliver**: from the trainer's first byte sent to the engine holding the version in
-  host memory (gloo: every bucket received and copied out, over a group formed once
-  beforehand, as for a membership epoch; shared memory: the file mapped);
+- **deliver**: from the staged copy to the engine holding the version in host memory
+  (gloo: every bucket received into the engine's file in ``/dev/shm``, hashed as the
+  next arrives, over a group formed once beforehand, as for a membership epoch, and the
+  digest checked; shared memory: the file mapped);
 - **load**: the engine copies every tensor into its own parameters (what vLLM's loader
   does), reading the pages it was given.
 Transport only: no vLLM engine (``bench --engines`` times the engine's own load).
@@ -57,8 +60,9 @@ def digest(state: dict[str, torch.Tensor]) -> float:
 
 
 def _engine(conn: Any) -> None:
-    """The engine's side: receive or map each version, then load it into parameters."""
-    from pearl_hpc.weights.group import receive_weights
+    """The engine's side: receive each version into its file in shared memory and check
+    its digest (as an engine does), or map it; then load it into parameters."""
+    from pearl_hpc.engine.weightfile import receive_into_file
     from pearl_hpc.weights.shm import map_version
 
     params: dict[str, torch.Tensor] = {}
@@ -66,10 +70,17 @@ def _engine(conn: Any) -> None:
     # formed once, as for an epoch
     store = StoreClient(host, port, key)
     group = WeightGroup(store, prefix, rank=1, size=2)
+    files = SharedStore.create("bench-engine")
     while (cmd := conn.recv()) is not None:
         how, args = cmd
         if how == "gloo":
-            _version, named, _ = receive_weights(group)
+            got = receive_into_file(group, store=files)
+            if got.digest != args:
+                raise SystemExit("bench --weights: the version does not match its digest")
+            got.file.close()
+            named = got.named
+            if files is not None:
+                files.unlink_before(got.version)
         else:
             _version, named = map_version(*args)
         delivered = time.time()
@@ -77,6 +88,8 @@ def _engine(conn: Any) -> None:
             params.setdefault(name, torch.empty_like(tensor)).copy_(tensor)
         conn.send((delivered, time.time(), digest(params)))
         del named
+    if files is not None:
+        files.close()
     store.close()
 
 
@@ -100,16 +113,16 @@ def _measure(gib: float, repeats: int) -> dict[str, Any]:
         group = WeightGroup(client, "bench/", 0, 2)
         for v in range(1, repeats + 1):
             t0 = time.time()
-            staged = stage_private(state, v, torch.bfloat16)
+            staged = stage_private(state, v, torch.bfloat16, digest=True)  # hashed as cast
             t1 = time.time()
-            conn.send(("gloo", None))
+            conn.send(("gloo", staged.digest))
             send_weights(group, staged.state, v)
             delivered, loaded, got = conn.recv()
             rows["gloo"].append(_row(t0, t1, delivered, loaded))
             same = same and got == digest(staged.state)
-            t0 = time.perf_counter()
+            t2 = time.perf_counter()  # the hash rate alone, untimed above
             version_digest(staged.state.items())
-            digests_s.append(time.perf_counter() - t0)
+            digests_s.append(time.perf_counter() - t2)
             del staged
 
             t0 = time.time()
@@ -175,7 +188,7 @@ def at_scale_table(trainer_ranks: int = 16, tp: int = 2, links: Links | None = N
         ("gather_s", "bf16 all-gather, every trainer rank"),
         ("to_host_s", "trainer 0: device -> pinned host (overlaps it)"),
         ("stage_s", "into the version's file in /dev/shm"),
-        ("digest_s", "SHA-256 on trainer 0"),
+        ("digest_s", "SHA-256 on trainer 0 (as it stages: overlaps it)"),
         ("broadcast_s", "buckets: host -> device, NCCL, device -> /dev/shm"),
         ("verify_s", "SHA-256 on each node's lead engine"),
         ("load_s", "each engine reloads from its host copy"),

@@ -38,9 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from pearl_hpc.config.run import RunConfig
+from pearl_hpc.core.weightcost import BUCKET_BYTES, BUCKETS_IN_FLIGHT
 
 GB = 1e9
-BUCKET_BYTES = 1 << 30  # the most a weights bucket holds (unless one block is larger)
 RESERVE_BYTES = 3e9  # per GPU: the CUDA context, NCCL's buffers, the allocator's slack
 ENGINE_RESERVE_BYTES = 2e9  # per engine GPU: activations, CUDA graphs, sampler
 
@@ -219,9 +219,10 @@ def reload_headroom_bytes(shape: ModelShape, *, tp: int, nccl: bool) -> float:
     """What a weight load into a running engine needs beyond its size, a GPU: vLLM's
     in-place reload makes each module on the device before copying it into place (the
     largest: the embedding or LM head, V x H, or an MoE block's experts, in bf16, its
-    share at ``tp``), and an NCCL weight group receives a bucket onto the GPU."""
+    share at ``tp``), and an NCCL weight group receives its buckets onto the GPU (two in
+    flight: 1 GiB)."""
     largest = 2 * max(shape.vocab * shape.hidden, shape.expert_params) / tp
-    return largest + (BUCKET_BYTES if nccl else 0)
+    return largest + (BUCKETS_IN_FLIGHT * BUCKET_BYTES if nccl else 0)
 
 
 def overlap_engine_share(configured: float, gpu_bytes: float, headroom_bytes: float) -> float:

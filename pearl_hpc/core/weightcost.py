@@ -7,11 +7,13 @@ on PEARL's layout; the simulator charges :attr:`SyncCost.total_s` as each step's
       bf16 all-gather of every tensor (FSDP2)            gather_s    W (R-1)/R / train_bus
       trainer 0: device -> pinned host, as it arrives    to_host_s   W / pinned   (overlaps)
       into the version's file in /dev/shm                stage_s     W / host_copy
+      its SHA-256, each tensor as the next is written    digest_s    W / (hash_core x threads)
+        (overlaps the stage)
     publish (the engines keep generating)             publish_s
-      the version's SHA-256, on trainer 0                digest_s    W / (hash_core x threads)
-      per bucket: host -> device, NCCL broadcast to      broadcast_s W / pageable + W / bcast_bus
-        one engine a node, its copy out to /dev/shm                  + W / pageable
-      the lead engine checks the SHA-256                 verify_s    as digest_s
+      per bucket: host -> device, NCCL broadcast to      broadcast_s W / pageable + B / bcast_bus
+        one engine a node, its copy out to /dev/shm,                 + B / pageable (pageable
+        each stage overlapping the next bucket's                     the slowest)
+      the lead engine hashes each bucket as it lands     verify_s    B / (hash_core x threads)
       (the node's other engines map its file)
     the engine, between two steps                     pause_s
       reload from its host copy, every GPU its shard     load_s      W / (tp x pageable)
@@ -23,6 +25,9 @@ from nccl-tests on the cluster (``pearl-hpc calibrate``), the copy rates of PCIe
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+BUCKET_BYTES = 1 << 29  # the most a weights bucket holds (unless one block is larger): B
+BUCKETS_IN_FLIGHT = 2  # a side of a transfer copies one while the next is sent
 
 
 @dataclass(frozen=True)
@@ -36,7 +41,7 @@ class Links:
     pageable: float = 10e9  # device <-> pageable host memory (a file in /dev/shm)
     host_copy: float = 10e9  # host -> host (into the version's file)
     hash_core: float = 1.8e9  # SHA-256 on one core (measured: bench --weights)
-    hash_threads: int = 8
+    hash_threads: int = 4  # a rank's CPUs (pearl-32gpu: layout.cpus_per_rank)
 
 
 @dataclass(frozen=True)
@@ -54,14 +59,14 @@ class SyncCost:
     @property
     def trainer_s(self) -> float:
         """On the trainer's path, before the step's ack (the copy to the host runs as
-        the gather's tensors arrive)."""
-        return max(self.gather_s, self.to_host_s) + self.stage_s
+        the gather's tensors arrive, the hashing as the stage writes them)."""
+        return max(self.gather_s, self.to_host_s) + max(self.stage_s, self.digest_s)
 
     @property
     def publish_s(self) -> float:
         """From trainer 0's copy to every engine holding the version (they generate
         meanwhile)."""
-        return self.digest_s + self.broadcast_s + self.verify_s
+        return self.broadcast_s + self.verify_s
 
     @property
     def pause_s(self) -> float:
@@ -80,14 +85,18 @@ def sync_cost(
     """One version of ``weight_bytes`` (in the engines' dtype) from ``trainer_ranks``
     FSDP ranks to engines of ``tp`` GPUs; ``remote``: some engine is on another node than
     trainer 0 (else every engine maps the version: no digest, no broadcast)."""
-    w = weight_bytes
-    hashing = w / (links.hash_core * links.hash_threads)
+    w, b = weight_bytes, min(BUCKET_BYTES, weight_bytes)
+    hash_rate = links.hash_core * links.hash_threads
+    # a bucket's pack, send and copy out, each overlapping the next bucket's: the
+    # slowest stage for every byte, the other two for one bucket (filling, draining)
+    stages = (links.pageable, links.bcast_bus, links.pageable)
+    pipeline = w / min(stages) + sum(b / r for r in stages) - b / min(stages)
     return SyncCost(
         gather_s=w * (trainer_ranks - 1) / trainer_ranks / links.train_bus,
         to_host_s=w / links.pinned,
         stage_s=w / links.host_copy,
-        digest_s=hashing if remote else 0.0,
-        broadcast_s=(2 * w / links.pageable + w / links.bcast_bus) if remote else 0.0,
-        verify_s=hashing if remote else 0.0,
+        digest_s=w / hash_rate if remote else 0.0,
+        broadcast_s=pipeline if remote else 0.0,
+        verify_s=b / hash_rate if remote else 0.0,
         load_s=w / (tp * links.pageable),
     )

@@ -320,7 +320,6 @@ class EngineWorker:
         wire.digest`, sent over this authenticated RPC): else :class:`WeightsRefused`, and
         the engine serves the version it held."""
         from pearl_hpc.engine.weightfile import receive_into_file
-        from pearl_hpc.weights.wire import digest as digest_of
 
         wg = self._weight_groups.get(group, (None,))[0]
         if wg is None:
@@ -332,25 +331,23 @@ class EngineWorker:
         store = self._weights_store()
         # off the engine thread: a broadcast whose source gave up (a member died) blocks
         # this thread until the group's timeout, never the engine or the next sync
-        version, named, recv_s, file, shared = await asyncio.to_thread(
-            receive_into_file, wg, 0, p2p=p2p, store=store
-        )
-        if await asyncio.to_thread(digest_of, named) != digest:
-            file.close()
-            if shared is not None:
-                store.unlink(version)
+        got = await asyncio.to_thread(receive_into_file, wg, 0, p2p=p2p, store=store)
+        if got.digest != digest:  # (hashed as it arrived)
+            got.file.close()
+            if got.shared is not None:
+                store.unlink(got.version)
             held = self.runner.weight_version
             raise WeightsRefused(
-                f"weights v{version} over {group!r} do not match the trainer's digest "
+                f"weights v{got.version} over {group!r} do not match the trainer's digest "
                 f"(tampered in transit): not loaded, still serving v{held}"
             )
-        if self._tp == 1:  # one worker loads the views (they keep the mapping)
-            file.close()
-        kept = file if self._tp > 1 else None
-        load = await self._wait(self.runner.load_weights(named, version, recv_s, kept))
-        if shared is not None:  # the node's other engines may map it now; older ones go
-            self._shared = {"version": version, **shared}
-            store.unlink_before(version)
+        file = got.file if self._tp > 1 else None
+        if file is None:  # one worker loads the views (they keep the mapping)
+            got.file.close()
+        load = await self._wait(self.runner.load_weights(got.named, got.version, got.recv_s, file))
+        if got.shared is not None:  # the node's other engines may map it now; older go
+            self._shared = {"version": got.version, **got.shared}
+            store.unlink_before(got.version)
         return self._load_timing(t0, load, "p2p" if p2p else "broadcast")
 
     def _weights_store(self) -> Any:

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pearl_hpc.weights.shm import ONE_BUCKET, SharedStore, map_version
-from pearl_hpc.weights.wire import WeightsHeader, describe, unpack
+from pearl_hpc.weights.wire import Hasher, WeightsHeader, describe, unpack
 
 LOAD_METHOD = "pearl_load_weights"  # the worker extension's method (collective_rpc)
 
@@ -101,15 +102,26 @@ def _fd_path(fd: int) -> str:
     return f"/proc/{os.getpid()}/fd/{fd}"
 
 
+@dataclass
+class Received:
+    """A version that arrived over a weight group, in a file."""
+
+    version: int
+    named: list[tuple[str, torch.Tensor]]  # views of the file
+    recv_s: float  # seconds waiting on the network
+    file: WeightFile
+    shared: dict[str, Any] | None  # in the engine's store: its path and header
+    digest: bytes  # of what arrived (:func:`~pearl_hpc.weights.wire.digest`)
+
+
 def receive_into_file(
     group: Any, src: int = 0, *, p2p: bool = False, store: SharedStore | None = None
-) -> tuple[int, list[tuple[str, torch.Tensor]], float, WeightFile, dict[str, Any] | None]:
+) -> Received:
     """A version from the trainer over ``group`` straight into a new file, bucket by
     bucket: in ``store`` (the engine's directory in shared memory, where the other
-    engines of its node can map it) when it has room, else an anonymous one. Returns the
-    version, views of the file, the seconds waiting on the network, the file, and -- in
-    ``store`` -- its path and header (as :func:`~pearl_hpc.weights.shm.map_version`
-    takes them)."""
+    engines of its node can map it) when it has room, else an anonymous one. Each
+    bucket's tensors are hashed in threads as the next bucket arrives, so the digest is
+    ready with the last bucket (not a second pass over the version after it)."""
     from pearl_hpc.weights.group import WeightStream
 
     stream = WeightStream(group, src, p2p=p2p)
@@ -122,17 +134,21 @@ def receive_into_file(
         header = whole.to_dict()
         shared = {"path": path, "header": header}
         file = WeightFile.of_mapping(path, header)
+    into, hasher = dict(views), Hasher()
     try:
-        into = dict(views)
         for name, tensor in stream:
-            into[name].copy_(tensor)
+            hasher.add(name, into[name].copy_(tensor))
         stream.finish()
+        check = hasher.result()
     except BaseException:
+        hasher.close()
+        stream.close()
         file.close()
         if store is not None and shared is not None:
             store.unlink(stream.version)
         raise
-    return stream.version, views, stream.recv_s, file, shared
+    assert check is not None
+    return Received(stream.version, views, stream.recv_s, file, shared, check)
 
 
 def file_for(

@@ -107,10 +107,13 @@ class WeightSync:
         self, state: Mapping[str, torch.Tensor], version: int, dtype: torch.dtype | None = None
     ) -> Staged:
         """The engines' copy of ``version`` (floating tensors in ``dtype``, default as
-        given): in shared memory when there is a store, else in this process's."""
+        given): in shared memory when there is a store, else in this process's; hashed
+        as it is written where the current epoch sends versions over the network (its
+        digest is then ready when the publish starts)."""
+        digest = self._group is not None or self.shared is None
         if self.shared is None:
-            return stage_private(state, version, dtype)
-        return self.shared.stage(state, version, dtype)
+            return stage_private(state, version, dtype, digest=digest)
+        return self.shared.stage(state, version, dtype, digest=digest)
 
     async def _group_of(
         self, name: str, prefix: str, members: Mapping[str, EngineClient], backend: str
@@ -243,7 +246,10 @@ class WeightSync:
         raise failed
 
     async def _digest(self, staged: Staged) -> bytes:
-        """``staged``'s digest (computed once for each staged copy, in threads)."""
+        """``staged``'s digest (hashed as it was staged, else computed once for each
+        staged copy, in threads)."""
+        if staged.digest is not None:
+            return staged.digest
         if self._digested is None or self._digested[0]() is not staged:
             check = await asyncio.to_thread(digest, staged.state.items())
             self._digested = (weakref.ref(staged), check)

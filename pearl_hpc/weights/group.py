@@ -27,10 +27,12 @@ that broke; the trainer then forms the next epoch's group without the dead
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -99,10 +101,11 @@ class WeightGroup:
         self.pg.abort()
 
     def synchronize(self) -> None:
-        """Wait for the device (NCCL's ``wait()`` only orders streams: without this a
-        transfer's seconds would be its enqueue time)."""
+        """Wait for this thread's transfers (NCCL's ``wait()`` only makes the current
+        stream wait for them: without this a transfer's seconds would be its enqueue
+        time; the other streams -- the copies of another bucket -- go on)."""
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         opts = dist.BroadcastOptions()
@@ -181,28 +184,47 @@ def _send_buckets(
     else:
         group.send_object(header.to_dict(), dst)
     most = max(header.bucket_bytes(b) for b in range(header.num_buckets))
-    staging = torch.empty(most, dtype=torch.uint8, device=group.device)
-    for b in range(header.num_buckets):
-        flat = pack_bucket(header, b, state, out=staging)
-        if dst is None:
-            group.broadcast(flat, group.rank)
-        else:
-            group.send(flat, dst)
+    staging = [torch.empty(most, dtype=torch.uint8, device=group.device) for _ in range(2)]
+    side = _side_stream(group.device)
+    sent: list[Any] = [None, None]  # each buffer's last send, as an event (CUDA)
+
+    def pack(b: int) -> torch.Tensor:  # on a stream of its own: copies beside the sends
+        with _current(side):
+            if sent[b % 2] is not None:  # not over a buffer a send still reads
+                side.wait_event(sent[b % 2])
+            return pack_bucket(header, b, state, out=staging[b % 2])
+
+    with ThreadPoolExecutor(1, thread_name_prefix="pack") as packer:
+        packed = packer.submit(pack, 0)
+        for b in range(header.num_buckets):
+            flat = packed.result()
+            _wait_for(side, group.device)  # the send waits for its bucket's copies
+            if b + 1 < header.num_buckets:  # into the other buffer, as this one is sent
+                packed = packer.submit(pack, b + 1)
+            if dst is None:
+                group.broadcast(flat, group.rank)
+            else:
+                group.send(flat, dst)
+            sent[b % 2] = _recorded(group.device)
     group.synchronize()
 
 
 class WeightStream:
     """The receiving side of one sync: the header arrives on construction, the buckets
-    as the stream is iterated (``(name, tensor)`` views of one bucket at a time, valid
-    until the next is asked for), so a consumer copies bucket ``b`` out before bucket
-    ``b + 1`` lands (:func:`receive_weights` copies them to host memory). :meth:`finish`
-    receives what the consumer did not ask for: the transfer is a collective, and a
-    receiver that stops early would leave the others waiting."""
+    as the stream is iterated (``(name, tensor)`` views of one bucket at a time), bucket
+    ``b + 1`` arriving on a thread (and CUDA stream) of its own while the consumer copies
+    bucket ``b`` out (:func:`receive_weights` copies them to host memory): two buckets on
+    the device. :meth:`finish` receives what the consumer did not ask for: the transfer
+    is a collective, and a receiver that stops early would leave the others waiting;
+    :meth:`close` stops one whose consumer failed."""
 
     def __init__(self, group: WeightGroup, src: int = 0, *, p2p: bool = False) -> None:
         self.group, self.src, self.p2p = group, src, p2p
         self.recv_s = 0.0  # seconds waiting on the network (the rest is the loader's)
-        self._next = 0
+        self._next = 0  # the first bucket not yet asked for
+        self._coming: Future[torch.Tensor] | None = None  # the one arriving meanwhile
+        self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="recv")
+        self._side = _side_stream(group.device)
         self.header = WeightsHeader.from_dict(
             self._transfer(
                 lambda: group.recv_object(src) if p2p else group.broadcast_object(None, src)
@@ -227,14 +249,26 @@ class WeightStream:
         finally:
             self.recv_s += time.perf_counter() - t0
 
+    def _receive(self, b: int) -> torch.Tensor:
+        """Bucket ``b`` (on the fetching thread, on its own stream)."""
+        with _current(self._side):
+            size = self.header.bucket_bytes(b)
+            flat = torch.empty(size, dtype=torch.uint8, device=self.group.device)
+            if self.p2p:
+                self._transfer(lambda: self.group.recv(flat, self.src))
+            else:
+                self._transfer(lambda: self.group.broadcast(flat, self.src))
+        return flat
+
     def _bucket(self) -> torch.Tensor:
-        b = self._next
-        flat = torch.empty(self.header.bucket_bytes(b), dtype=torch.uint8, device=self.group.device)
-        if self.p2p:
-            self._transfer(lambda: self.group.recv(flat, self.src))
-        else:
-            self._transfer(lambda: self.group.broadcast(flat, self.src))
+        """The next bucket; the one after it starts arriving before this returns (the
+        consumer copies one out while the next lands: two buckets on the device)."""
+        coming = self._coming or self._fetcher.submit(self._receive, self._next)
+        self._coming = None
+        flat = coming.result()
         self._next += 1
+        if self._next < self.header.num_buckets:
+            self._coming = self._fetcher.submit(self._receive, self._next)
         return flat
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -244,22 +278,62 @@ class WeightStream:
 
     def finish(self) -> None:
         """Receive (and drop) the buckets not yet iterated; free the device cache."""
-        while self._next < self.header.num_buckets:
-            self._bucket()
+        try:
+            while self._next < self.header.num_buckets:
+                self._bucket()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop receiving (a consumer that failed: the group's abort or timeout ends a
+        bucket still arriving) and free the device cache."""
+        if self._coming is not None:
+            self._coming.cancel()
+            self._coming = None
+        self._fetcher.shutdown(wait=False)
         _release_cached(self.group.device)
 
 
 def receive_weights(
     group: WeightGroup, src: int = 0, *, p2p: bool = False
 ) -> tuple[int, list[tuple[str, torch.Tensor]], float]:
-    """The receiving side of one sync, into host memory: each bucket is copied out before
-    the next lands (the device holds one bucket), so the engine keeps generating during
-    the transfer and loads the version afterwards. Returns the version, the tensors, and
-    the seconds spent waiting on the network."""
+    """The receiving side of one sync, into host memory: each bucket is copied out while
+    the next lands (the device holds two), so the engine keeps generating during the
+    transfer and loads the version afterwards. Returns the version, the tensors, and the
+    seconds spent waiting on the network."""
     stream = WeightStream(group, src, p2p=p2p)
-    named = [(name, tensor.to("cpu", copy=True)) for name, tensor in stream]
+    try:
+        named = [(name, tensor.to("cpu", copy=True)) for name, tensor in stream]
+    except BaseException:
+        stream.close()
+        raise
     stream.finish()
     return stream.version, named, stream.recv_s
+
+
+def _side_stream(device: torch.device) -> Any:
+    """A stream of its own for a bucket's copies (None off CUDA: gloo's calls block)."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
+
+
+def _current(stream: Any) -> Any:
+    """``stream`` as this thread's current one (nothing off CUDA)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _wait_for(side: Any, device: torch.device) -> None:
+    """The current stream waits for the work on ``side`` (a bucket's copies)."""
+    if side is not None:
+        torch.cuda.current_stream(device).wait_stream(side)
+
+
+def _recorded(device: torch.device) -> Any:
+    """An event after the current stream's work so far (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def _release_cached(device: torch.device) -> None:

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from pearl_hpc.weights.leftovers import SHM_ROOT, sweep
-from pearl_hpc.weights.wire import WeightsHeader, WeightSyncError, describe, unpack
+from pearl_hpc.weights.wire import Hasher, WeightsHeader, WeightSyncError, describe, unpack
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ class Staged:
     version: int
     path: str | None = None  # the shared file, for engines on this node
     header: dict[str, Any] | None = None  # its layout (WeightsHeader.to_dict)
+    digest: bytes | None = None  # hashed as it was staged (None: not asked for)
 
 
 class SharedStore:
@@ -92,18 +93,24 @@ class SharedStore:
         return str(self.probe_path), self.token
 
     def stage(
-        self, state: Mapping[str, torch.Tensor], version: int, dtype: torch.dtype | None = None
+        self,
+        state: Mapping[str, torch.Tensor],
+        version: int,
+        dtype: torch.dtype | None = None,
+        *,
+        digest: bool = False,
     ) -> Staged:
         """``state`` (host tensors) as the engines' copy of ``version``, written once into
-        this version's file (floating tensors cast to ``dtype`` on the way, if given)."""
+        this version's file (floating tensors cast to ``dtype`` on the way, if given;
+        ``digest``: each tensor hashed as the next is written)."""
         made = self.allocate(describe(_like(state, dtype), version, bucket_bytes=ONE_BUCKET))
         if made is None:
-            return stage_private(state, version, dtype)
+            return stage_private(state, version, dtype, digest=digest)
         path, header, named = made
-        views = dict(named)
+        views, hasher = dict(named), Hasher(digest)
         for name, view in views.items():
-            view.copy_(state[name])  # the cast, straight into shared memory
-        return Staged(views, version, path, header.to_dict())
+            hasher.add(name, view.copy_(state[name]))  # the cast, into shared memory
+        return Staged(views, version, path, header.to_dict(), hasher.result())
 
     def allocate(
         self, layout: WeightsHeader
@@ -136,14 +143,21 @@ class SharedStore:
 
 
 def stage_private(
-    state: Mapping[str, torch.Tensor], version: int, dtype: torch.dtype | None = None
+    state: Mapping[str, torch.Tensor],
+    version: int,
+    dtype: torch.dtype | None = None,
+    *,
+    digest: bool = False,
 ) -> Staged:
     """``state`` in this process's own memory (no shared file), floating tensors cast to
-    ``dtype`` if given (``to`` copies nothing that is already in it)."""
-    if dtype is None:
-        return Staged(dict(state), version)
-    cast = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-    return Staged(cast, version)
+    ``dtype`` if given (``to`` copies nothing that is already in it); ``digest``: each
+    hashed as the next is cast."""
+    hasher, cast = Hasher(digest), {}
+    for name, tensor in state.items():
+        floating = dtype is not None and tensor.is_floating_point()
+        cast[name] = tensor.to(dtype) if floating else tensor
+        hasher.add(name, cast[name])
+    return Staged(cast, version, digest=hasher.result())
 
 
 def shares_memory(probe_path: str, token: str) -> bool:

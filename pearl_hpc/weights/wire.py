@@ -23,9 +23,12 @@ Decisions (and why):
   collective per tensor pays the backend's per-call latency hundreds of times, while one
   buffer of the whole model is 16 GB on each side for an 8B model in bf16 (32 GB in
   fp32), held through the engine's next sleep. Tensors are packed into buckets of at most
-  :data:`BUCKET_BYTES` (vLLM's own NCCL weight transfer streams through 1 GiB buffers);
-  a receiver copies each bucket into host memory before it receives the next, so its
-  device holds one bucket at a time, and the engine keeps generating while the version
+  :data:`BUCKET_BYTES`, 512 MiB (vLLM's own NCCL weight transfer streams through 1 GiB
+  buffers); each side holds two at a time (:data:`BUCKETS_IN_FLIGHT`, 1 GiB on the
+  device): the source packs bucket b + 1 while b is sent, a receiver copies bucket b
+  into host memory while b + 1 arrives (the copies on a stream of their own on CUDA, so
+  they overlap the transfer; :mod:`pearl_hpc.weights.group`), and the engine keeps
+  generating while the version
   arrives (it loads it afterwards, from the host copy it keeps for restarts anyway; the
   receive runs off the engine thread, so a broadcast whose source gave up never blocks
   the engine). :func:`unpack` returns *views* into a bucket, in the ``(name, tensor)``
@@ -64,7 +67,7 @@ from typing import Any
 
 import torch
 
-from pearl_hpc.config.memory import BUCKET_BYTES
+from pearl_hpc.config.memory import BUCKET_BYTES, BUCKETS_IN_FLIGHT
 from pearl_hpc.errors import PearlError
 
 ALIGN_BYTES = 16  # every tensor's first byte in a bucket is a multiple of this
@@ -326,6 +329,7 @@ def unpack(header: WeightsHeader, b: int, flat: torch.Tensor) -> list[tuple[str,
 
 __all__ = [
     "ALIGN_BYTES",
+    "BUCKETS_IN_FLIGHT",
     "BUCKET_BYTES",
     "WeightSyncError",
     "WeightsHeader",
@@ -344,16 +348,51 @@ def digest(named: Iterable[tuple[str, torch.Tensor]], threads: int | None = None
     and NCCL carry no MAC of their own. Tensors hash in parallel threads (hashlib lets go
     of the GIL): about 1.8 GB/s a core, so an 8B model in bf16 (16.4 GB) takes ~1.2 s on
     8 cores; one on a GPU is copied to the host first."""
+    tensors = dict(named)
+    with ThreadPoolExecutor(max_workers=threads or HASH_THREADS) as pool:
+        hashed = pool.map(tensor_digest, tensors, tensors.values())
+        return combine(dict(zip(tensors, hashed, strict=True)))
 
-    def one(item: tuple[str, torch.Tensor]) -> bytes:
-        name, tensor = item
-        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
-        h = hashlib.sha256(f"{name}|{_dtype_name(tensor.dtype)}|{tuple(tensor.shape)}".encode())
-        h.update(flat.numpy().data)
-        return h.digest()
 
-    ordered = sorted(named, key=lambda item: item[0])
-    workers = threads or min(8, os.cpu_count() or 1)
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        parts = list(pool.map(one, ordered))
-    return hashlib.sha256(b"".join(parts)).digest()
+HASH_THREADS = min(8, len(os.sched_getaffinity(0)))  # this rank's CPUs (Slurm binds them)
+
+
+def tensor_digest(name: str, tensor: torch.Tensor) -> bytes:
+    """SHA-256 of one tensor's name, dtype, shape and bytes (a part of :func:`digest`;
+    a receiver hashes each as it lands)."""
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+    h = hashlib.sha256(f"{name}|{_dtype_name(tensor.dtype)}|{tuple(tensor.shape)}".encode())
+    h.update(flat.numpy().data)
+    return h.digest()
+
+
+def combine(parts: Mapping[str, bytes]) -> bytes:
+    """The version's digest from its tensors' (:func:`tensor_digest`), in name order."""
+    return hashlib.sha256(b"".join(parts[name] for name in sorted(parts))).digest()
+
+
+class Hasher:
+    """:func:`digest` of tensors given one at a time as they are written (each hashed in
+    threads while the next is copied): ready with the last one, not a second pass over
+    the version. Off (``on`` false), it hashes nothing and :meth:`result` is None."""
+
+    def __init__(self, on: bool = True) -> None:
+        self._pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="hash") if on else None
+        self._parts: dict[str, Any] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Hash ``tensor`` (it must not change until :meth:`result`)."""
+        if self._pool is not None:
+            self._parts[name] = self._pool.submit(tensor_digest, name, tensor)
+
+    def result(self) -> bytes | None:
+        if self._pool is None:
+            return None
+        try:
+            return combine({name: part.result() for name, part in self._parts.items()})
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
