@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from pearl_hpc.core.weightcost import sync_cost
 from pearl_hpc.errors import PearlError
 from pearl_hpc.sim import costmodel as cm
 from pearl_hpc.sim.costmodel import GPUS, MODELS, CostModel, GpuSpec, SimConfigError
@@ -232,21 +233,27 @@ def test_transfer_is_linear(pair: tuple[str, str]) -> None:
 
 def test_training_step_inversely_proportional_to_gpus(pair: tuple[str, str]) -> None:
     gpu, model = pair
-    flops, _, _, net = SHEETS[gpu]
+    flops, _, _, _ = SHEETS[gpu]
     total, active = CONFIGS[model][0], CONFIGS[model][1]
     mfu = cm.TRAIN_MFU_MOE if MODELS[model].num_experts else cm.TRAIN_MFU_DENSE
-    sync = 2 * total / (net * cm.NETWORK_EFFICIENCY)
     cost = CostModel.from_names(gpu, model)
+
+    def sync(g: int) -> float:  # the trainer's part of a version and the engines' reload
+        version = sync_cost(2 * total, trainer_ranks=g, tp=2)
+        return version.trainer_s + version.pause_s
+
     tokens = 2_000_000.0
     for g in (1, 2, 8, 16, 64):
-        expected = 8 * active * tokens / (g * flops * mfu) + sync
+        expected = 8 * active * tokens / (g * flops * mfu) + sync(g)
         assert close(cost.training_step_s(tokens, g), expected)
-    compute = [(cost.training_step_s(tokens, g) - sync) * g for g in (1, 2, 8, 16, 64)]
+    compute = [(cost.training_step_s(tokens, g) - sync(g)) * g for g in (1, 2, 8, 16, 64)]
     assert all(math.isclose(c, compute[0], rel_tol=1e-9) for c in compute)
     # linear in tokens, and the fixed sync term at zero tokens
-    assert close(cost.training_step_s(0, 16), sync)
+    assert close(cost.training_step_s(0, 16), sync(16))
+    assert cost.weight_sync_s == sync_cost(2 * total, trainer_ranks=1, tp=2).pause_s
     assert close(
-        cost.training_step_s(2 * tokens, 16) - sync, 2 * (cost.training_step_s(tokens, 16) - sync)
+        cost.training_step_s(2 * tokens, 16) - sync(16),
+        2 * (cost.training_step_s(tokens, 16) - sync(16)),
     )
 
 
