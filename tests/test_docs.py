@@ -121,3 +121,12 @@ def test_a_documented_command_runs_as_written(command: str) -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
     )  # fmt: skip
     assert proc.returncode == 0, f"{COMMANDS[command]}: {command}\n{proc.stderr[-2000:]}"
+
+
+def test_the_cost_of_a_version_in_the_gpu_page_is_what_the_formula_gives() -> None:
+    """docs/gpu.md's table of one version's stages is `bench --weights --at-scale`'s (the
+    formula the simulator charges): a change of either shows here."""
+    from pearl_hpc.bench.weights import at_scale_table
+
+    table = at_scale_table().split("\n\nrates")[0]
+    assert table in (ROOT / "docs" / "gpu.md").read_text()

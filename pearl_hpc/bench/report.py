@@ -28,6 +28,7 @@ COMMANDS = {
     "messages": "pearl-hpc bench --messages",
     "checkpoint": "pearl-hpc bench --checkpoint",
     "train": "pearl-hpc bench --train",
+    "weights": "pearl-hpc bench --weights --gib 2",
 }
 
 
@@ -136,6 +137,24 @@ def _train_packing(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _weights(result: dict[str, Any]) -> list[str]:
+    from pearl_hpc.bench.weights import format_table
+
+    table = format_table(result).splitlines()
+    head, rows, tail = table[0], table[2:-1], table[-1]
+    out = [
+        head + ":",
+        "",
+        "| seconds | gloo group (engines on other nodes) | shared memory (trainer 0's node) "
+        "| shm / gloo |",
+        "|---|---|---|---|",
+    ]
+    for row in rows:
+        key, gloo, shm, ratio = row.split()
+        out.append(f"| {key.removesuffix('_s')} | {gloo} | {shm} | {ratio} |")
+    return [*out, "", tail[0].upper() + tail[1:]]
+
+
 # a generated block's name: its bench, or BENCH.PART for one of a bench's tables
 TABLES: dict[str, Callable[[Any], list[str]]] = {
     "decision": _decision,
@@ -146,6 +165,7 @@ TABLES: dict[str, Callable[[Any], list[str]]] = {
     "checkpoint": _checkpoint,
     "train.memory": _train_memory,
     "train.packing": _train_packing,
+    "weights": _weights,
 }
 
 

@@ -111,6 +111,8 @@ def base_problems(cfg: RunConfig, groups: list[NodeGroup], job: JobSpec) -> list
     memory the layout names) against its partition."""
     s, parts = cfg.slurm, job.components
     nodes, gpus = sum(c.nodes for c in parts), max(c.gpus_per_node for c in parts)
+    if nodes > 1:  # the layout's nodes hold layout.gpus_per_node, whatever the job asks
+        gpus = max(gpus, cfg.layout.gpus_per_node)
     cpus = max(c.ntasks_per_node * c.cpus_per_task for c in parts)
     mine = _partition(groups, s.partition)
     if not mine:
