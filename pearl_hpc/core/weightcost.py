@@ -7,9 +7,10 @@ on PEARL's layout; the simulator charges :attr:`SyncCost.total_s` as each step's
       bf16 all-gather of every tensor (FSDP2)            gather_s    W (R-1)/R / train_bus
       trainer 0: device -> pinned host, as it arrives    to_host_s   W / pinned   (overlaps)
       into the version's file in /dev/shm                stage_s     W / host_copy
-      its SHA-256, each tensor as the next is written    digest_s    W / (hash_core x threads)
-        (overlaps the stage)
     publish (the engines keep generating)             publish_s
+      its SHA-256, in the background from the stage's    digest_s    W / (hash_core x threads)
+        end (beside the stage's own copies its threads
+        would slow them several-fold)
       per bucket: host -> device, NCCL broadcast to      broadcast_s W / pageable + B / bcast_bus
         one engine a node, its copy out to /dev/shm,                 + B / pageable (pageable
         each stage overlapping the next bucket's                     the slowest)
@@ -59,14 +60,14 @@ class SyncCost:
     @property
     def trainer_s(self) -> float:
         """On the trainer's path, before the step's ack (the copy to the host runs as
-        the gather's tensors arrive, the hashing as the stage writes them)."""
-        return max(self.gather_s, self.to_host_s) + max(self.stage_s, self.digest_s)
+        the gather's tensors arrive)."""
+        return max(self.gather_s, self.to_host_s) + self.stage_s
 
     @property
     def publish_s(self) -> float:
         """From trainer 0's copy to every engine holding the version (they generate
         meanwhile)."""
-        return self.broadcast_s + self.verify_s
+        return self.digest_s + self.broadcast_s + self.verify_s
 
     @property
     def pause_s(self) -> float:

@@ -147,7 +147,6 @@ def receive_into_file(
         if store is not None and shared is not None:
             store.unlink(stream.version)
         raise
-    assert check is not None
     return Received(stream.version, views, stream.recv_s, file, shared, check)
 
 

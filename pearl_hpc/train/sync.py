@@ -108,8 +108,8 @@ class WeightSync:
     ) -> Staged:
         """The engines' copy of ``version`` (floating tensors in ``dtype``, default as
         given): in shared memory when there is a store, else in this process's; hashed
-        as it is written where the current epoch sends versions over the network (its
-        digest is then ready when the publish starts)."""
+        in the background from then on where the current epoch sends versions over the
+        network (the publish, which needs the digest, follows the step's ack)."""
         digest = self._group is not None or self.shared is None
         if self.shared is None:
             return stage_private(state, version, dtype, digest=digest)
@@ -246,10 +246,10 @@ class WeightSync:
         raise failed
 
     async def _digest(self, staged: Staged) -> bytes:
-        """``staged``'s digest (hashed as it was staged, else computed once for each
-        staged copy, in threads)."""
+        """``staged``'s digest (being hashed since it was staged, else computed once for
+        each staged copy, in threads)."""
         if staged.digest is not None:
-            return staged.digest
+            return await asyncio.wrap_future(staged.digest)
         if self._digested is None or self._digested[0]() is not staged:
             check = await asyncio.to_thread(digest, staged.state.items())
             self._digested = (weakref.ref(staged), check)

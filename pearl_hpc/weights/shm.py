@@ -37,6 +37,7 @@ import os
 import secrets
 import shutil
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,7 @@ from typing import Any
 import torch
 
 from pearl_hpc.weights.leftovers import SHM_ROOT, sweep
-from pearl_hpc.weights.wire import Hasher, WeightsHeader, WeightSyncError, describe, unpack
+from pearl_hpc.weights.wire import WeightsHeader, WeightSyncError, describe, digest, unpack
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class Staged:
     version: int
     path: str | None = None  # the shared file, for engines on this node
     header: dict[str, Any] | None = None  # its layout (WeightsHeader.to_dict)
-    digest: bytes | None = None  # hashed as it was staged (None: not asked for)
+    digest: Future[bytes] | None = None  # being hashed since it was staged (None: not asked)
 
 
 class SharedStore:
@@ -102,15 +103,16 @@ class SharedStore:
     ) -> Staged:
         """``state`` (host tensors) as the engines' copy of ``version``, written once into
         this version's file (floating tensors cast to ``dtype`` on the way, if given;
-        ``digest``: each tensor hashed as the next is written)."""
+        ``digest``: hashed in the background once it is written -- not beside the
+        writes, whose parallel copies the hashing threads would slow several-fold)."""
         made = self.allocate(describe(_like(state, dtype), version, bucket_bytes=ONE_BUCKET))
         if made is None:
             return stage_private(state, version, dtype, digest=digest)
         path, header, named = made
-        views, hasher = dict(named), Hasher(digest)
+        views = dict(named)
         for name, view in views.items():
-            hasher.add(name, view.copy_(state[name]))  # the cast, into shared memory
-        return Staged(views, version, path, header.to_dict(), hasher.result())
+            view.copy_(state[name])  # the cast, straight into shared memory
+        return Staged(views, version, path, header.to_dict(), _hashing(views) if digest else None)
 
     def allocate(
         self, layout: WeightsHeader
@@ -150,14 +152,21 @@ def stage_private(
     digest: bool = False,
 ) -> Staged:
     """``state`` in this process's own memory (no shared file), floating tensors cast to
-    ``dtype`` if given (``to`` copies nothing that is already in it); ``digest``: each
-    hashed as the next is cast."""
-    hasher, cast = Hasher(digest), {}
-    for name, tensor in state.items():
-        floating = dtype is not None and tensor.is_floating_point()
-        cast[name] = tensor.to(dtype) if floating else tensor
-        hasher.add(name, cast[name])
-    return Staged(cast, version, digest=hasher.result())
+    ``dtype`` if given (``to`` copies nothing that is already in it); ``digest``: hashed
+    in the background once cast."""
+    cast = {
+        k: v.to(dtype) if dtype is not None and v.is_floating_point() else v
+        for k, v in state.items()
+    }
+    return Staged(cast, version, digest=_hashing(cast) if digest else None)
+
+
+_HASHING = ThreadPoolExecutor(1, thread_name_prefix="version-digest")  # one version at a time
+
+
+def _hashing(state: Mapping[str, torch.Tensor]) -> Future[bytes]:
+    """``state``'s :func:`~pearl_hpc.weights.wire.digest`, computed in the background."""
+    return _HASHING.submit(digest, list(state.items()))
 
 
 def shares_memory(probe_path: str, token: str) -> bool:

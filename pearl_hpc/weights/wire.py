@@ -372,27 +372,24 @@ def combine(parts: Mapping[str, bytes]) -> bytes:
 
 
 class Hasher:
-    """:func:`digest` of tensors given one at a time as they are written (each hashed in
-    threads while the next is copied): ready with the last one, not a second pass over
-    the version. Off (``on`` false), it hashes nothing and :meth:`result` is None."""
+    """:func:`digest` of tensors given one at a time as they arrive (each hashed in
+    threads while the next arrives): ready with the last one, not a second pass over the
+    version. For a receiver, whose copies out of a GPU bucket are DMA; beside host
+    copies of torch's own threads the hashing threads would slow both."""
 
-    def __init__(self, on: bool = True) -> None:
-        self._pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="hash") if on else None
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="hash")
         self._parts: dict[str, Any] = {}
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Hash ``tensor`` (it must not change until :meth:`result`)."""
-        if self._pool is not None:
-            self._parts[name] = self._pool.submit(tensor_digest, name, tensor)
+        self._parts[name] = self._pool.submit(tensor_digest, name, tensor)
 
-    def result(self) -> bytes | None:
-        if self._pool is None:
-            return None
+    def result(self) -> bytes:
         try:
             return combine({name: part.result() for name, part in self._parts.items()})
         finally:
             self.close()
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)
