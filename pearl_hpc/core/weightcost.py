@@ -1,7 +1,8 @@
 """What one weight version costs on its way from the trainer ranks to the engines, by
 arithmetic (pure): each stage pearl_hpc runs on a GPU cluster, its bytes over a stated
 rate. ``pearl-hpc bench --weights --at-scale`` prints it for Qwen3-8B and Qwen3-30B-A3B
-on PEARL's layout; the simulator charges :attr:`SyncCost.total_s` as each step's sync.
+on PEARL's layout; the simulator charges each step :attr:`SyncCost.trainer_s` and
+:attr:`SyncCost.pause_s` (the publish between them overlaps generation).
 
     trainer ranks (every step, before its ack)        trainer_s
       bf16 all-gather of every tensor (FSDP2)            gather_s    W (R-1)/R / train_bus

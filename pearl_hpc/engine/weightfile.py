@@ -64,9 +64,7 @@ class WeightFile:
     def allocate(cls, layout: WeightsHeader) -> tuple[WeightFile, list[tuple[str, torch.Tensor]]]:
         """An anonymous in-memory file (``memfd``) for ``layout``'s tensors, as one bucket
         in their order, and the (zeroed) views to fill."""
-        whole = WeightsHeader(
-            layout.version, layout.names, layout.shapes, layout.dtypes, (len(layout.names),)
-        )
+        whole = layout.whole()
         fd = os.memfd_create(f"pearl-weights-v{layout.version}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, whole.num_bytes)

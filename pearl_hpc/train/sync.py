@@ -98,6 +98,7 @@ class WeightSync:
         # engines that hold versions received over the network (their node's others map
         # them: catch_up), and one catch-up at a time on each node (host name)
         self._engines: dict[str, EngineClient] = {}
+        self._hosts: dict[str, str] = {}  # each engine's node (host name), once it said
         self._node_locks: dict[str, asyncio.Lock] = {}
         self._p2p = 0
         # client -> whether its engine sees this store's shared memory (asked once)
@@ -172,6 +173,7 @@ class WeightSync:
         leads: dict[str, list[str]] = {}
         first: dict[str, tuple[str, dict[str, Any]]] = {}  # host -> its lead, its share
         for (name, client), share in zip(remote.items(), shares, strict=True):
+            self._hosts[name] = share["host"]
             lead = first.get(share["host"])
             probe = lead[1].get("probe") if lead is not None else None
             if lead is not None and probe and await client.shares_memory(*probe):
@@ -241,6 +243,7 @@ class WeightSync:
         dead = [name for name, ok in zip(members, alive, strict=True) if not ok]
         for name in dead:
             self._engines.pop(name, None)
+            self._hosts.pop(name, None)
         if dead:
             raise MembersLost(dead, failed)
         raise failed
@@ -339,6 +342,7 @@ class WeightSync:
             await self._deliver_nearby(worker_id, client, staged)
         else:
             host = (await client.weights_share())["host"]
+            self._hosts[worker_id] = host
             async with self._node_locks.setdefault(host, asyncio.Lock()):  # one sent a node
                 if await self._from_neighbour(worker_id, client, host, staged.version):
                     how = "neighbour"
@@ -357,7 +361,8 @@ class WeightSync:
         it over the network and keeps it in shared memory (its probe read back: the same
         ``/dev/shm``); False where none does (or its file went: a newer version came)."""
         for name, donor in list(self._engines.items()):
-            if name == worker_id or self.versions.version_of(name) != version:
+            elsewhere = self._hosts.get(name, host) != host  # (no call to another node's)
+            if name == worker_id or elsewhere or self.versions.version_of(name) != version:
                 continue
             try:
                 share = await donor.weights_share()

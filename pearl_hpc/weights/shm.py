@@ -120,9 +120,7 @@ class SharedStore:
         """The file of ``layout``'s version (its tensors as one bucket, in their order):
         its path, that one-bucket header and the zeroed views to fill; None where the
         tmpfs has no room (logged)."""
-        whole = WeightsHeader(
-            layout.version, layout.names, layout.shapes, layout.dtypes, (len(layout.names),)
-        )
+        whole = layout.whole()
         path = self.directory / f"v{whole.version:06d}"
         if not _reserve(path, whole.num_bytes):
             return None

@@ -159,6 +159,10 @@ class WeightsHeader:
         idx = self.bucket(b)
         return _layout(self.shapes[idx.start : idx.stop], self.dtypes[idx.start : idx.stop])[1]
 
+    def whole(self) -> WeightsHeader:
+        """The same tensors as one bucket, in their order (a version's file)."""
+        return WeightsHeader(self.version, self.names, self.shapes, self.dtypes, (len(self.names),))
+
     @property
     def num_bytes(self) -> int:
         """Bytes of every bucket together (what one sync moves)."""
