@@ -181,6 +181,17 @@ def test_trace_window(tmp_path: Path) -> None:
     result = doc["systems"]["rlboost+"]
     assert result["reconfigurations"] > 2  # a grant at 50 s, a reclaim at 850 s
     assert max(s["dedicated_rollout_gpus"] for s in result["per_step"]) > 4
+    # the same pool standing for a 4x larger cluster: 24 spot GPUs at 100 s, 8 at 900 s
+    proc = cli(
+        "--trace", str(trace), "--start-s", "50", "--trace-scale", "4", "--json", *BASE,
+        "--systems", "rlboost+",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    scaled = json.loads(proc.stdout)
+    assert scaled["trace"] == "spot[50+1800]x4"
+    peak = max(s["dedicated_rollout_gpus"] for s in scaled["systems"]["rlboost+"]["per_step"])
+    assert peak > 4 + 6, peak
+    assert scaled["fluid_bound"]["rollout_worker_s"] > doc["fluid_bound"]["rollout_worker_s"]
 
 
 # ---------------------------------------------------------------------------- errors
@@ -210,6 +221,7 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> N
         (["--tp", "0"], ["--tp"]),
         (["--duration-s", "-5"], ["--duration-s"]),
         (["--router", "random"], ["--router"]),
+        (["--trace-scale", "0"], ["--trace-scale", ">= 0.01"]),
         (["--tp", "8"], ["reserved rollout GPUs = 4 cannot be split into TP8 workers"]),
         (["--rollout-gpus", "5", "--no-elastic"], ["--rollout-gpus = 5", "multiple of 2"]),
         (["--training-gpus", "1"], ["--training-gpus = 1"]),

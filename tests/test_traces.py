@@ -161,6 +161,16 @@ def test_window_rebases(small: AvailabilityTrace) -> None:
         assert w.count_at(t) == small.count_at(t + 5)
 
 
+def test_scaled_counts_round_down(small: AvailabilityTrace) -> None:
+    big = small.scaled(42.5)
+    assert big.times_s == small.times_s and big.name == "smallx42.5"
+    assert big.counts == (85, 212, 42, 42)
+    assert small.scaled(1) is small
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(TraceError, match="positive"):
+            small.scaled(bad)
+
+
 def test_window_boundaries(small: AvailabilityTrace) -> None:
     # starting on a change: the first point carries the new value, no change at 0
     w = small.window(10, 20)

@@ -51,6 +51,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         segment=None if args.trace else (args.segment if args.segment is not None else 2),
         trace_path=args.trace,
         start_s=args.start_s,
+        trace_scale=args.trace_scale,
         duration_s=args.duration_s,
         rollout_gpus=args.rollout_gpus,
         training_gpus=args.training_gpus,
@@ -155,6 +156,13 @@ def add_parsers(sub: Any) -> None:
     sim.add_argument("--trace", help="availability trace CSV (seconds,instances)")
     sim.add_argument(
         "--start-s", type=non_negative_float, default=0.0, help="window start in --trace"
+    )
+    sim.add_argument(
+        "--trace-scale",
+        type=number(float, 0.01, 10_000),
+        default=1.0,
+        help="GPUs per instance of the trace or segment: scales a spot pool to a larger "
+        "cluster (42 turns PEARL's 0-12 instances into 0-504 GPUs)",
     )
     sim.add_argument(
         "--duration-s",

@@ -133,6 +133,19 @@ class AvailabilityTrace:
         span = self.duration_s
         return self.num_changes * 3600.0 / span if span > 0 else 0.0
 
+    def scaled(self, factor: float) -> AvailabilityTrace:
+        """Every count times ``factor``, rounded down: a pool of spot instances standing
+        for a larger cluster's (one instance = ``factor`` GPUs)."""
+        if not (math.isfinite(factor) and factor > 0):
+            raise TraceError(f"trace {self.name!r}: scale {factor} must be a positive number")
+        if factor == 1:
+            return self
+        return AvailabilityTrace(
+            name=f"{self.name}x{factor:g}",
+            times_s=self.times_s,
+            counts=tuple(int(c * factor) for c in self.counts),
+        )
+
     def window(self, start_s: float, duration_s: float) -> AvailabilityTrace:
         """The part ``[start_s, start_s + duration_s)`` re-based to start at 0.
 

@@ -20,6 +20,7 @@ forward) at a stated MFU, plus the weight broadcast to rollout workers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from pearl_hpc.core.weightcost import SyncCost, sync_cost
 from pearl_hpc.errors import PearlError
@@ -187,11 +188,12 @@ class CostModel:
         return cost
 
     # ------------------------------------------------------------------ sizes
-    @property
+    # (cached: the simulator asks them at every engine iteration)
+    @cached_property
     def kv_bytes_per_token(self) -> int:
         return self.model.kv_bytes_per_token
 
-    @property
+    @cached_property
     def kv_capacity_tokens(self) -> int:
         usable = self.tp * (
             self.gpu.memory_bytes * GPU_MEMORY_UTILIZATION - ACTIVATION_RESERVE_BYTES
@@ -199,7 +201,7 @@ class CostModel:
         return int((usable - self.model.weight_bytes) / self.kv_bytes_per_token)
 
     # ------------------------------------------------------------- iterations
-    @property
+    @cached_property
     def _overhead_s(self) -> float:
         allreduce = 2 * self.model.num_layers * ALLREDUCE_LATENCY_S if self.tp > 1 else 0.0
         return ITERATION_OVERHEAD_S + allreduce
@@ -211,28 +213,43 @@ class CostModel:
         touched = 1.0 - (1.0 - m.experts_per_token / m.num_experts) ** max(tokens, 1.0)
         return 2.0 * (m.total_params - m.expert_params) + 2.0 * m.expert_params * touched
 
+    @cached_property
+    def _linear_per_token(self) -> float:
+        return 2.0 * self.model.active_params
+
+    @cached_property
+    def _attention_per_token(self) -> float:
+        m = self.model
+        return 4.0 * m.num_layers * m.num_q_heads * m.head_dim
+
+    @cached_property
+    def _hbm_bytes_per_s(self) -> float:
+        return self.tp * self.gpu.hbm_bytes_per_s * MEM_EFFICIENCY
+
+    @cached_property
+    def _peak_flops(self) -> float:
+        return self.tp * self.gpu.bf16_flops
+
     def _linear_flops(self, tokens: float) -> float:
-        return 2.0 * self.model.active_params * tokens
+        return self._linear_per_token * tokens
 
     def _attention_flops(self, context_tokens: float) -> float:
-        m = self.model
-        return 4.0 * m.num_layers * m.num_q_heads * m.head_dim * context_tokens
+        return self._attention_per_token * context_tokens
 
     def decode_iteration_s(self, num_seqs: int, context_tokens: float) -> float:
         """One decode step of ``num_seqs`` sequences holding ``context_tokens`` in all."""
-        bw = self.tp * self.gpu.hbm_bytes_per_s * MEM_EFFICIENCY
         memory_s = (
             self._weight_bytes_read(num_seqs) + context_tokens * self.kv_bytes_per_token
-        ) / bw
-        flops = self._linear_flops(num_seqs) + self._attention_flops(context_tokens)
-        compute_s = flops / (self.tp * self.gpu.bf16_flops)
+        ) / self._hbm_bytes_per_s
+        flops = self._linear_per_token * num_seqs + self._attention_per_token * context_tokens
+        compute_s = flops / self._peak_flops
         return max(memory_s, compute_s) + self._overhead_s
 
     def prefill_chunk_s(self, tokens: float, context_tokens: float) -> float:
         """Compute time of a prefill chunk of ``tokens`` whose attention spans
         ``context_tokens`` on average (prefix + half the chunk)."""
         eff = PREFILL_EFFICIENCY_MOE if self.model.num_experts else PREFILL_EFFICIENCY_DENSE
-        peak = self.tp * self.gpu.bf16_flops
+        peak = self._peak_flops
         linear_s = self._linear_flops(tokens) / (peak * eff)
         return linear_s + self._attention_flops(tokens * context_tokens) / (
             peak * ATTENTION_EFFICIENCY
@@ -240,7 +257,7 @@ class CostModel:
 
     def prefill_iteration_s(self, tokens: float, context_tokens: float) -> float:
         """A prefill-only iteration (a dedicated prefill worker); eager, no CUDA graph."""
-        bw = self.tp * self.gpu.hbm_bytes_per_s * MEM_EFFICIENCY
+        bw = self._hbm_bytes_per_s
         memory_s = self._weight_bytes_read(tokens) / bw
         compute_s = self.prefill_chunk_s(tokens, context_tokens)
         return max(memory_s, compute_s) + self._overhead_s + self.eager_launch_s
@@ -256,7 +273,7 @@ class CostModel:
             + self.eager_launch_s
         )
 
-    @property
+    @cached_property
     def eager_launch_s(self) -> float:
         return self.model.num_layers * EAGER_LAUNCH_S_PER_LAYER
 

@@ -288,7 +288,7 @@ class Simulator(WorkerPhysics):
     def change_roles(self, changes: Sequence[tuple[int, Role]]) -> None:
         for slot_id, role in changes:
             w = self.workers[slot_id]
-            w.role = role
+            w.set_role(role)
             self._table_changed()
             if w.state == "starting":
                 continue  # joins directly in its new role

@@ -112,16 +112,20 @@ class SimWorker:
     version: int = 0
     paused_until: float = 0.0  # loading new weights: no iteration before this
     routed: int = 0  # turns routed here in total (the router's tie-break)
+    # decoding requests allocate KV as they generate (else it was preallocated): colocated
+    grows: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.grows = self.role is Role.COLOCATED
+
+    def set_role(self, role: Role) -> None:
+        self.role = role
+        self.grows = role is Role.COLOCATED
 
     @property
     def candidate(self) -> tuple[int, int, int]:
         """As the router sees it: (requests on the worker, turns routed, id)."""
         return (len(self.decode) + len(self.prefill) + len(self.waiting), self.routed, self.slot_id)
-
-    @property
-    def grows(self) -> bool:
-        """Decoding requests allocate KV as they generate (else it was preallocated)."""
-        return self.role is Role.COLOCATED
 
     @property
     def kv_used(self) -> float:

@@ -61,6 +61,7 @@ class SimRequest:
     systems: Sequence[str] | None = None  # None: DEFAULT_SYSTEMS (just pearl with a sweep)
     segment: int | None = 2
     trace_path: str | None = None
+    trace_scale: float = 1.0  # GPUs per instance of the trace (a pool scaled to a cluster)
     start_s: float = 0.0
     duration_s: float | None = None
     rollout_gpus: int | None = None  # fixed resources (no elastic trace)
@@ -94,6 +95,8 @@ class SimRequest:
             duration = 7200.0 if self.duration_s is None else self.duration_s
         if self.rollout_gpus is not None:
             trace = None
+        if trace is not None:
+            trace = trace.scaled(self.trace_scale)
         if duration <= 0:
             raise SimConfigError(f"--duration-s must be > 0, got {duration:g}")
         return trace, duration
