@@ -138,12 +138,17 @@ def _median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def format_table(out: dict[str, Any]) -> str:
+def table_rows(out: dict[str, Any]) -> list[tuple[str, str]]:
+    """(what, measured) of one run: medians over the repeats; the throughput and the KV
+    pulled per repeat too."""
     tp = out["throughput"]
     col = _median([r["tokens_per_s"] for r in tp["colocated"]])
     dis = _median([r["tokens_per_s"] for r in tp["disaggregated"]])
-    kv = _median([r["kv_bytes"] for r in tp["disaggregated"]])
-    rows = [
+
+    def each(mode: str, key: str, scale: float, fmt: str) -> str:
+        return " / ".join(format(r[key] / scale, fmt) for r in tp[mode])
+
+    return [
         ("engine start (in-process vLLM, 2 at once)", f"{_median(out['engine_start_s']):.2f} s"),
         (
             "role change, colocated -> PD the first time (drain + stop + start)",
@@ -168,10 +173,20 @@ def format_table(out: dict[str, Any]) -> str:
             "first PD turn of a new pair (NIXL handshake)",
             f"{_median(out['pd_first_turn_s']):.2f} s",
         ),
-        ("tokens/s colocated (2 C)", f"{col:.0f}"),
-        ("tokens/s disaggregated (1 P + 1 D)", f"{dis:.0f}  (x{dis / col:.2f} of colocated)"),
-        ("KV pulled over NIXL per batch", f"{kv / 1e6:.1f} MB"),
+        ("tokens/s colocated (2 C), each repeat", each("colocated", "tokens_per_s", 1, ".0f")),
+        (
+            "tokens/s disaggregated (1 P + 1 D), each repeat",
+            each("disaggregated", "tokens_per_s", 1, ".0f") + f" (x{dis / col:.2f} of colocated)",
+        ),
+        (
+            "KV pulled over NIXL per batch, each repeat",
+            each("disaggregated", "kv_bytes", 1e6, ".1f") + " MB",
+        ),
     ]
+
+
+def format_table(out: dict[str, Any]) -> str:
+    rows = table_rows(out)
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
