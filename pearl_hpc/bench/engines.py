@@ -149,33 +149,39 @@ def table_rows(out: dict[str, Any]) -> list[tuple[str, str]]:
         return " / ".join(format(r[key] / scale, fmt) for r in tp[mode])
 
     return [
-        ("engine start (in-process vLLM, 2 at once)", f"{_median(out['engine_start_s']):.2f} s"),
         (
-            "role change, colocated -> PD the first time (drain + stop + start)",
+            "engine start, first in a process (imports vLLM), 2 at once",
+            f"{_median(out['engine_start_s']):.2f} s",
+        ),
+        (
+            "role change of a plain colocated engine to PD (drain + stop + start as kv_both)",
             f"{_median(out.get('role_restart_s', [])):.2f} s",
         ),
         (
-            "role change in place (NIXL kv_both engine)",
+            "role change of a kv_both engine (in place)",
             f"{_median(out.get('role_in_place_s', [])) * 1000:.1f} ms",
         ),
         (
-            "weight load (reload_weights + prefix reset)",
+            "weight load, version-tagged (reload_weights + prefix-cache reset)",
             f"{_median(out['weight_load_s']) * 1000:.0f} ms"
             f" for {out['weights_bytes'] / 1e6:.1f} MB",
         ),
-        ("deactivate (drain + release)", f"{_median(out['deactivate_s']):.2f} s"),
+        ("deactivate (drain, partials returned, release)", f"{_median(out['deactivate_s']):.2f} s"),
         ("activate (restore + weights + admit)", f"{_median(out['activate_s']):.2f} s"),
         (
-            "RSS per engine process serving / released",
+            "memory per engine process (RSS), serving / released",
             f"{out['rss_serving_bytes'] / 2**30:.2f} / {out['rss_released_bytes'] / 2**30:.2f} GiB",
         ),
         (
-            "first PD turn of a new pair (NIXL handshake)",
+            "first PD turn of a new prefill/decode pair (NIXL handshake)",
             f"{_median(out['pd_first_turn_s']):.2f} s",
         ),
-        ("tokens/s colocated (2 C), each repeat", each("colocated", "tokens_per_s", 1, ".0f")),
         (
-            "tokens/s disaggregated (1 P + 1 D), each repeat",
+            "tokens/s colocated (2 colocated workers), each repeat",
+            each("colocated", "tokens_per_s", 1, ".0f"),
+        ),
+        (
+            "tokens/s disaggregated (1 prefill + 1 decode), each repeat",
             each("disaggregated", "tokens_per_s", 1, ".0f") + f" (x{dis / col:.2f} of colocated)",
         ),
         (

@@ -29,6 +29,8 @@ COMMANDS = {
     "checkpoint": "pearl-hpc bench --checkpoint",
     "train": "pearl-hpc bench --train",
     "weights": "pearl-hpc bench --weights --gib 2",
+    "engines": "pearl-hpc bench --engines",
+    "plane": "pearl-hpc bench --plane",
 }
 
 
@@ -155,6 +157,39 @@ def _weights(result: dict[str, Any]) -> list[str]:
     return [*out, "", tail[0].upper() + tail[1:]]
 
 
+def _engines(result: dict[str, Any]) -> list[str]:
+    from pearl_hpc.bench.engines import table_rows
+
+    out = ["| what (median of the repeats) | measured |", "|---|---|"]
+    return out + [f"| {what} | {value} |" for what, value in table_rows(result)]
+
+
+def _plane(rows: list[dict[str, Any]]) -> list[str]:
+    out = [
+        "| ranks | start: launch -> every hello | loop per plan (`partition`) "
+        "| a command to every member -> every ack | longest loop gap over 20 plans |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['ranks']} | {r['start_s']:.2f} s | {r['partition_ms']:.2f} ms "
+            f"| {r['fanout_ms']:.1f} ms | {r['plan_gap_ms']:.1f} ms |"
+        )
+    for r in rows:
+        if "burst_s" in r:
+            out += [
+                "",
+                f"A burst of elastic components launched at once (one `mpiexec.gforker -n 1` each) "
+                f"beside the {r['ranks']}-rank world: {r['joined']} joined in "
+                f"{r['burst_s']:.1f} s; "
+                f"go -> proven hello {r['join_ms']:.1f} ms and the pump's `Accept` "
+                f"{r['accept_ms']:.1f} ms per join (medians); the master's longest poll "
+                f"{r['burst_poll_ms']:.1f} ms of CPU, its longest gap between loop turns "
+                f"{r['burst_gap_ms']:.0f} ms.",
+            ]
+    return out
+
+
 # a generated block's name: its bench, or BENCH.PART for one of a bench's tables
 TABLES: dict[str, Callable[[Any], list[str]]] = {
     "decision": _decision,
@@ -166,6 +201,8 @@ TABLES: dict[str, Callable[[Any], list[str]]] = {
     "train.memory": _train_memory,
     "train.packing": _train_packing,
     "weights": _weights,
+    "engines": _engines,
+    "plane": _plane,
 }
 
 
