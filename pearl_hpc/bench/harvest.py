@@ -219,7 +219,8 @@ def main(
         results[request] = run_one(Path(config), request, work, segment, speedup, steps)
     args = {"config": config, "segment": segment, "speedup": speedup, "steps": steps}
     ratios = {f"{r}: efficiency": results[r]["efficiency"] or 0.0 for r in requests}
-    record.append(record_to, "harvest", results, ratios, {**args, "requests": list(requests)})
+    kept = {r: {k: v for k, v in res.items() if k != "run_dir"} for r, res in results.items()}
+    record.append(record_to, "harvest", kept, ratios, {**args, "requests": list(requests)})
     if as_json:
         print(json.dumps(results, indent=1))
         return 0

@@ -5,7 +5,7 @@ For each world of ``--ranks`` protocol-only ranks (``mpiexec.gforker -n N``; ran
 the product's ``MasterPlane`` + ``Members`` with its doorman, the others answering
 commands, no engines):
 
-- start: launch -> every base hello;
+- start: the master's plane and members started -> every base rank's hello;
 - per plan: the loop's time in ``Members.partition()`` after a role change of every
   member, and a command fanned out to every member -> every ack (the loop serves
   meanwhile);

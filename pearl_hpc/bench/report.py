@@ -31,6 +31,7 @@ COMMANDS = {
     "weights": "pearl-hpc bench --weights --gib 2",
     "engines": "pearl-hpc bench --engines",
     "plane": "pearl-hpc bench --plane",
+    "harvest": "pearl-hpc bench --harvest --speedup 30 --steps 80",
 }
 
 
@@ -166,7 +167,7 @@ def _engines(result: dict[str, Any]) -> list[str]:
 
 def _plane(rows: list[dict[str, Any]]) -> list[str]:
     out = [
-        "| ranks | start: launch -> every hello | loop per plan (`partition`) "
+        "| ranks | the master's plane up -> every base hello | loop per plan (`partition`) "
         "| a command to every member -> every ack | longest loop gap over 20 plans |",
         "|---:|---:|---:|---:|---:|",
     ]
@@ -190,6 +191,34 @@ def _plane(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _harvest(results: dict[str, dict[str, Any]]) -> list[str]:
+    kinds = list(results)
+
+    def spread(s: dict[str, float] | None) -> str:
+        return "-" if s is None else f"{s['median']:g} / {s['max']:g}"
+
+    rows: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+        ("offered (idle worker-seconds)", lambda r: f"{r['offered_worker_s']:.1f}"),
+        ("served (admitted and serving)", lambda r: f"{r['served_worker_s']:.1f}"),
+        (
+            "**efficiency**",
+            lambda r: "-" if r["efficiency"] is None else f"**{r['efficiency']:.2f}**",
+        ),
+        ("gap: not held (no request running there)", lambda r: f"{r['not_held_worker_s']:.1f}"),
+        ("gap: preparing (Slurm start -> admitted)", lambda r: f"{r['preparing_worker_s']:.1f}"),
+        ("gap: draining (notice -> released)", lambda r: f"{r['draining_worker_s']:.1f}"),
+        ("grants / reclaims (components)", lambda r: f"{r['grants']} / {r['reclaims']}"),
+        ("submit -> RUNNING, median / max (s)", lambda r: spread(r["submit_to_running_s"])),
+        ("RUNNING -> admitted, median / max (s)", lambda r: spread(r["running_to_admitted_s"])),
+        ("steps / lost trajectories", lambda r: f"{r['steps']} / {r['lost_trajectories']}"),
+        ("window both ran (s)", lambda r: f"{r['window_s']:.1f}"),
+    ]
+    out = ["| | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
+    for name, cell in rows:
+        out.append(f"| {name} | " + " | ".join(cell(results[k]) for k in kinds) + " |")
+    return out
+
+
 # a generated block's name: its bench, or BENCH.PART for one of a bench's tables
 TABLES: dict[str, Callable[[Any], list[str]]] = {
     "decision": _decision,
@@ -203,6 +232,7 @@ TABLES: dict[str, Callable[[Any], list[str]]] = {
     "weights": _weights,
     "engines": _engines,
     "plane": _plane,
+    "harvest": _harvest,
 }
 
 
