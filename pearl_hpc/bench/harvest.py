@@ -38,10 +38,9 @@ from typing import Any
 import yaml
 
 from pearl_hpc.bench import record
-from pearl_hpc.config.files import REPO_CONFIGS
 from pearl_hpc.rundir import RunDir, read_jsonl
 
-REPO = REPO_CONFIGS.parent
+REPO = record.SOURCE  # the checkout: slurm/replay-load
 REQUESTS = ("single", "hetjob")
 
 
