@@ -307,6 +307,37 @@ def test_near_the_runs_end_no_elastic_worker_is_asked_for(tmp_path: Path, monkey
     assert summary["counters"]["grows"] == 0
 
 
+@pytest.mark.vllm
+@pytest.mark.skipif(vllm_skip_reason() is not None, reason=str(vllm_skip_reason()))
+def test_staleness_two_rolls_out_two_steps_ahead_of_a_slow_trainer(tmp_path: Path, monkeypatch):
+    """``max_staleness: 2`` with a trainer slower than a rollout (6 epochs of one
+    trajectory per optimizer step): rollout k+2 starts at rollout k+1's end while step k
+    still trains, on weights two versions behind, and the trainer accepts them; every
+    trajectory is trained and no batch is more than 2 versions old."""
+    monkeypatch.setenv("PEARL_HPC_CACHE", str(tmp_path / "cache"))
+    config = {
+        **CONFIG,
+        "profile": MEASURED,
+        "workers": {"training_gpus": 1, "reserved_rollout": 1, "overlap": 0},
+        "elastic": {"grace_s": 30, "trace": []},
+        "run": {**CONFIG["run"], "steps": 5, "max_staleness": 2},
+        "train": {"epochs": 6, "minibatch_size": 1},
+    }
+    cfg = load_run_config(_write(tmp_path, config))
+    run_dir = tmp_path / "runs" / "t"
+    run_to_summary(cfg, run_dir)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["trajectories"] for m in metrics] == [16] * 5
+    assert [m["version"] for m in metrics] == [1, 2, 3, 4, 5]
+    assert max(m["max_staleness"] for m in metrics) == 2, metrics
+    # rollout k+2 began before step k was trained (recorded)
+    ahead = [k for k in range(3) if metrics[k + 2]["rollout_started_s"] < metrics[k]["t_s"]]
+    assert ahead, [(m["rollout_started_s"], m["t_s"]) for m in metrics]
+    # one rollout at a time: each starts at (or after) the previous one's end
+    for prev, nxt in itertools.pairwise(metrics):
+        assert nxt["rollout_started_s"] >= prev["rollout_ended_s"] - 0.01
+
+
 def _replay_member(rank: int, store: str, run_dir: str, world: int, start: int, out) -> None:
     """A trainer rank of ``world`` (FSDP2 over gloo when 2) that trains the run's steps
     ``start``.. from their trajectory logs, from the run's checkpoint of version ``start``
@@ -452,10 +483,10 @@ def test_fsdp2_checkpoints_and_a_killed_trainer_replays_its_steps_from_the_log(
         assert e["loss"] == metrics[e["step"]]["loss"]
     rolled = [e["step"] for e in events if e.get("event") == "StepTelemetry"]
     assert rolled == list(range(6))  # each step rolled out once: 3 and 4 not again
-    # every version went out once: step 4's (5) before the loss was seen or after the
-    # replay, then step 5's
+    # every version a rollout could start on went out once (the last rollout, step 5's,
+    # started on 4 at step 4's rollout's end: 5 went to none), then the last step's
     publishes = [e["version"] for e in events if e["kind"] == "publish"]
-    assert publishes == [1, 2, 3, 4, 5, 6], publishes
+    assert publishes == [1, 2, 3, 4, 6], publishes
     saved = [e["version"] for e in events if e["kind"] == "checkpoint"]
     assert saved == [3, 6]  # every 3 steps (the replayed ones had none) and the last
     kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir())

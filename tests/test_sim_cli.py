@@ -222,6 +222,7 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> N
         (["--duration-s", "-5"], ["--duration-s"]),
         (["--router", "random"], ["--router"]),
         (["--trace-scale", "0"], ["--trace-scale", ">= 0.01"]),
+        (["--max-staleness", "5"], ["--max-staleness", "<= 4"]),
         (["--tp", "8"], ["reserved rollout GPUs = 4 cannot be split into TP8 workers"]),
         (["--rollout-gpus", "5", "--no-elastic"], ["--rollout-gpus = 5", "multiple of 2"]),
         (["--training-gpus", "1"], ["--training-gpus = 1"]),

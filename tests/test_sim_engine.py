@@ -692,6 +692,32 @@ def test_pearl_plus_starts_the_next_batch_in_the_tail_and_trains_in_step_order()
     assert plus._next_train == plus._trained_step + 1 + (plus._training_running is not None)
 
 
+def test_a_staleness_of_two_keeps_three_batches_in_flight_within_the_bound() -> None:
+    """pearl+ with ``--max-staleness 2``: batch j+2 starts before batch j has finished
+    (never at staleness 1), but only once training step j-1 has (batch j may start once
+    step j-1-s is trained); more batches train in the hour."""
+    sims: dict[int, Simulator] = {}
+    for s in (1, 2):
+        kept: dict[str, Simulator] = {}
+        req = SimRequest(segment=2, duration_s=3600, systems=("pearl+",), max_staleness=s)
+        simulate(req, keep=kept)
+        sims[s] = kept["pearl+"]
+
+    def three_in_flight(sim: Simulator) -> list[int]:
+        steps = sim.steps
+        return [
+            a.step
+            for a, c in zip(steps, steps[2:], strict=False)
+            if a.finished_s == 0 or c.rollout_started_s < a.finished_s
+        ]
+
+    assert three_in_flight(sims[2]) and not three_in_flight(sims[1])
+    trained = {s.step: s.trained_s for s in sims[2].steps}
+    for rec in sims[2].steps[3:]:
+        assert 0 < trained[rec.step - 3] <= rec.rollout_started_s, rec
+    assert len(finished_steps(sims[2])) > len(finished_steps(sims[1]))
+
+
 def test_tail_level_is_where_decode_runs_at_half_its_bound() -> None:
     from pearl_hpc.core.policies import tail_level
 

@@ -19,6 +19,7 @@ from pearl_hpc.cli.common import (
     resolve_profile,
     resolve_workload,
 )
+from pearl_hpc.config.run import MAX_STALENESS
 from pearl_hpc.errors import ConfigError
 from pearl_hpc.sim.systems import ROUTERS
 
@@ -57,6 +58,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         training_gpus=args.training_gpus,
         batch_size=args.batch_size,
         max_trajectory_tokens=args.max_trajectory_tokens,
+        max_staleness=args.max_staleness,
         seed=args.seed,
         sweep_static=args.sweep_static,
         router=args.router,
@@ -187,6 +189,12 @@ def add_parsers(sub: Any) -> None:
     sim.add_argument("--training-gpus", type=number(int, 1, 1 << 16), default=16)
     sim.add_argument("--batch-size", type=number(int, 1, MAX_BATCH), default=None)
     sim.add_argument("--max-trajectory-tokens", type=number(int, 1, 1 << 22), default=None)
+    sim.add_argument(
+        "--max-staleness",
+        type=number(int, 0, MAX_STALENESS),
+        default=None,
+        help="weight versions a batch may lag the trainer (default: the workload's, 1)",
+    )
     sim.add_argument("--seed", type=non_negative_int, default=0)
     sim.add_argument(
         "--sweep-static",

@@ -47,6 +47,7 @@ BACKENDS = ("local", "slurm")
 LR_SCHEDULES = ("constant", "cosine")  # the trainer's learning-rate schedules
 CORRECTIONS = ("none", "tis", "decoupled")  # the objective's options (train/objective.py)
 LOSS_TYPES = ("bnpo", "grpo", "dr_grpo")
+MAX_STALENESS = 4  # the most weight versions a rollout may lag behind the trainer
 # vLLM EngineArgs the engines set themselves (engine.vllm_args may not), and from what
 OWNED_ARGS = {
     "model": "the run's model",
@@ -295,11 +296,12 @@ class RunSettings:
         ge=3,
     )
     max_staleness: int = spec_field(
-        "1: step k+1's rollout runs while step k trains (its batch is one version "
-        "behind); 0: synchronous steps",
+        "rollouts run up to this many weight versions behind the trainer: 1: step k+1's "
+        "rollout runs while step k trains; 2: rollouts k+1 and k+2 may; 0: synchronous "
+        "steps",
         default=1,
         ge=0,
-        le=1,
+        le=MAX_STALENESS,
     )
 
     @property

@@ -68,6 +68,7 @@ class SimRequest:
     training_gpus: int = 16
     batch_size: int | None = None
     max_trajectory_tokens: int | None = None
+    max_staleness: int | None = None  # None: the workload's
     seed: int = 0
     workload_path: str | Path = DEFAULT_WORKLOAD
     sweep_static: bool = False
@@ -200,6 +201,8 @@ def simulate(
         changes["batch_size"] = req.batch_size
     if req.max_trajectory_tokens is not None:
         changes["max_trajectory_tokens"] = req.max_trajectory_tokens
+    if req.max_staleness is not None:
+        changes["staleness"] = req.max_staleness
     workload = dataclasses.replace(workload, **changes)
     if req.router not in ROUTERS:
         raise SimConfigError(f"--router {req.router!r}: choose {', '.join(ROUTERS)}")
