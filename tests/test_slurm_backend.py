@@ -208,6 +208,33 @@ def test_the_expected_start_of_a_request_made_now_is_slurms_last_estimate(
     assert seen[3] == 0.0
 
 
+def test_a_kept_start_estimate_is_asked_again_and_follows_nodes_going_idle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A withdrawn request's far estimate (Slurm plans by the running jobs' time limits)
+    is asked again by ``sbatch --test-only`` once ESTIMATE_RENEW_S old while nothing is
+    pending: when the other users' jobs end early, the request made now starts at once
+    and the gate sees it; never while a request is pending (squeue carries its own)."""
+    backend, _ = _backend(tmp_path, PoolConfig(partition="a"), PoolConfig(partition="b"))
+    slurm = FakeSlurm(backend.tag)
+    slurm.start_in = {"a": 3600.0, "b": 7200.0}
+    backend.client = SlurmClient(slurm, min_backoff_s=0.0)
+    seen: list[float] = []
+    _run(
+        backend,
+        1,
+        0,  # withdrawn: an hour's estimate kept
+        lambda: seen.append(backend.starts_in_s()),
+        lambda: slurm.start_in.update(a=None, b=0.0),  # b's nodes went idle
+        lambda: seen.append(backend.starts_in_s()),  # not asked yet: still an hour
+        lambda: monkeypatch.setattr(backend_mod, "ESTIMATE_RENEW_S", 0.0),
+        lambda: seen.append(backend.starts_in_s()),
+    )
+    assert seen[0] == pytest.approx(3600, abs=5) and seen[1] == pytest.approx(3600, abs=5)
+    assert seen[2] == pytest.approx(0, abs=2)
+    assert len(slurm.scripts) == 1  # one request only: --test-only submits nothing
+
+
 def test_a_hetjob_request_is_one_job_of_every_pools_components(tmp_path: Path) -> None:
     pools = (
         PoolConfig(partition="a", gpus_per_worker=2, hetjob_workers=1, qos="low", role="prefill"),

@@ -77,6 +77,7 @@ _SHOWN = {  # a component's state as status and the live view show it
 }
 LIVE = {MemberState.MEMBER, MemberState.LEAVING}
 SUBMIT_RETRY_S = 5.0  # a submission that met an unreachable slurmctld is retried after
+ESTIMATE_RENEW_S = 30.0  # a kept start estimate (no request pending) is asked again after
 # what sbatch says when the controller could not be reached (retried; anything else, e.g.
 # a bad partition, is reported and not retried)
 TRANSIENT_SLURM_ERRORS = ("Unable to contact slurm controller", "Socket timed out", "no answer",
@@ -191,6 +192,7 @@ class SlurmBackend:
         self._turn = 0  # the pool the next single request goes to
         self._retry_at: float | None = None
         self._expected_start: float | None = None  # Slurm's last start estimate (epoch s)
+        self._estimated_at = 0.0  # when it was made (monotonic)
         self.released: set[str] = set()  # components the controller gave back
         self._held: dict[str, list[CapacityGranted]] = {}  # grants of a partly started job
         # scancel targets waiting for their component's rank to leave the world
@@ -296,8 +298,9 @@ class SlurmBackend:
     def starts_in_s(self) -> float:
         """When Slurm would start a request made now, from now: the soonest expected
         start of the run's pending requests (squeue's ``%S``), else the last estimate
-        seen (a withdrawn request's, ``sbatch --test-only``'s); 0 when none is known or
-        a request started since."""
+        seen (a withdrawn request's, ``sbatch --test-only``'s, renewed every
+        ESTIMATE_RENEW_S: :meth:`_renew_estimate`); 0 when none is known or a request
+        started since."""
         pending = [
             c.expected_start
             for c in self.manager.live()
@@ -305,6 +308,7 @@ class SlurmBackend:
         ]
         if pending:
             self._expected_start = min(pending)
+            self._estimated_at = time.monotonic()
         if self._expected_start is None:
             return 0.0
         return max(0.0, self._expected_start - time.time())
@@ -398,7 +402,30 @@ class SlurmBackend:
         known = [t for t in starts.values() if t is not None]
         if known:
             self._expected_start = time.time() + min(known)
+            self._estimated_at = time.monotonic()
         return [earliest_pool(starts, order)], starts
+
+    async def _renew_estimate(self) -> None:
+        """The kept start estimate, asked of Slurm again (``sbatch --test-only``: nothing
+        submitted) once it is ESTIMATE_RENEW_S old and no request of the run is pending
+        to carry a fresh one. It was the scheduler's plan when made, from the time limits
+        of the jobs then running, which often end sooner: kept for good, a far estimate
+        holds the demand at 0 while nodes go idle."""
+        if self._expected_start is None or self._expected_start <= time.time():
+            return
+        if time.monotonic() - self._estimated_at < ESTIMATE_RENEW_S:
+            return
+        if any(c.state is ComponentState.PENDING for c in self.manager.live()):
+            return
+        pools = [i for i in range(len(self.elastic.pools)) if i not in self.refused]
+        if self.elastic.request == "hetjob":
+            specs = [self._spec(request_pools(self.elastic, self._turn))] if pools else []
+        else:
+            specs = [self._spec([i]) for i in pools]
+        starts = [await asyncio.to_thread(self.client.start_estimate, s) for s in specs]
+        known = [t for t in starts if t is not None]
+        self._expected_start = time.time() + min(known) if known else None
+        self._estimated_at = time.monotonic()
 
     def _spec(self, pools: list[int]) -> JobSpec:
         return elastic_job_spec(
@@ -515,6 +542,7 @@ class SlurmBackend:
                 await self._put(event)
         await self._release_grants()
         await self._cancel_left()
+        await self._renew_estimate()
         if not reclaimed:  # (a reclaim changes the demand: asked at the next round)
             await self._request()
 
