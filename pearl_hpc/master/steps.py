@@ -193,6 +193,9 @@ class StepPipeline:
         training: asyncio.Task[tuple[TrainResult, float, float]] | None = None
         try:
             while step < last:
+                for task in rollouts.values():  # a rollout that failed ends the run now
+                    if task.done() and not task.cancelled() and task.exception() is not None:
+                        task.result()
                 boundary = start < last and (start == first_step or self._ended(start - 1))
                 if boundary and training is None and trained > published:
                     self.last_sync_s = await self.publish(trained)
@@ -227,8 +230,7 @@ class StepPipeline:
         last: int,
     ) -> None:
         """Until the training step ends, or (none running) step ``step``'s rollout, or the
-        newest rollout ends (tail_start: reaches its tail). A rollout that failed raises
-        here."""
+        newest rollout ends (tail_start: reaches its tail)."""
         waits: set[asyncio.Future[Any]] = {training} if training is not None else set()
         if training is None and step < start:
             waits.add(rollouts[step])
@@ -243,9 +245,6 @@ class StepPipeline:
         finally:
             if tail is not None:
                 tail.cancel()
-        for task in rollouts.values():
-            if task.done() and not task.cancelled() and task.exception() is not None:
-                task.result()
 
     async def replay(self, first_step: int) -> None:
         """A resumed trainer is at its newest checkpoint's version v: the recorded steps
