@@ -11,7 +11,10 @@ Runs the same run YAML twice on real engines:
   simulator's pearl+): step k+2's rollout starts in step k+1's tail, on the weights of
   step k, once fewer trajectories are left than the serving workers can keep busy; in
   disaggregated mode a turn goes whole to the decode worker holding its prefix when
-  ``prefill_locally`` says that beats the KV transfer (the table counts how many did).
+  ``prefill_locally`` says that beats the KV transfer (the table counts how many did);
+- **pearl+s2** (only when named): pearl+ with ``run.max_staleness: 2``, rollouts up to
+  two versions ahead of the trainer (the per-step lines carry each batch's staleness and
+  its off-policy mismatch).
 
 ``--variants`` picks which (``pearl`` first), ``--steps`` overrides the YAML's steps.
 Then it prints:
@@ -106,6 +109,7 @@ def _colocated(cfg: RunConfig) -> RunConfig:
 
 
 VARIANTS = ("pearl", "colocated", "pearl-sync", "pearl+")
+EXTRA = ("pearl+s2",)  # run when named: pearl+ with run.max_staleness 2
 
 
 def _variant(cfg: RunConfig, name: str) -> RunConfig:
@@ -115,10 +119,14 @@ def _variant(cfg: RunConfig, name: str) -> RunConfig:
         return _colocated(cfg)
     if name == "pearl-sync":
         return replace(cfg, name=cfg.name + "-sync", run=replace(cfg.run, max_staleness=0))
-    if name == "pearl+":
+    if name in ("pearl+", "pearl+s2"):
         policy = replace(cfg.policy, tail_start=True, local_prefill=True)
-        return replace(cfg, name=cfg.name + "-plus", policy=policy)
-    raise PearlError(f"bench --local: unknown variant {name!r}; use {', '.join(VARIANTS)}")
+        plus = replace(cfg, name=cfg.name + "-plus", policy=policy)
+        if name == "pearl+":
+            return plus
+        return replace(plus, name=cfg.name + "-plus-s2", run=replace(cfg.run, max_staleness=2))
+    known = ", ".join(VARIANTS + EXTRA)
+    raise PearlError(f"bench --local: unknown variant {name!r}; use {known}")
 
 
 def run(

@@ -173,7 +173,8 @@ def _add_bench_options(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--variants",
         default="pearl,colocated,pearl-sync,pearl+",
-        help="with --local: which runs, comma-separated (pearl first)",
+        help="with --local: which runs, comma-separated (pearl first; also pearl+s2: pearl+ "
+        "at run.max_staleness 2)",
     )
     bench.add_argument(
         "--segment", type=int, default=1, choices=(1, 2, 3), help="with --harvest: trace segment"
