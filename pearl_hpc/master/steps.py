@@ -310,7 +310,7 @@ class StepPipeline:
         borrowed_before = len(counters.activation_s)
         first_before = len(counters.first_activation_s)
         moved_before = counters.moved_turns
-        journaled = self.tlog.load(step)  # a resumed step (two with the rollout ahead)
+        journaled = self.tlog.load(step)  # a resumed step (several with rollouts ahead)
         # counted now: the rollout continues these trajectories in place
         resumed_tokens = sum(t.num_generated() for t in journaled.values())
         start_config, predicted = serving_prediction(self.controller)
