@@ -208,7 +208,7 @@ class StepPipeline:
                     batch = rollouts[step].result().trajectories
                     training = asyncio.create_task(self.train(step, batch))
                     continue
-                await self._next_change(training, rollouts, step, start, last)
+                await self._next_change(training, step, start, last)
                 if training is not None and training.done():
                     stats, train_s, return_latency = training.result()
                     training, trained = None, stats.version
@@ -222,21 +222,16 @@ class StepPipeline:
                 training.cancel()
 
     async def _next_change(
-        self,
-        training: asyncio.Task[Any] | None,
-        rollouts: dict[int, asyncio.Task[RolloutResult]],
-        step: int,
-        start: int,
-        last: int,
+        self, training: asyncio.Task[Any] | None, step: int, start: int, last: int
     ) -> None:
         """Until the training step ends, or (none running) step ``step``'s rollout, or the
         newest rollout ends (tail_start: reaches its tail)."""
         waits: set[asyncio.Future[Any]] = {training} if training is not None else set()
         if training is None and step < start:
-            waits.add(rollouts[step])
+            waits.add(self.rollouts[step])
         tail = None
         if start < last and not self._ended(start - 1):
-            waits.add(rollouts[start - 1])
+            waits.add(self.rollouts[start - 1])
             if self.tail_start:
                 tail = asyncio.ensure_future(self.progress[start - 1].tail.wait())
                 waits.add(tail)
